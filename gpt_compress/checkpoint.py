@@ -1,0 +1,210 @@
+"""Model checkpoints: a directory with ``model.safetensors``, ``config.json`` and checksums.
+
+Written atomically (a temporary sibling directory renamed into place), verified on load
+(sha256 of every file, parameter names and shapes against the config). Never pickle.
+Training state (optimizer, RNG, data position) is layered on top by ``train/checkpoint.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import ConfigError, ModelConfig
+
+FORMAT = "gpt-compress-checkpoint"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt or does not match the model."""
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON to ``path`` through a temp file + rename."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_checkpoint_dir(path: str, write_files: Callable[[str], None]) -> str:
+    """Create directory ``path`` atomically: ``write_files(tmpdir)`` fills it, checksums are
+    added, then it is renamed into place (replacing an older ``path``)."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        write_files(tmp)
+        sums = {name: sha256_file(os.path.join(tmp, name))
+                for name in sorted(os.listdir(tmp)) if os.path.isfile(os.path.join(tmp, name))}
+        write_json_atomic(os.path.join(tmp, CHECKSUMS), sums)
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+            os.rename(path, os.path.join(old, "x"))
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def verify_checksums(path: str) -> None:
+    """Raise ``CheckpointError`` if any file listed in checksums.json is missing or altered."""
+    sums_path = os.path.join(path, CHECKSUMS)
+    if not os.path.isfile(sums_path):
+        raise CheckpointError(f"{path}: no {CHECKSUMS}; not a complete gpt-compress checkpoint")
+    try:
+        with open(sums_path, encoding="utf-8") as f:
+            sums = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{sums_path} is unreadable: {e}") from None
+    for name, digest in sums.items():
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"{fp} is missing (listed in {CHECKSUMS})")
+        if sha256_file(fp) != digest:
+            raise CheckpointError(f"{fp} is corrupt: sha256 does not match {CHECKSUMS}")
+
+
+def read_config(path: str) -> tuple[ModelConfig, dict]:
+    """The ``ModelConfig`` and the metadata stored in a checkpoint directory."""
+    cfg_path = os.path.join(path, CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path} not found: {path} is not a gpt-compress checkpoint")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{cfg_path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: format version {meta['format_version']} is newer than this "
+                              f"gpt-compress understands ({FORMAT_VERSION}); upgrade gpt-compress")
+    try:
+        cfg = ModelConfig.from_dict(meta["model"], source=cfg_path)
+    except (ConfigError, KeyError) as e:
+        raise CheckpointError(f"{cfg_path}: bad model config: {e}") from None
+    return cfg, meta
+
+
+def state_dict_numpy(model) -> dict[str, np.ndarray]:
+    """Parameters (and persistable buffers) as numpy arrays, by public name."""
+    return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}
+
+
+def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None) -> str:
+    """Save weights + config (+ tokenizer files) to checkpoint directory ``path``."""
+    from safetensors.numpy import save_file
+
+    head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
+    tensors = state_dict_numpy(model)
+
+    def write(tmp):
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "head": head,
+                "model": model.config.to_dict(), **(extra or {})}
+        write_json_atomic(os.path.join(tmp, CONFIG), meta)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+
+    return write_checkpoint_dir(path, write)
+
+
+def load_weights(path: str) -> dict[str, np.ndarray]:
+    """Read ``model.safetensors`` of a checkpoint directory (or a .safetensors file)."""
+    from safetensors.numpy import load_file
+
+    fp = path if path.endswith(".safetensors") else os.path.join(path, WEIGHTS)
+    if not os.path.isfile(fp):
+        raise CheckpointError(f"{fp} not found")
+    try:
+        return load_file(fp)
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"{fp} is not a readable safetensors file: {e}") from None
+
+
+def check_state_dict(model, weights: dict[str, np.ndarray], source: str) -> None:
+    """Raise ``CheckpointError`` naming every missing/unexpected key and shape mismatch."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    bad = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {expected[k]}"
+           for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
+    if missing or unexpected or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} parameters ({', '.join(missing[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} parameters ({', '.join(unexpected[:5])}"
+                         f"{', ...' if len(unexpected) > 5 else ''})")
+        if bad:
+            parts.append("shape mismatch: " + "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else ""))
+        raise CheckpointError(f"{source} does not match its model config: " + "; ".join(parts))
+
+
+def assign_weights(model, weights: dict[str, np.ndarray], source: str) -> None:
+    """Check then copy numpy ``weights`` into ``model`` in place."""
+    import paddle
+
+    check_state_dict(model, weights, source)
+    sd = model.state_dict()
+    for k, v in sd.items():
+        v.set_value(paddle.to_tensor(weights[k], dtype=v.dtype))
+
+
+def build_model(cfg: ModelConfig, head: str = "lm"):
+    """Instantiate the model class for ``head`` ("lm" or "cls")."""
+    from .model.gpt import GPTForCausalLM, GPTForSequenceClassification
+
+    if head == "cls":
+        return GPTForSequenceClassification(cfg)
+    if head == "lm":
+        return GPTForCausalLM(cfg)
+    raise CheckpointError(f"unknown model head {head!r}")
+
+
+def load_model(path: str, head: Optional[str] = None, verify: bool = True):
+    """Load a checkpoint directory into a fresh model (eval mode); checks checksums,
+    names and shapes. ``head`` overrides the stored head (e.g. "cls" on an LM checkpoint
+    builds a classifier whose ``score`` stays freshly initialised)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if verify:
+        verify_checksums(path)
+    cfg, meta = read_config(path)
+    stored = meta.get("head", "lm")
+    model = build_model(cfg, head or stored)
+    weights = load_weights(path)
+    if head == "cls" and stored == "lm":
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        weights["score.weight"] = model.score.weight.numpy()
+    assign_weights(model, weights, os.path.join(path, WEIGHTS))
+    model.eval()
+    return model

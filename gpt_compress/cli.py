@@ -1,0 +1,64 @@
+"""`gptc <command>`: a table from command names to modules in ``gpt_compress.commands``.
+
+Each command module defines ``add_arguments(parser)`` and ``run(args) -> int | None``; it is
+imported only when its command runs, so `gptc --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module under gpt_compress.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "run the main job on an embedded default (no downloads)"),
+    "init": ("init", "build a model from a config/preset and save a checkpoint"),
+    "generate": ("generate", "generate text from a checkpoint"),
+    "convert": ("convert", "convert between Hugging Face GPT-2 and gpt-compress checkpoints"),
+    "train-tokenizer": ("train_tokenizer", "train a byte-level BPE tokenizer on your corpus"),
+    "preprocess": ("preprocess", "tokenize JSONL/text into a Megatron mmap indexed dataset"),
+    "pretrain": ("pretrain", "pretrain (or continue training) a GPT model"),
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `-c config.yaml -o Section.key=value` pair every config-driven command takes."""
+    parser.add_argument("-c", "--config", default=None, help="YAML config file")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="Section.key=value",
+                        help="override a config field (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gptc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = build_parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+        parser.print_help()
+        sys.exit(0 if argv else 2)
+    name = argv[0]
+    module = importlib.import_module(f"gpt_compress.commands.{COMMANDS[name][0]}")
+    parser = argparse.ArgumentParser(prog=f"gptc {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    from .config import ConfigError
+
+    try:
+        code = module.run(args)
+    except ConfigError as e:
+        print(f"gptc {name}: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
+
+
+def export_model_main() -> None:
+    """`export_model ...` == `gptc export ...`."""
+    main(["export", *sys.argv[1:]])

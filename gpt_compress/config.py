@@ -1,0 +1,416 @@
+"""Typed configuration: dataclasses with every default in one place, YAML sections, overrides.
+
+A YAML file has FleetX-style sections (``Global``, ``Model``, ``Data``, ``Engine``,
+``Optimizer``, ``Generation``, ...). Each section maps onto one dataclass; YAML and
+``-o Section.key=value`` overrides only change fields. Unknown sections or keys are errors
+that name the key and suggest the closest valid one. ``Model.preset`` picks a named size
+first; explicit ``Model`` keys then override it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user (which file, section and key)."""
+
+
+# --------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------
+@dataclass
+class GlobalConfig:
+    """Run-wide settings."""
+
+    seed: int = 1234  # seeds Python, numpy and Paddle
+    device: str = "cpu"  # "cpu" or "gpu"
+    output_dir: str = "output"  # where a command writes its results
+    num_threads: int = 0  # CPU math threads; 0 keeps OMP_NUM_THREADS
+
+
+@dataclass
+class ModelConfig:
+    """Shape and behaviour of the one GPT model (pre-LN decoder, learned positions)."""
+
+    name: str = "custom"  # preset this config came from, informational
+    vocab_size: int = 50304  # padded to a multiple of 64 like Megatron/FleetX
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_attention_heads: int = 12  # heads of an unpruned layer
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    layer_num_heads: Optional[list[int]] = None  # per-layer heads (structured pruning)
+    layer_ffn_sizes: Optional[list[int]] = None  # per-layer FFN width (structured pruning)
+    max_position_embeddings: int = 1024
+    hidden_act: str = "gelu_new"  # "gelu_new" (tanh approx., GPT-2), "gelu" (erf) or "relu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    scaled_output_init: bool = True  # std / sqrt(2 * num_layers) on residual projections
+    tie_word_embeddings: bool = True  # LM head shares the token embedding
+    recompute: str = "none"  # "none", "full", "full_attn" or "core_attn"
+    use_sdpa: bool = True  # paddle's scaled_dot_product_attention for unmasked causal passes
+    eos_token_id: int = 50256
+    pad_token_id: int = 50256
+    num_labels: int = 2  # sequence-classification head size (1 = regression)
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in ("gelu_new", "gelu", "relu"):
+            raise ConfigError(f"Model.hidden_act must be gelu_new, gelu or relu, got {self.hidden_act!r}")
+        if self.recompute not in ("none", "full", "full_attn", "core_attn"):
+            raise ConfigError(
+                f"Model.recompute must be none, full, full_attn or core_attn, got {self.recompute!r}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"Model.hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}; set Model.head_dim explicitly")
+        for key in ("layer_num_heads", "layer_ffn_sizes"):
+            val = getattr(self, key)
+            if val is not None and len(val) != self.num_layers:
+                raise ConfigError(f"Model.{key} has {len(val)} entries but num_layers is {self.num_layers}")
+            if val is not None and min(val) < 1:
+                raise ConfigError(f"Model.{key} entries must be >= 1, got {val}")
+
+    # Derived sizes -------------------------------------------------------------------
+    @property
+    def dim_head(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """FFN width of an unpruned layer."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def heads(self, layer: int) -> int:
+        """Number of attention heads of layer ``layer``."""
+        return self.layer_num_heads[layer] if self.layer_num_heads else self.num_attention_heads
+
+    def ffn(self, layer: int) -> int:
+        """FFN width of layer ``layer``."""
+        return self.layer_ffn_sizes[layer] if self.layer_ffn_sizes else self.ffn_size
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Exact parameter count, computed without allocating anything."""
+        h, d = self.hidden_size, self.dim_head
+        total = 2 * h  # ln_f
+        for i in range(self.num_layers):
+            nh, f = self.heads(i), self.ffn(i)
+            total += 4 * h  # ln_1, ln_2
+            total += h * 3 * nh * d + 3 * nh * d  # qkv
+            total += nh * d * h + h  # attention output projection
+            total += h * f + f + f * h + h  # MLP
+        if include_embeddings:
+            total += (self.vocab_size + self.max_position_embeddings) * h
+            if not self.tie_word_embeddings:
+                total += self.vocab_size * h
+        return total
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON/YAML friendly)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>") -> "ModelConfig":
+        """Build from a plain dict, rejecting unknown keys by name."""
+        return _build(cls, dict(data), f"{source}: Model")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A named size (see ``PRESETS``) with optional field overrides."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}{_suggest(name, PRESETS)}; "
+                              f"choose one of {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], "name": name, **overrides}, source=f"preset {name}")
+
+
+# Sizes users know. GPT-3 family as in the GPT-3 paper (Table 2.1) and ModelScope's table;
+# vocab padded to 50304 as Megatron/FleetX do. gpt2-small keeps GPT-2's real vocabulary.
+PRESETS: dict[str, dict] = {
+    "gpt-tiny": dict(vocab_size=1024, hidden_size=64, num_layers=2, num_attention_heads=4,
+                     max_position_embeddings=128),
+    "gpt-test": dict(vocab_size=4096, hidden_size=128, num_layers=4, num_attention_heads=4,
+                     max_position_embeddings=256),
+    "gpt-bench": dict(vocab_size=50304, hidden_size=384, num_layers=6, num_attention_heads=6,
+                      max_position_embeddings=1024),
+    "gpt2-small": dict(vocab_size=50257, hidden_size=768, num_layers=12, num_attention_heads=12,
+                       max_position_embeddings=1024),
+    "gpt-345M": dict(vocab_size=50304, hidden_size=1024, num_layers=24, num_attention_heads=16,
+                     max_position_embeddings=1024),
+    "gpt-1.3B": dict(vocab_size=50304, hidden_size=2048, num_layers=24, num_attention_heads=16,
+                     max_position_embeddings=2048),
+    "gpt-2.7B": dict(vocab_size=50304, hidden_size=2560, num_layers=32, num_attention_heads=32,
+                     max_position_embeddings=2048),
+    "gpt-6.7B": dict(vocab_size=50304, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                     max_position_embeddings=2048),
+    "gpt-13B": dict(vocab_size=50304, hidden_size=5120, num_layers=40, num_attention_heads=40,
+                    max_position_embeddings=2048),
+    "gpt-175B": dict(vocab_size=50304, hidden_size=12288, num_layers=96, num_attention_heads=96,
+                     max_position_embeddings=2048),
+}
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron-style indexed datasets and the tokenizer."""
+
+    data_prefix: list[str] = field(default_factory=list)  # ["PREFIX"] or ["w1", "P1", "w2", "P2"]
+    split: list[float] = field(default_factory=lambda: [949.0, 50.0, 1.0])  # train/valid/test
+    seq_length: int = 1024  # tokens per training sample
+    tokenizer_dir: str = ""  # directory holding tokenizer files; "" uses the checkpoint's
+    num_workers: int = 0  # DataLoader worker processes
+
+
+@dataclass
+class LRConfig:
+    """Learning-rate schedule (FleetX CosineAnnealingWithWarmupDecay semantics)."""
+
+    decay_style: str = "cosine"  # "cosine", "linear" or "constant"
+    max_lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_rate: float = 0.01  # warmup steps = warmup_rate * decay_steps
+    decay_steps: int = 0  # 0: Engine.max_steps
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with decoupled weight decay and global-norm clipping."""
+
+    name: str = "AdamW"
+    weight_decay: float = 0.01  # not applied to norms and biases
+    beta1: float = 0.9
+    beta2: float = 0.95
+    epsilon: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    lr: LRConfig = field(default_factory=LRConfig)
+
+
+@dataclass
+class EngineConfig:
+    """The training loop."""
+
+    max_steps: int = 1000
+    global_batch_size: int = 8  # micro_batch_size * accumulate_steps * dp_degree
+    micro_batch_size: int = 8
+    eval_freq: int = 100  # steps between validation runs; 0 disables
+    eval_iters: int = 10  # validation batches per evaluation
+    logging_freq: int = 10
+    save_steps: int = 500  # 0: only at the end
+    keep_checkpoint_max: int = 3
+    resume: str = ""  # "", "auto" or a checkpoint directory
+    init_from: str = ""  # start from these weights (our checkpoint dir) without its state
+    mix_precision: str = "fp32"  # "fp32", "bf16", "fp16" (AMP needs a GPU)
+    peak_tflops: float = 0.0  # hardware peak for MFU; 0 estimates nothing
+    max_loss_spike: float = 0.0  # stop if loss > spike * running mean; 0 disables (NaN always stops)
+    to_static: bool = False  # compile the train step with paddle.jit.to_static
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding settings shared by every backend."""
+
+    decode_strategy: str = "greedy"  # "greedy", "sampling" or "beam_search"
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1.0 disables
+    repetition_penalty: float = 1.0  # 1.0 disables (CTRL-style, as Hugging Face)
+    num_beams: int = 4
+    length_penalty: float = 1.0  # beam score = logprob / generated_len ** length_penalty
+    early_stopping: bool = False  # beam search: stop when num_beams hypotheses are done
+    eos_token_id: Optional[int] = None  # None: the model's
+    pad_token_id: Optional[int] = None  # None: the model's
+    seed: Optional[int] = None  # sampling seed; None: Global.seed
+
+    def __post_init__(self) -> None:
+        if self.decode_strategy not in ("greedy", "sampling", "beam_search"):
+            raise ConfigError("Generation.decode_strategy must be greedy, sampling or beam_search, "
+                              f"got {self.decode_strategy!r}")
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run: one dataclass per YAML section."""
+
+    global_: GlobalConfig = field(default_factory=GlobalConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def to_dict(self) -> dict:
+        """Sections keyed by their YAML names."""
+        return {sec: dataclasses.asdict(getattr(self, attr)) for sec, attr in SECTIONS.items()}
+
+
+# YAML section name -> attribute of Config.
+SECTIONS: dict[str, str] = {
+    "Global": "global_",
+    "Model": "model",
+    "Data": "data",
+    "Engine": "engine",
+    "Optimizer": "optimizer",
+    "Generation": "generation",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _strip_optional(tp):
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(tp, value, where: str):
+    """Check/convert ``value`` to type ``tp``; ``where`` names the key for errors."""
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} may not be null")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return _build(tp, value, where)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, where: str):
+    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys by name."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {where}.{key}{_suggest(key, names)}; "
+                              f"valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, f"{where}.{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like Section.key=value")
+    path, raw = text.split("=", 1)
+    keys = path.strip().split(".")
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(f"override {text!r} must look like Section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return keys, value
+
+
+def _merge(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def load_yaml(path: str) -> dict:
+    """Read a YAML config file into raw sections (``_base_`` files are merged first)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = raw.pop("_base_", None)
+    if base:
+        base_path = os.path.join(os.path.dirname(path), base)
+        raw = _merge(load_yaml(base_path), raw)
+    return raw
+
+
+def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>") -> Config:
+    """Apply ``overrides`` to raw YAML sections and build a checked ``Config``."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
+    for text in overrides:
+        keys, value = _parse_override(text)
+        node = raw.setdefault(keys[0], {})
+        for k in keys[1:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {k} is not a section")
+        node[keys[-1]] = value
+    kwargs = {}
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r} in {source}{_suggest(section, SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"section {section} in {source} must be a mapping")
+        attr = SECTIONS[section]
+        if attr == "model":
+            body = dict(body)
+            preset = body.pop("preset", None)
+            if preset is not None:
+                if str(preset) not in PRESETS:
+                    raise ConfigError(f"{source}: unknown Model.preset {preset!r}"
+                                      f"{_suggest(str(preset), PRESETS)}; choose one of {', '.join(PRESETS)}")
+                body = {**PRESETS[str(preset)], "name": str(preset), **body}
+        cls = typing.get_type_hints(Config)[attr]
+        kwargs[attr] = _build(cls, body, f"{source}: {section}")
+    return Config(**kwargs)
+
+
+def load_config(path: Optional[str] = None, overrides: list[str] = ()) -> Config:
+    """Load ``path`` (optional) and apply ``-o Section.key=value`` overrides."""
+    raw = load_yaml(path) if path else {}
+    return build_config(raw, overrides, source=path or "<defaults>")

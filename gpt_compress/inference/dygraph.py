@@ -1,0 +1,39 @@
+"""The dygraph backend: runs the Paddle model in eager mode behind ``DecodeBackend``."""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+
+class DygraphBackend:
+    """Decode with a ``GPTForCausalLM`` in eager mode; the cache is a list of (k, v) tensors."""
+
+    def __init__(self, model):
+        self.model = model
+        self.model.eval()
+
+    @paddle.no_grad()
+    def _step(self, ids, mask, cache):
+        hidden, presents = self.model.gpt(paddle.to_tensor(ids), attention_mask=paddle.to_tensor(mask),
+                                          past_key_values=cache, use_cache=True)
+        logits = self.model.logits(hidden[:, -1])  # only the last position is needed: (B, V)
+        return logits.astype("float32").numpy(), presents
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+        """Prompt (B, T) -> last logits (B, V), cache."""
+        return self._step(input_ids, attention_mask, None)
+
+    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache):
+        """New tokens (B, 1) with the full mask (B, S + 1) -> logits (B, V), cache."""
+        return self._step(input_ids, attention_mask, cache)
+
+    def reorder_cache(self, cache, rows: np.ndarray):
+        """Gather cache rows (beam search)."""
+        idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64))
+        return [(paddle.index_select(k, idx, axis=0), paddle.index_select(v, idx, axis=0)) for k, v in cache]
+
+    @paddle.no_grad()
+    def score(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Full-sequence logits (B, T, V) float32."""
+        mask = None if attention_mask is None else paddle.to_tensor(attention_mask)
+        return self.model(paddle.to_tensor(input_ids), attention_mask=mask).astype("float32").numpy()

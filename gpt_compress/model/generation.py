@@ -1,0 +1,255 @@
+"""Decoding strategies at the numpy level, shared by every backend (dygraph, Paddle
+Inference, onnxruntime).
+
+A backend only runs the network; it implements ``DecodeBackend``:
+``prefill(ids (B,T), mask (B,T)) -> (last logits (B,V) float32, cache)``,
+``decode(ids (B,1), mask (B,S+1), cache) -> (logits (B,V), cache)`` and
+``reorder_cache(cache, rows) -> cache``. Prompts of different lengths are left-padded; the
+attention mask carries the padding so positions and attention skip it.
+
+Semantics follow Hugging Face ``generate``: logits processors (repetition penalty,
+min-new-tokens) then warpers (temperature, top-k, top-p) for sampling; beam search keeps
+``2 * num_beams`` candidates per step, lets only the best ``num_beams`` finish, scores a
+finished hypothesis as ``sum logprob / generated_len ** length_penalty`` and stops a prompt
+when no running beam can beat its worst finished one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+
+import numpy as np
+
+from ..config import GenerationConfig
+
+NEG_INF = -np.inf
+
+
+class DecodeBackend(Protocol):
+    """What a backend provides to the decoding loop (all arrays numpy)."""
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, Any]:
+        """Run the prompt; return last-position logits (B, V) float32 and the cache."""
+
+    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
+        """Run one new token per row; return its logits (B, V) and the grown cache."""
+
+    def reorder_cache(self, cache: Any, rows: np.ndarray) -> Any:
+        """Select/duplicate cache rows (beam search)."""
+
+
+@dataclass
+class GenerationOutput:
+    """Generated token ids per prompt (new tokens only; ends with EOS if one was produced)."""
+
+    sequences: list[list[int]]
+    scores: Optional[list[float]] = None  # beam search: length-normalised score of each best beam
+
+
+def pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts into ids (B, T) int64 and attention mask (B, T) int64."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------------------
+# Logits processors (rows of a (N, V) float32 array)
+# --------------------------------------------------------------------------------------
+def apply_repetition_penalty(scores: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL penalty on tokens already in each row: negative scores * p, positive / p.
+    ``seen`` is a (N, V) bool array of tokens present in the prompt or output (not padding)."""
+    if penalty == 1.0:
+        return scores
+    penalised = np.where(scores < 0, scores * penalty, scores / penalty)
+    return np.where(seen, penalised, scores)
+
+
+def apply_top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Keep the ``k`` largest scores per row (ties at the k-th value kept, as HF)."""
+    if k <= 0 or k >= scores.shape[-1]:
+        return scores
+    kth = np.partition(scores, -k, axis=-1)[:, -k][:, None]
+    return np.where(scores < kth, NEG_INF, scores)
+
+
+def apply_top_p(scores: np.ndarray, p: float) -> np.ndarray:
+    """Nucleus filtering: keep the smallest set of tokens whose probability reaches ``p``."""
+    if p >= 1.0:
+        return scores
+    order = np.argsort(scores, axis=-1, kind="stable")  # ascending, as HF
+    sorted_scores = np.take_along_axis(scores, order, axis=-1)
+    cum = np.cumsum(_softmax(sorted_scores), axis=-1)
+    remove_sorted = cum <= (1.0 - p)
+    remove_sorted[:, -1] = False  # always keep the most likely token
+    remove = np.zeros_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    return np.where(remove, NEG_INF, scores)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    x = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - np.max(x, axis=-1, keepdims=True)
+    return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+
+
+def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One draw per row by inverse CDF (deterministic for a seeded generator)."""
+    cdf = np.cumsum(probs.astype(np.float64), axis=-1)
+    u = rng.random(probs.shape[0]) * cdf[:, -1]
+    return np.minimum((cdf < u[:, None]).sum(axis=-1), probs.shape[-1] - 1)
+
+
+# --------------------------------------------------------------------------------------
+# Greedy / sampling
+# --------------------------------------------------------------------------------------
+def _processed(logits, seen, step, cfg, eos):
+    scores = logits.astype(np.float32, copy=True)
+    scores = apply_repetition_penalty(scores, seen, cfg.repetition_penalty)
+    if step < cfg.min_new_tokens and eos is not None:
+        scores[:, eos] = NEG_INF
+    return scores
+
+
+def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+                  eos_token_id: Optional[int], pad_token_id: int) -> Iterator[np.ndarray]:
+    """Greedy or sampling decode; yields the new token of every row at each step (B,).
+    Finished rows (after EOS) yield ``pad_token_id``."""
+    if cfg.decode_strategy == "beam_search":
+        raise ValueError("beam search does not stream; call generate()")
+    ids, mask = pad_left(prompts, pad_token_id)
+    batch, vocab = ids.shape[0], None
+    rng = np.random.default_rng(cfg.seed)
+    logits, cache = backend.prefill(ids, mask)
+    vocab = logits.shape[-1]
+    seen = np.zeros((batch, vocab), dtype=bool)
+    if cfg.repetition_penalty != 1.0:
+        rows, cols = np.nonzero(mask)
+        seen[rows, ids[rows, cols]] = True
+    unfinished = np.ones(batch, dtype=bool)
+    for step in range(cfg.max_new_tokens):
+        scores = _processed(logits, seen, step, cfg, eos_token_id)
+        if cfg.decode_strategy == "greedy":
+            nxt = np.argmax(scores, axis=-1)
+        else:
+            if cfg.temperature <= 0:
+                raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
+            scores = apply_top_p(apply_top_k(scores / cfg.temperature, cfg.top_k), cfg.top_p)
+            nxt = _sample(_softmax(scores), rng)
+        nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
+        seen[np.arange(batch), nxt] |= unfinished
+        yield nxt
+        if eos_token_id is not None:
+            unfinished &= nxt != eos_token_id
+        if not unfinished.any() or step == cfg.max_new_tokens - 1:
+            return
+        mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+        logits, cache = backend.decode(nxt[:, None], mask, cache)
+
+
+# --------------------------------------------------------------------------------------
+# Beam search
+# --------------------------------------------------------------------------------------
+def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+                eos_token_id: Optional[int], pad_token_id: int) -> GenerationOutput:
+    """Hugging Face-compatible beam search; returns the best hypothesis per prompt."""
+    nb, lp = cfg.num_beams, cfg.length_penalty
+    ids, mask = pad_left(prompts, pad_token_id)
+    batch = ids.shape[0]
+    logits, cache = backend.prefill(ids, mask)  # one prefill per prompt, then copy rows
+    rows = np.repeat(np.arange(batch), nb)
+    cache = backend.reorder_cache(cache, rows)
+    logits, mask = logits[rows], mask[rows]
+    vocab = logits.shape[-1]
+    seen = np.zeros((batch * nb, vocab), dtype=bool)
+    if cfg.repetition_penalty != 1.0:
+        r, c = np.nonzero(mask)
+        seen[r, ids[rows][r, c]] = True
+    running_scores = np.tile(np.array([0.0] + [-1e9] * (nb - 1)), (batch, 1))  # (B, nb)
+    running_tokens = np.zeros((batch, nb, 0), dtype=np.int64)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    done = np.zeros(batch, dtype=bool)
+    keep = 2 * nb if eos_token_id is not None else nb
+    for step in range(cfg.max_new_tokens):
+        gen_len = step + 1
+        logp = _log_softmax(logits.astype(np.float32))
+        logp = _processed(logp, seen, step, cfg, eos_token_id)
+        total = (logp.reshape(batch, nb, vocab) + running_scores[:, :, None]).reshape(batch, nb * vocab)
+        top = np.argsort(-total, axis=-1, kind="stable")[:, :keep]  # (B, keep)
+        top_scores = np.take_along_axis(total, top, axis=-1)
+        top_beam, top_tok = top // vocab, top % vocab
+        last = step == cfg.max_new_tokens - 1
+        new_scores = np.full((batch, nb), -1e9)
+        new_src = np.zeros((batch, nb), dtype=np.int64)
+        new_tok = np.full((batch, nb), pad_token_id, dtype=np.int64)
+        for b in range(batch):
+            hyps, n = finished[b], 0
+            for j in range(keep):
+                score, src, tok = top_scores[b, j], top_beam[b, j], top_tok[b, j]
+                ends = last or (eos_token_id is not None and tok == eos_token_id)
+                if ends:
+                    # Only the best num_beams candidates may finish (HF's top_num_beam_mask).
+                    if j < nb and not done[b] and score > -1e8:
+                        seq = list(running_tokens[b, src]) + [int(tok)]
+                        hyps.append((score / gen_len ** lp, seq))
+                        hyps.sort(key=lambda h: -h[0])
+                        del hyps[nb:]
+                    continue
+                if n < nb:
+                    new_scores[b, n], new_src[b, n], new_tok[b, n] = score, src, tok
+                    n += 1
+            if len(hyps) == nb and not done[b]:
+                if cfg.early_stopping:
+                    done[b] = True
+                else:
+                    # No running beam can beat the worst finished one (HF's default heuristic).
+                    done[b] = new_scores[b, 0] / gen_len ** lp <= hyps[-1][0]
+        if last or done.all():
+            break
+        src_rows = (np.arange(batch)[:, None] * nb + new_src).reshape(-1)
+        running_tokens = np.concatenate([running_tokens[np.arange(batch)[:, None], new_src],
+                                         new_tok[:, :, None]], axis=2)
+        running_scores = new_scores
+        seen = seen[src_rows]
+        seen[np.arange(batch * nb), new_tok.reshape(-1)] = True
+        cache = backend.reorder_cache(cache, src_rows)
+        mask = np.concatenate([mask[src_rows], np.ones((batch * nb, 1), dtype=np.int64)], axis=1)
+        logits, cache = backend.decode(new_tok.reshape(-1, 1), mask, cache)
+    best = [finished[b][0] for b in range(batch)]
+    return GenerationOutput(sequences=[[int(t) for t in s] for _, s in best], scores=[float(s) for s, _ in best])
+
+
+def generate(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+             eos_token_id: Optional[int], pad_token_id: int,
+             on_tokens: Optional[Callable[[np.ndarray], None]] = None) -> GenerationOutput:
+    """Decode ``prompts`` (lists of token ids) with ``cfg``; ``on_tokens`` receives each step's
+    new tokens (B,) as they are produced (greedy/sampling)."""
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.decode_strategy == "beam_search":
+        if cfg.num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {cfg.num_beams}")
+        return beam_search(backend, prompts, cfg, eos_token_id, pad_token_id)
+    out: list[list[int]] = [[] for _ in prompts]
+    alive = [True] * len(prompts)
+    for step_tokens in stream_tokens(backend, prompts, cfg, eos_token_id, pad_token_id):
+        if on_tokens is not None:
+            on_tokens(step_tokens)
+        for i, t in enumerate(step_tokens):
+            if alive[i]:
+                out[i].append(int(t))
+                alive[i] = eos_token_id is None or int(t) != eos_token_id
+    return GenerationOutput(sequences=out)
