@@ -49,13 +49,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"gptc {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    from .checkpoint import CheckpointError
     from .config import ConfigError
+    from .data.errors import DataError
 
     try:
         code = module.run(args)
     except ConfigError as e:
         print(f"gptc {name}: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (DataError, CheckpointError) as e:
+        print(f"gptc {name}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(code or 0)
 
 

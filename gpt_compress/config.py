@@ -302,6 +302,12 @@ def _coerce(tp, value, where: str):
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp in (int, float) and isinstance(value, str):
+        # YAML 1.1 reads "1e-4" (no dot) as a string; users mean a number.
+        try:
+            value = float(value) if tp is float or not value.strip().lstrip("+-").isdigit() else int(value)
+        except ValueError:
+            pass
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

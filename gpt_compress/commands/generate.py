@@ -1,0 +1,91 @@
+"""`gptc generate`: generate text from a checkpoint (dygraph backend)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, print_json
+
+
+def add_arguments(parser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    parser.add_argument("--prompt-ids", action="append", default=[],
+                        help="prompt as comma-separated token ids (repeatable)")
+    parser.add_argument("--input-file", help="JSONL file with one {\"prompt\": ...} per line")
+    parser.add_argument("--tokenizer-dir", default="", help="tokenizer directory (default: the checkpoint's)")
+    parser.add_argument("--no-stream", action="store_true", help="print only the final text")
+
+
+def read_prompts_jsonl(path: str) -> list[str]:
+    """Prompts from a JSONL file; a bad line is reported with file and line number."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" string ({e})") from None
+    return prompts
+
+
+def run(args) -> int:
+    from ..checkpoint import load_model
+    from ..inference.dygraph import DygraphBackend
+    from ..model.generation import generate
+
+    cfg = config_from_args(args)
+    gen = cfg.generation
+    if gen.seed is None:
+        gen.seed = cfg.global_.seed
+    model = load_model(args.model)
+    tok = find_tokenizer(args.tokenizer_dir, args.model)
+    texts = list(args.prompt) + (read_prompts_jsonl(args.input_file) if args.input_file else [])
+    if texts and tok is None:
+        return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir or use --prompt-ids")
+    prompts = [tok.encode(t) for t in texts] + [[int(x) for x in p.split(",") if x.strip()]
+                                               for p in args.prompt_ids]
+    if not prompts:
+        return fail("give --prompt, --prompt-ids or --input-file")
+    limit = model.config.max_position_embeddings
+    for p in prompts:
+        if len(p) + gen.max_new_tokens > limit:
+            return fail(f"prompt of {len(p)} tokens + {gen.max_new_tokens} new tokens exceeds the model's "
+                        f"context of {limit}")
+        if not p:
+            return fail("empty prompt")
+        if max(p) >= model.config.vocab_size or min(p) < 0:
+            return fail(f"prompt token ids must be in [0, {model.config.vocab_size})")
+    eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.eos_token_id
+    pad = gen.pad_token_id if gen.pad_token_id is not None else model.config.pad_token_id
+    stream = len(prompts) == 1 and tok is not None and not args.no_stream and gen.decode_strategy != "beam_search"
+    emitted: list[int] = []
+
+    def on_tokens(step):
+        emitted.append(int(step[0]))
+        if stream:
+            sys.stdout.write(tok.decode([emitted[-1]]))
+            sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(texts[0])
+    t0 = time.perf_counter()
+    out = generate(DygraphBackend(model), prompts, gen, eos, pad, on_tokens=on_tokens)
+    seconds = time.perf_counter() - t0
+    if stream:
+        sys.stdout.write("\n")
+    results = []
+    for i, seq in enumerate(out.sequences):
+        item = {"prompt_tokens": len(prompts[i]), "new_tokens": seq}
+        if tok is not None:
+            item["text"] = tok.decode(seq)
+            if not stream:
+                print((texts[i] if i < len(texts) else "") + item["text"])
+        results.append(item)
+    n_new = sum(len(s) for s in out.sequences)
+    print_json({"results": results, "seconds": round(seconds, 3), "tokens_per_s": round(n_new / seconds, 1)})
+    return 0

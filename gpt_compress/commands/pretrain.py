@@ -1,0 +1,66 @@
+"""`gptc pretrain`: pretrain (or continue training) a GPT on Megatron indexed datasets."""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, print_json, seed_everything
+
+
+def add_arguments(parser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--resume", default=None,
+                        help="'auto' (newest valid checkpoint in Global.output_dir) or a checkpoint dir; "
+                             "same as -o Engine.resume=...")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs still written)")
+
+
+def run(args) -> int:
+    from ..checkpoint import build_model, load_model
+    from ..config import ConfigError
+    from ..data.dataset import SampleIterator, build_datasets
+    from ..train.loss import causal_lm_loss
+    from ..train.trainer import TrainingDiverged, evaluate, fit
+
+    if args.resume:
+        args.override = [*args.override, f"Engine.resume={args.resume}"]
+    cfg = config_from_args(args)
+    eng, data = cfg.engine, cfg.data
+    if not data.data_prefix:
+        raise ConfigError("Data.data_prefix is empty: point it at a preprocessed dataset prefix "
+                          "(see `gptc preprocess`)")
+    seed_everything(cfg.global_.seed)
+    tokenizer = find_tokenizer(data.tokenizer_dir)
+    if eng.init_from:
+        model = load_model(eng.init_from)
+        cfg.model = model.config
+    else:
+        model = build_model(cfg.model, "lm")
+    if data.seq_length > cfg.model.max_position_embeddings:
+        raise ConfigError(f"Data.seq_length {data.seq_length} exceeds Model.max_position_embeddings "
+                          f"{cfg.model.max_position_embeddings}")
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but Model.vocab_size is "
+                          f"{cfg.model.vocab_size}")
+    n_eval = eng.eval_iters * eng.micro_batch_size
+    train, valid, _ = build_datasets(data.data_prefix, data.split, data.seq_length,
+                                        (eng.max_steps * eng.global_batch_size, n_eval, 0), cfg.global_.seed)
+
+    def train_batches(consumed):
+        return SampleIterator(train, eng.micro_batch_size, consumed)
+
+    def eval_batches():
+        return itertools.islice(SampleIterator(valid, eng.micro_batch_size), eng.eval_iters) if valid else []
+
+    try:
+        result = fit(model, causal_lm_loss, train_batches, cfg, eval_batches=eval_batches if valid else None,
+                     tokenizer=tokenizer, show_progress=not args.no_progress)
+    except TrainingDiverged as e:
+        return fail(str(e))
+    summary = {"steps": result.steps, "last_loss": result.last_loss, "tokens_per_s": round(result.tokens_per_s, 1),
+               "checkpoint": result.checkpoint}
+    if valid is not None:
+        val = evaluate(model, causal_lm_loss, eval_batches())
+        summary.update(valid_loss=round(val, 5), valid_ppl=round(math.exp(min(val, 50)), 3))
+    print_json(summary)
+    return 0

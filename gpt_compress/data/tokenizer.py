@@ -1,0 +1,289 @@
+"""GPT-2 byte-level BPE tokenizer on top of the Hugging Face `tokenizers` library.
+
+Ids are exactly those of OpenAI's GPT-2 encoder (tiktoken "gpt2"); tests check this on the
+whole WikiText-2 test split. ``<|endoftext|>`` is the end-of-document (EOD) token and also the
+padding token.
+
+``<|endoftext|>`` written *inside* a text is plain text by default: it encodes to the pieces
+``<``, ``|``, ``end``, ... exactly like tiktoken's ``encode(text, disallowed_special=())`` and
+Megatron's GPT-2 tokenizer, so a corpus can never forge a document boundary; EOD ids only come
+from ``append_eod`` in preprocessing. Pass ``allow_special=True`` to map the literal to the EOD
+id instead (Hugging Face ``GPT2TokenizerFast`` behaviour, tiktoken ``allowed_special="all"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Sequence, Union
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from .errors import DataError
+
+EOD_TOKEN = "<|endoftext|>"
+
+# Texts longer than this are cut into pieces encoded in parallel (see _split_long).
+_PIECE_CHARS = 16384
+# An ASCII space/tab/newline right after a non-space character always starts a GPT-2 pre-token:
+# no pre-token pattern puts whitespace after a non-space character, and the pattern has no
+# look-behind, so encoding the pieces separately gives exactly the ids of the whole text.
+# (Python's \S excludes every Unicode space the library's \s knows, and a few more.)
+_SAFE_CUT = re.compile(r"(?<=\S)[ \t\n\r]")
+
+PathLike = Union[str, os.PathLike]
+
+
+def _split_long(text: str) -> list[str]:
+    """Cut ``text`` into pieces of about _PIECE_CHARS at pre-token boundaries."""
+    if len(text) <= _PIECE_CHARS:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > _PIECE_CHARS:
+        m = _SAFE_CUT.search(text, start + _PIECE_CHARS)
+        if m is None:
+            break
+        pieces.append(text[start:m.start()])
+        start = m.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def _batch_encode(backend: tokenizers.Tokenizer, texts: list[str]) -> list:
+    # encode_batch_fast (tokenizers >= 0.20) skips offset tracking, which ids do not need.
+    fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    return fast(texts, add_special_tokens=False)
+
+
+def _read_vocab(path: PathLike) -> dict[str, int]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"vocabulary file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not a JSON vocabulary ({e})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise DataError(f"{path}: expected a JSON object mapping token -> integer id")
+    return vocab
+
+
+def _read_merges(path: PathLike, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        raise DataError(f"merges file not found: {path}") from None
+    merges = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line or (lineno == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise DataError(f"{path}, line {lineno}: expected two tokens separated by one space, "
+                            f"got {line!r}")
+        for token in (parts[0], parts[1], parts[0] + parts[1]):
+            if token not in vocab:
+                raise DataError(f"{path}, line {lineno}: token {token!r} is not in the vocabulary; "
+                                "are the vocabulary and merges files from the same tokenizer?")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class Tokenizer:
+    """Byte-level BPE with GPT-2 semantics; ``<|endoftext|>`` is EOD and padding."""
+
+    def __init__(self, backend: tokenizers.Tokenizer):
+        if backend.token_to_id(EOD_TOKEN) is None:
+            raise DataError(f"the tokenizer has no {EOD_TOKEN} token, which gpt-compress uses as "
+                            "the end-of-document token; add it as a special token")
+        self._special = backend
+        # A twin that encodes special-token literals as plain text (see module docstring).
+        text = backend.to_str()
+        self._plain = tokenizers.Tokenizer.from_str(text)
+        self._plain.encode_special_tokens = True
+        spec = json.loads(text)
+        pre = spec.get("pre_tokenizer") or {}
+        # Cutting long texts is exact only for the GPT-2 pre-tokenizer with nothing before it.
+        self._cut_long = (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+                          and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def _from_vocab_merges(cls, vocab: dict[str, int], merges: list[tuple[str, str]]) -> "Tokenizer":
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([EOD_TOKEN])
+        return cls(backend)
+
+    @classmethod
+    def from_files(cls, vocab_json: PathLike, merges_txt: PathLike) -> "Tokenizer":
+        """Load the Hugging Face layout: ``vocab.json`` + ``merges.txt``."""
+        vocab = _read_vocab(vocab_json)
+        if EOD_TOKEN not in vocab:
+            raise DataError(f"{vocab_json}: no {EOD_TOKEN} entry; gpt-compress needs it as the "
+                            "end-of-document token")
+        return cls._from_vocab_merges(vocab, _read_merges(merges_txt, vocab))
+
+    @classmethod
+    def from_openai_files(cls, encoder_json: PathLike, vocab_bpe: PathLike) -> "Tokenizer":
+        """Load OpenAI's layout: ``encoder.json`` + ``vocab.bpe`` (first line ``#version``)."""
+        # Same content as the HF layout under other names; the #version line is skipped there too.
+        return cls.from_files(encoder_json, vocab_bpe)
+
+    @classmethod
+    def from_tokenizer_json(cls, path: PathLike) -> "Tokenizer":
+        """Load a Hugging Face ``tokenizer.json`` holding a BPE model."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+            spec = json.loads(text)
+            backend = tokenizers.Tokenizer.from_str(text)
+        except FileNotFoundError:
+            raise DataError(f"tokenizer file not found: {path}") from None
+        except Exception as e:  # the library raises bare Exception subclasses on bad JSON
+            raise DataError(f"{path}: not a valid tokenizer.json ({e})") from None
+        if (spec.get("model") or {}).get("type") != "BPE":
+            raise DataError(f"{path}: model type is {(spec.get('model') or {}).get('type')!r}, "
+                            "expected a byte-level 'BPE' model")
+        return cls(backend)
+
+    @classmethod
+    def load(cls, directory: PathLike) -> "Tokenizer":
+        """Load from a directory: ``tokenizer.json``, or vocab.json+merges.txt, or encoder.json+vocab.bpe."""
+        d = Path(directory)
+        if (d / "tokenizer.json").is_file():
+            return cls.from_tokenizer_json(d / "tokenizer.json")
+        if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+            return cls.from_files(d / "vocab.json", d / "merges.txt")
+        if (d / "encoder.json").is_file() and (d / "vocab.bpe").is_file():
+            return cls.from_openai_files(d / "encoder.json", d / "vocab.bpe")
+        what = "is not a directory" if not d.is_dir() else "has no tokenizer files"
+        raise DataError(f"tokenizer directory {d} {what}: looked for tokenizer.json, "
+                        "vocab.json + merges.txt (Hugging Face) or encoder.json + vocab.bpe "
+                        "(OpenAI); train one with `gptc train-tokenizer` or point to the files")
+
+    @classmethod
+    def train(cls, files_or_iterator: Union[Sequence[PathLike], Iterable[str]], vocab_size: int,
+              min_frequency: int = 2, show_progress: bool = False) -> "Tokenizer":
+        """Train a new GPT-2-style byte-level BPE (with ``<|endoftext|>``) on files or strings."""
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + 1:
+            raise DataError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+                            f"{len(alphabet) + 1} tokens (256 bytes + {EOD_TOKEN})")
+        backend = tokenizers.Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                      special_tokens=[EOD_TOKEN], initial_alphabet=alphabet,
+                                      show_progress=show_progress)
+        items = files_or_iterator
+        if isinstance(items, (str, os.PathLike)):
+            items = [items]
+        # A list of paths (Path objects, or strings naming existing files) means files;
+        # anything else is an iterable of texts.
+        if isinstance(items, (list, tuple)) and items and all(
+                isinstance(p, os.PathLike) or (isinstance(p, str) and os.path.isfile(p)) for p in items):
+            missing = [os.fspath(p) for p in items if not os.path.isfile(p)]
+            if missing:
+                raise DataError(f"training file(s) not found: {', '.join(missing)}")
+            backend.train([os.fspath(p) for p in items], trainer)
+        else:
+            backend.train_from_iterator(items, trainer)
+        return cls(backend)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, directory: PathLike) -> list[Path]:
+        """Write ``tokenizer.json`` plus ``vocab.json`` + ``merges.txt``, each atomically."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        spec = json.loads(self._special.to_str())
+        merges = []
+        for m in spec["model"]["merges"]:
+            # tokenizers >= 0.20 stores pairs as lists, older versions as "a b" strings.
+            a, b = m if isinstance(m, list) else m.split(" ")
+            if " " in a or " " in b:
+                raise DataError("cannot write merges.txt: a merge contains a space, which the "
+                                "byte-level format cannot represent")
+            merges.append(f"{a} {b}")
+        vocab = dict(sorted(self._special.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1]))
+        paths = [d / "vocab.json", d / "merges.txt", d / "tokenizer.json"]
+        _atomic_write_text(paths[0], json.dumps(vocab, ensure_ascii=False))
+        _atomic_write_text(paths[1], "#version: 0.2\n" + "".join(m + "\n" for m in merges))
+        # Last, because load() prefers it: its presence means the other two are complete.
+        _atomic_write_text(paths[2], self._special.to_str(pretty=True))
+        return paths
+
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (used to ship the tokenizer to worker processes)."""
+        return self._special.to_str()
+
+    @classmethod
+    def from_json(cls, text: str) -> "Tokenizer":
+        """Inverse of :meth:`to_json`."""
+        return cls(tokenizers.Tokenizer.from_str(text))
+
+    # ------------------------------------------------------------------ use
+    @property
+    def eod_id(self) -> int:
+        """Id of ``<|endoftext|>``, the end-of-document token."""
+        return self._special.token_to_id(EOD_TOKEN)
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id; GPT-2 has no pad token, so it is the EOD id."""
+        return self.eod_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (50,257 for GPT-2)."""
+        return self._special.get_vocab_size(with_added_tokens=True)
+
+    def _backend(self, allow_special: bool) -> tokenizers.Tokenizer:
+        return self._special if allow_special else self._plain
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        pieces = _split_long(text) if self._cut_long else [text]
+        backend = self._backend(allow_special)
+        if len(pieces) == 1:
+            return backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for enc in _batch_encode(backend, pieces):
+            ids.extend(enc.ids)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
+        """Token ids of each text, encoded in parallel by the library's thread pool."""
+        pieces, owner = [], []
+        for i, text in enumerate(texts):
+            for piece in (_split_long(text) if self._cut_long else [text]):
+                pieces.append(piece)
+                owner.append(i)
+        out: list[list[int]] = [[] for _ in texts]
+        encs = _batch_encode(self._backend(allow_special), pieces)
+        for i, enc in zip(owner, encs):
+            out[i].extend(enc.ids)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; the EOD id decodes to ``<|endoftext|>``."""
+        return self._special.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eod_id={self.eod_id})"

@@ -1,0 +1,147 @@
+"""Training checkpoints: model + optimizer + LR schedule + RNG + data position + config.
+
+Each checkpoint is ``OUTPUT/checkpoints/step_XXXXXXXX/`` written atomically with checksums
+(``checkpoint.write_checkpoint_dir``): ``model.safetensors`` and ``config.json`` (loadable by
+``load_model`` as is), ``optimizer.safetensors`` (moments keyed by public parameter names, so
+they survive a rebuild in another process), ``trainer_state.json`` (step, scheduler, RNG
+states, consumed samples, run config) and the tokenizer files. Keep-last-k; ``resume auto``
+takes the newest checkpoint that verifies and skips corrupt ones with a warning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from typing import Optional
+
+import numpy as np
+import paddle
+
+from ..checkpoint import (CheckpointError, FORMAT, FORMAT_VERSION, WEIGHTS, CONFIG, assign_weights,
+                          load_weights, state_dict_numpy, verify_checksums, write_checkpoint_dir,
+                          write_json_atomic)
+
+OPTIMIZER = "optimizer.safetensors"
+STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def rng_state() -> dict:
+    """Python, numpy and Paddle RNG states as JSON-safe values."""
+    np_state = np.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "paddle": [list(_jsonable(s.__getstate__())) for s in paddle.get_rng_state()],
+    }
+
+
+def _jsonable(x):
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` captured."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    nps = state["numpy"]
+    np.random.set_state((nps[0], np.array(nps[1], dtype=np.uint32), nps[2], nps[3], nps[4]))
+    gens = []
+    cls = type(paddle.get_rng_state()[0])
+    for s in state["paddle"]:
+        g = cls.__new__(cls)
+        g.__setstate__(tuple(tuple(v) if isinstance(v, list) else v for v in s))
+        gens.append(g)
+    paddle.set_rng_state(gens)
+
+
+def _optimizer_tensors(model, optimizer) -> tuple[dict, dict]:
+    """Optimizer state keyed by public parameter names: (tensors, json extras)."""
+    internal = {p.name: n for n, p in model.named_parameters()}
+    by_len = sorted(internal, key=len, reverse=True)
+    tensors, extra = {}, {}
+    for key, val in optimizer.state_dict().items():
+        if isinstance(val, paddle.Tensor):
+            owner = next((i for i in by_len if key.startswith(i + "_")), None)
+            if owner is None:
+                raise CheckpointError(f"optimizer state {key!r} belongs to no model parameter")
+            tensors[internal[owner] + "::" + key[len(owner) + 1:]] = np.ascontiguousarray(val.numpy())
+        elif key != "LR_Scheduler":
+            extra[key] = val
+    return tensors, extra
+
+
+def _load_optimizer(model, optimizer, tensors: dict) -> None:
+    public = {n: p.name for n, p in model.named_parameters()}
+    sd = {}
+    for key, arr in tensors.items():
+        name, acc = key.split("::", 1)
+        if name not in public:
+            raise CheckpointError(f"optimizer state for unknown parameter {name!r}")
+        sd[f"{public[name]}_{acc}"] = paddle.to_tensor(arr)
+    optimizer.set_state_dict(sd)
+
+
+def save_training_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, consumed_samples: int,
+                             run_config: dict, tokenizer=None, keep: int = 3, extra: Optional[dict] = None) -> str:
+    """Write ``output_dir/checkpoints/step_{step}`` atomically and prune to the newest ``keep``."""
+    from safetensors.numpy import save_file
+
+    root = os.path.join(output_dir, "checkpoints")
+    weights = state_dict_numpy(model)
+    opt_tensors, opt_extra = _optimizer_tensors(model, optimizer)
+    head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
+    state = {"step": step, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
+             "optimizer_extra": opt_extra, "rng": rng_state(), "run_config": run_config, **(extra or {})}
+
+    def write(tmp):
+        save_file(weights, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
+        save_file(opt_tensors, os.path.join(tmp, OPTIMIZER))
+        write_json_atomic(os.path.join(tmp, CONFIG), {"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                      "head": head, "model": model.config.to_dict()})
+        write_json_atomic(os.path.join(tmp, STATE), state)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+
+    path = write_checkpoint_dir(os.path.join(root, f"step_{step:08d}"), write)
+    for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Checkpoint directories under ``output_dir``, oldest first."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if _STEP_DIR.match(d)]
+
+
+def find_resume_checkpoint(output_dir: str) -> Optional[str]:
+    """Newest checkpoint that verifies; corrupt ones are skipped with a warning."""
+    for path in reversed(list_checkpoints(output_dir)):
+        try:
+            verify_checksums(path)
+            return path
+        except CheckpointError as e:
+            warnings.warn(f"skipping corrupt checkpoint: {e}")
+    return None
+
+
+def load_training_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and RNG from ``path``; returns the trainer state."""
+    from safetensors.numpy import load_file
+
+    verify_checksums(path)
+    assign_weights(model, load_weights(path), os.path.join(path, WEIGHTS))
+    with open(os.path.join(path, STATE), encoding="utf-8") as f:
+        state = json.load(f)
+    _load_optimizer(model, optimizer, load_file(os.path.join(path, OPTIMIZER)))
+    scheduler.set_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return state

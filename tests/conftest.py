@@ -1,0 +1,55 @@
+"""Shared test fixtures: the real data in ../shared/data and tokenizers built from it."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# tiktoken looks its "gpt2" files up under these hashed names (see shared/data/README.md).
+TIKTOKEN_GPT2_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
+                       "encoder.json": "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"}
+
+
+def wikitext_hf_rows(path: Path) -> list[str]:
+    """WikiText rows as Hugging Face `datasets` gives them: lines keep "\\n", blank " \\n" -> ""."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return ["" if line == " \n" else line for line in f]
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Path of the shared real data; skips when the checkout has no ../shared/data beside it."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real test data not found at {SHARED_DATA} (expected ../shared/data beside the repo)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer(shared_data):
+    """The GPT-2 tokenizer from the OpenAI-layout files."""
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    return Tokenizer.load(shared_data / "gpt2_bpe")
+
+
+@pytest.fixture(scope="session")
+def tiktoken_gpt2(shared_data, tmp_path_factory):
+    """tiktoken's "gpt2" encoding loaded offline from the shared vocabulary files."""
+    tiktoken = pytest.importorskip("tiktoken")
+    cache = tmp_path_factory.mktemp("tiktoken_cache")
+    for name, hashed in TIKTOKEN_GPT2_FILES.items():
+        shutil.copyfile(shared_data / "gpt2_bpe" / name, cache / hashed)
+    old = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+    try:
+        return tiktoken.get_encoding("gpt2")
+    finally:
+        if old is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = old
