@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("train_tokenizer", "train a byte-level BPE tokenizer on your corpus"),
     "preprocess": ("preprocess", "tokenize JSONL/text into a Megatron mmap indexed dataset"),
     "pretrain": ("pretrain", "pretrain (or continue training) a GPT model"),
+    "export": ("export", "export a checkpoint to a static inference model (Paddle Inference / ONNX)"),
+    "infer": ("infer", "generate with an exported model (Paddle Inference, onnxruntime or dygraph)"),
 }
 
 
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = build_parser()
         if argv and argv[0] not in ("-h", "--help"):
-            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+            import difflib
+
+            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            parser.error(f"unknown command {argv[0]!r}{hint}; choose from {', '.join(COMMANDS)}")
         parser.print_help()
         sys.exit(0 if argv else 2)
     name = argv[0]

@@ -53,3 +53,23 @@ def tiktoken_gpt2(shared_data, tmp_path_factory):
             del os.environ["TIKTOKEN_CACHE_DIR"]
         else:
             os.environ["TIKTOKEN_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def shakespeare(shared_data, tmp_path_factory):
+    """tinyshakespeare as a training set: a 1024-token BPE trained on it and its indexed
+    dataset, one document per paragraph (blank-line separated). Returns (tokenizer dir, prefix)."""
+    import json
+
+    from gpt_compress.data.preprocess import preprocess
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    out = tmp_path_factory.mktemp("shakespeare")
+    text = (shared_data / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    jsonl = out / "shakespeare.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs), encoding="utf-8")
+    tok = Tokenizer.train([str(shared_data / "corpus" / "tinyshakespeare.txt")], vocab_size=1024)
+    tok.save(out / "tokenizer")
+    preprocess([str(jsonl)], str(out / "shakespeare"), tok, progress=False)
+    return str(out / "tokenizer"), str(out / "shakespeare_text_document")
