@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("train_tokenizer", "train a byte-level BPE tokenizer on your corpus"),
     "preprocess": ("preprocess", "tokenize JSONL/text into a Megatron mmap indexed dataset"),
     "pretrain": ("pretrain", "pretrain (or continue training) a GPT model"),
+    "finetune-glue": ("finetune_glue", "finetune a sequence-classification head on a GLUE task"),
+    "eval": ("eval", "evaluate a model: LAMBADA accuracy or WikiText perplexity, on any backend"),
     "export": ("export", "export a checkpoint to a static inference model (Paddle Inference / ONNX)"),
     "infer": ("infer", "generate with an exported model (Paddle Inference, onnxruntime or dygraph)"),
 }

@@ -1,0 +1,60 @@
+"""`gptc eval`: LAMBADA accuracy or WikiText perplexity of a checkpoint or an exported model,
+through the one runner API (dygraph, Paddle Inference or onnxruntime). Writes a JSON result."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ._common import fail, print_json
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint dir (dygraph) or exported dir (paddle/onnx)")
+    parser.add_argument("--backend", default=None, choices=("dygraph", "paddle", "onnx"),
+                        help="default: dygraph for a checkpoint, paddle for an exported directory")
+    parser.add_argument("--task", required=True, choices=("lambada", "wikitext"))
+    parser.add_argument("--data", required=True, help="lambada_test.jsonl, or a WikiText file")
+    parser.add_argument("--input-format", default="raw", choices=("raw", "raw-hf-rows", "tokens"),
+                        help="WikiText: raw file as one string, Hugging Face rows, or the tokenized "
+                             "wiki.*.tokens (detokenized first, as FleetX)")
+    parser.add_argument("--seq-len", type=int, default=0, help="window length (default: the model's context)")
+    parser.add_argument("--stride", type=int, default=0, help="WikiText overlapping-eval stride (default: seq-len)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--limit", type=int, default=0, help="LAMBADA: only the first N examples")
+    parser.add_argument("--tokenizer-dir", default=None, help="default: the model directory's tokenizer")
+    parser.add_argument("--output", default=None, help="also write the result JSON here (it is always printed)")
+    parser.add_argument("--with-items", action="store_true", help="LAMBADA: include per-example correctness")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    from ..eval.lambada import evaluate_lambada
+    from ..eval.wikitext import evaluate_wikitext
+    from ..inference.runner import Generator
+
+    backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, "manifest.json")) else "dygraph")
+    gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
+    if gen.tokenizer is None:
+        return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir")
+    seq_len = args.seq_len or gen.max_positions
+    t0 = time.perf_counter()
+    if args.task == "lambada":
+        res = evaluate_lambada(gen, gen.tokenizer, args.data, seq_len=seq_len, batch_size=args.batch_size,
+                               limit=args.limit or None, progress=not args.no_progress)
+        out = res.to_dict(with_items=args.with_items)
+    else:
+        res = evaluate_wikitext(gen, gen.tokenizer, args.data, args.input_format, seq_len=seq_len,
+                                stride=args.stride or None, batch_size=args.batch_size,
+                                progress=not args.no_progress)
+        out = res.to_dict()
+    out.update(task=args.task, data=os.path.abspath(args.data), model=os.path.abspath(args.model),
+               backend=backend, seconds=round(time.perf_counter() - t0, 2))
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        tmp = args.output + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+        os.replace(tmp, args.output)
+    print_json(out)
+    return 0

@@ -1,0 +1,1 @@
+"""Evaluation: LAMBADA cloze accuracy, WikiText perplexity, GLUE, reports."""
