@@ -20,7 +20,7 @@ DEMO_CONFIG = {
               "num_attention_heads": 6, "max_position_embeddings": 256,
               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
     "Data": {"seq_length": 128, "split": [95, 5, 0]},
-    "Engine": {"max_steps": 400, "global_batch_size": 16, "micro_batch_size": 16, "eval_freq": 100,
+    "Engine": {"max_steps": 300, "global_batch_size": 16, "micro_batch_size": 16, "eval_freq": 100,
                "eval_iters": 8, "logging_freq": 50, "save_steps": 200, "keep_checkpoint_max": 1},
     "Optimizer": {"weight_decay": 0.01, "grad_clip": 1.0,
                   "lr": {"decay_style": "cosine", "max_lr": 2e-3, "min_lr": 2e-4, "warmup_rate": 0.05}},
@@ -31,7 +31,7 @@ PROMPT = "Return a new list containing"
 def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", default="demo_out", help="where everything is written")
     parser.add_argument("--steps", type=int, default=DEMO_CONFIG["Engine"]["max_steps"],
-                        help="pretraining steps (about 0.4 s each on 2 cores)")
+                        help="pretraining steps (about 0.7 s each on 2 idle cores)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="Section.key=value",
                         help="override a field of the embedded demo config")
 
@@ -100,8 +100,8 @@ def run(args) -> int:
     val = evaluate(trained_model, causal_lm_loss, eval_batches())
     _say(f"    validation loss {untrained:.3f} -> {val:.3f}; perplexity {math.exp(untrained):.0f} -> {math.exp(val):.1f}")
 
-    _say(f"6/6 greedy completion of {PROMPT!r}")
-    gen = generate(DygraphBackend(trained_model), [tok.encode(PROMPT)], GenerationConfig(max_new_tokens=40),
+    _say(f"6/6 greedy completion (repetition penalty 1.3) of {PROMPT!r}")
+    gen = generate(DygraphBackend(trained_model), [tok.encode(PROMPT)], GenerationConfig(max_new_tokens=40, repetition_penalty=1.3),
                    tok.eod_id, tok.pad_id)
     completion = tok.decode(gen.sequences[0])
     print(PROMPT + completion, flush=True)

@@ -1,7 +1,8 @@
 """An English corpus that every machine already has: the Python standard library's docstrings.
 
 Used by ``gptc demo`` so the toolkit can be shown end to end with no download. Each module's
-module/class/function docstrings (cleaned by ``inspect.cleandoc``) form one document.
+module/class/function docstrings (cleaned, hard-wrapped lines joined into paragraphs, code
+examples dropped) form one document.
 """
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ def iter_stdlib_files(root: str | None = None):
                 yield os.path.join(dirpath, name)
 
 
+def reflow(doc: str) -> str:
+    """Prose paragraphs of a docstring, hard-wrapped lines joined; code-like paragraphs
+    (indented lines, doctest prompts) are dropped so the corpus reads like English text."""
+    out = []
+    for para in doc.split("\n\n"):
+        lines = [ln for ln in para.split("\n") if ln.strip()]
+        if not lines or any(ln.startswith((" ", "\t", ">>>", "...")) for ln in lines):
+            continue
+        text = " ".join(ln.strip() for ln in lines)
+        if len(text) > 30:
+            out.append(text)
+    return "\n\n".join(out)
+
+
 def module_docstrings(path: str) -> str:
     """All docstrings of one source file, in source order, separated by blank lines."""
     try:
@@ -36,7 +51,8 @@ def module_docstrings(path: str) -> str:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node, clean=True)
-            if doc and len(doc) > 40:
+            doc = reflow(doc) if doc else ""
+            if len(doc) > 40:
                 docs.append(doc)
     return "\n\n".join(docs)
 

@@ -76,9 +76,9 @@ def _optimizer_tensors(model, optimizer) -> tuple[dict, dict]:
     return tensors, extra
 
 
-def _load_optimizer(model, optimizer, tensors: dict) -> None:
+def _load_optimizer(model, optimizer, tensors: dict, scheduler_state: dict) -> None:
     public = {n: p.name for n, p in model.named_parameters()}
-    sd = {}
+    sd = {"LR_Scheduler": dict(scheduler_state)}  # paddle requires it when lr is a scheduler
     for key, arr in tensors.items():
         name, acc = key.split("::", 1)
         if name not in public:
@@ -141,7 +141,7 @@ def load_training_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     assign_weights(model, load_weights(path), os.path.join(path, WEIGHTS))
     with open(os.path.join(path, STATE), encoding="utf-8") as f:
         state = json.load(f)
-    _load_optimizer(model, optimizer, load_file(os.path.join(path, OPTIMIZER)))
+    _load_optimizer(model, optimizer, load_file(os.path.join(path, OPTIMIZER)), state["scheduler"])
     scheduler.set_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state
