@@ -1,0 +1,220 @@
+"""Decode benchmark: greedy tokens/s and prefill latency for our three backends and the
+Hugging Face transformers peer, side by side in one run; prints one JSON object.
+
+    OMP_NUM_THREADS=2 python bench/decode.py            # gpt-bench, 64-token prompt, 128 new tokens
+
+Each backend (and the peer) runs in its own subprocess, one after another, so no two thread
+pools compete for the cores. Rounds alternate the order of the backends; each figure is the
+median over rounds. Tokens/s counts the new tokens of ``generate`` over its whole wall time,
+prefill included, as the peer's ``model.generate`` does.
+
+The bandwidth limit: a batch-1 decode step must read every weight once (the tied embedding
+once, as the LM head), so ``limit = memory bandwidth / weight bytes``, with the bandwidth
+measured here as the traffic (read + write) of a 256 MB numpy copy. At batch B the same
+weight traffic serves B tokens (the KV cache is small next to the weights at these lengths).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER = os.path.join(ROOT, "..", "shared", "bench", "peer_hf.py")
+BACKENDS = ("dygraph", "paddle", "onnx")
+
+# The peer at batch > 1 (peer_hf.py measures batch-1 decode only): same model and settings.
+PEER_BATCH = r"""
+import json, sys, time, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+layers, hidden, heads, vocab, batch, prompt, new, threads, reps = map(int, sys.argv[1:10])
+torch.manual_seed(0); torch.set_num_threads(threads)
+cfg = GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=heads,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = GPT2LMHeadModel(cfg).eval()
+x = torch.randint(0, vocab, (batch, prompt))
+runs = []
+with torch.no_grad():
+    model.generate(x, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    for _ in range(reps):
+        t = time.perf_counter()
+        model.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        runs.append(batch * new / (time.perf_counter() - t))
+print(json.dumps({"batch": batch, "decode_tokens_per_s": sorted(runs)[len(runs) // 2]}))
+"""
+
+
+def copy_bandwidth_gbps(mbytes: int = 256, reps: int = 8) -> float:
+    """Memory traffic (bytes read + written) per second of a large numpy copy, best of ``reps``."""
+    a = np.ones(mbytes * 2**20 // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(cfg) -> int:
+    """fp32 bytes a decode step reads: every block weight, the final LN, and the LM head
+    (the tied embedding read once as the head; the embedding rows looked up are negligible)."""
+    head = cfg.vocab_size * cfg.hidden_size
+    return 4 * (cfg.num_parameters(include_embeddings=False) + head)
+
+
+# --------------------------------------------------------------------------------------
+# Worker: one backend in this process
+# --------------------------------------------------------------------------------------
+def run_worker(backend: str, path: str, prompt: int, new: int, batch: int, reps: int) -> dict:
+    from gpt_compress.inference.runner import Generator
+
+    gen = Generator.from_dir(path, backend=backend, verify=False)
+    rng = np.random.default_rng(0)
+    vocab = gen.vocab_size
+    one = [[int(t) for t in rng.integers(0, vocab, prompt)]]
+    many = [[int(t) for t in rng.integers(0, vocab, prompt)] for _ in range(batch)]
+    ids, mask = np.array(one, dtype=np.int64), np.ones((1, prompt), dtype=np.int64)
+    gen.generate(one, max_new_tokens=8, min_new_tokens=8)
+    gen.generate(many, max_new_tokens=8, min_new_tokens=8)
+    prefill = []
+    for _ in range(7):
+        t = time.perf_counter()
+        gen.backend.prefill(ids, mask)
+        prefill.append((time.perf_counter() - t) * 1e3)
+    b1, bn = [], []
+    for _ in range(reps):
+        out = gen.generate(one, max_new_tokens=new, min_new_tokens=new)
+        assert len(out.sequences[0]) == new
+        b1.append(out.tokens_per_s)
+        bn.append(gen.generate(many, max_new_tokens=new, min_new_tokens=new).tokens_per_s)
+    prefill_ms = statistics.median(prefill)
+    tps = statistics.median(b1)
+    return {"prefill_ms": round(prefill_ms, 2), "decode_tokens_per_s": round(tps, 1),
+            "decode_step_ms": round((new / tps * 1e3 - prefill_ms) / (new - 1), 2),
+            f"batch{batch}_decode_tokens_per_s": round(statistics.median(bn), 1),
+            "runs_batch1": [round(x, 1) for x in b1]}
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+def _json_line(cmd: list[str], env: dict) -> dict:
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def prepare(workdir: str, preset: str) -> tuple[str, str]:
+    """A random-init checkpoint of ``preset`` and its export (paddle + onnx), reused if present."""
+    import paddle
+
+    from gpt_compress.checkpoint import save_model
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.export.static import export
+    from gpt_compress.model.gpt import GPTForCausalLM
+
+    ckpt, out = os.path.join(workdir, f"{preset}-ckpt"), os.path.join(workdir, f"{preset}-export")
+    if not os.path.isfile(os.path.join(out, "manifest.json")):
+        paddle.seed(0)
+        cfg = ModelConfig.from_preset(preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        save_model(GPTForCausalLM(cfg), ckpt)
+        export(ckpt, out, formats=("paddle", "onnx"))
+    return ckpt, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt-bench")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3, help="generate() runs per backend and round")
+    p.add_argument("--rounds", type=int, default=2, help="passes over all backends, order alternating")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
+    p.add_argument("--worker", nargs=2, metavar=("BACKEND", "PATH"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        print(json.dumps(run_worker(a.worker[0], a.worker[1], a.prompt, a.new_tokens, a.batch, a.reps)))
+        return
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    from gpt_compress.config import ModelConfig
+
+    cfg = ModelConfig.from_preset(a.preset)
+    workdir = a.workdir or tempfile.mkdtemp(prefix="bench-decode-")
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.perf_counter()
+    ckpt, out = prepare(workdir, a.preset)
+    export_s = time.perf_counter() - t0
+
+    backends = [b for b in a.backends.split(",") if b]
+    names = backends + ([] if a.no_peer else ["hf_peer"])
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    common = ["--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
+              "--reps", str(a.reps)]
+    peer_args = ["--layers", str(cfg.num_layers), "--hidden", str(cfg.hidden_size),
+                 "--heads", str(cfg.num_attention_heads), "--vocab", str(cfg.vocab_size),
+                 "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens), "--threads", str(threads)]
+    bandwidth = []
+    for r in range(a.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            if name == "hf_peer":
+                res = _json_line([sys.executable, PEER, *peer_args], env)
+                res.update({f"batch{a.batch}_decode_tokens_per_s": _json_line(
+                    [sys.executable, "-c", PEER_BATCH, str(cfg.num_layers), str(cfg.hidden_size),
+                     str(cfg.num_attention_heads), str(cfg.vocab_size), str(a.batch), str(a.prompt),
+                     str(a.new_tokens), str(threads), str(a.reps)], env).get("decode_tokens_per_s")})
+            else:
+                path = ckpt if name == "dygraph" else out
+                res = _json_line([sys.executable, os.path.abspath(__file__), "--worker", name, path, *common], env)
+            runs[name].append(res)
+        bandwidth.append(copy_bandwidth_gbps())
+
+    gbps = max(bandwidth)
+    per_token = weight_bytes_per_token(cfg)
+    limit = gbps * 1e9 / per_token
+    key_b = f"batch{a.batch}_decode_tokens_per_s"
+    results = {}
+    for name, rs in runs.items():
+        ok = [x for x in rs if "error" not in x]
+        if not ok:
+            results[name] = rs[-1]
+            continue
+        med = {k: statistics.median([x[k] for x in ok if x.get(k) is not None])
+               for k in ("decode_tokens_per_s", "prefill_ms", key_b) if any(x.get(k) is not None for x in ok)}
+        med = {k: round(v, 2) for k, v in med.items()}
+        med["fraction_of_bandwidth_limit"] = round(med["decode_tokens_per_s"] / limit, 3)
+        if key_b in med:
+            med[f"batch{a.batch}_fraction_of_limit"] = round(med[key_b] / (a.batch * limit), 3)
+        med["rounds"] = [x.get("decode_tokens_per_s") for x in ok]
+        results[name] = med
+    peer = results.get("hf_peer", {})
+    for name in backends:
+        if peer.get("decode_tokens_per_s") and "decode_tokens_per_s" in results[name]:
+            results[name]["vs_peer_batch1"] = round(results[name]["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 2)
+            if peer.get(key_b) and key_b in results[name]:
+                results[name][f"vs_peer_batch{a.batch}"] = round(results[name][key_b] / peer[key_b], 2)
+    print(json.dumps({
+        "bench": "decode", "preset": a.preset, "params": cfg.num_parameters(), "threads": threads,
+        "prompt_tokens": a.prompt, "new_tokens": a.new_tokens, "batch": a.batch,
+        "copy_bandwidth_gbps": round(gbps, 1), "weight_bytes_per_token": per_token,
+        "bandwidth_limit_tokens_per_s": round(limit, 1), "export_seconds": round(export_s, 1),
+        "results": results,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""`gptc export` / `export_model`: checkpoint -> inference directory (Paddle Inference and/or ONNX)."""
+from __future__ import annotations
+
+import os
+import time
+
+from ._common import fail, print_json
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", "--checkpoint", dest="model", required=True,
+                        help="checkpoint directory (ours, or one converted from Hugging Face GPT-2)")
+    parser.add_argument("--output", required=True, help="directory to write (replaced atomically if it exists)")
+    parser.add_argument("--format", choices=("paddle", "onnx", "all"), default="all",
+                        help="paddle: Paddle Inference programs; onnx: onnxruntime; all: both (default)")
+    parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    parser.add_argument("--no-validate", action="store_true",
+                        help="skip running the exported programs against dygraph on a small batch")
+
+
+def run(args) -> int:
+    from ..export.static import ExportError, export
+
+    formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
+    if os.path.abspath(args.output) == os.path.abspath(args.model):
+        return fail("--output must differ from the checkpoint directory")
+    t0 = time.perf_counter()
+    try:
+        path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset)
+    except ExportError as e:
+        return fail(str(e))
+    sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
+    print_json({"output": path, "formats": list(formats), "seconds": round(time.perf_counter() - t0, 1),
+                "files": sizes, "total_bytes": sum(sizes.values())})
+    return 0

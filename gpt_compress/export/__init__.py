@@ -1,0 +1,1 @@
+"""Export a checkpoint to deployable programs: Paddle Inference (``static``) and ONNX (``onnx``)."""

@@ -1,0 +1,294 @@
+"""Paddle programs -> ONNX (paddle2onnx, opset 17), weights stored once for all programs.
+
+paddle2onnx is called *without* a ``save_file``: it then returns the model bytes and skips its
+post-export optimizer. Its default optimizer path (``optimize_tool="polygraphy"``) sets
+``POLYGRAPHY_AUTOINSTALL_DEPS=1``, which pip-installs packages at run time (it once upgraded
+numpy under a running venv); ``tests/test_export.py`` checks that nothing gets installed.
+
+What we do to paddle2onnx's output, each step a function below:
+
+* ``constants_to_initializers``: paddle2onnx embeds each weight as a ``Constant`` node in
+  every program; large ones become initializers, dead ones are dropped.
+* ``rename_io``: graph inputs/outputs get the manifest's names (``logits``, ``present_key_0``,
+  ...) and named dynamic dimensions (``batch``, ``seq``, ``past``, ...).
+* ``fix_tanh_gelu``: paddle2onnx 2.1 exports ``gelu(approximate=True)`` as the exact erf GELU.
+* ``drop_output_identities``: no full copy of the KV cache into each output per step.
+* ``split_shared_weights``: the tied embedding gets a second *name* for the LM head so
+  onnxruntime pre-packs it (same bytes on disk).
+* ``externalize``: all weights go to one ``model.onnx.data``, deduplicated by content across
+  the three programs; each ``.onnx`` file keeps only its graph (~60 KB for ``gpt-bench``).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+from ..inference.manifest import PROGRAMS
+
+DATA_FILE = "model.onnx.data"
+ALIGN = 4096  # page-aligned offsets let onnxruntime map the data file instead of copying it
+MIN_EXTERNAL_BYTES = 1024  # smaller tensors (shapes, scalars) stay inside the graph
+
+
+def _onnx():
+    try:
+        import onnx
+        import paddle2onnx
+    except ImportError as e:
+        from .static import ExportError
+
+        raise ExportError(f"ONNX export needs paddle2onnx and onnx ({e}); "
+                          "install them with `pip install -e .[onnx]`") from None
+    return onnx, paddle2onnx
+
+
+def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17):
+    """One Paddle program -> an in-memory ``onnx.ModelProto`` (nothing installed, nothing optimized
+    beyond paddle2onnx's own C++ passes)."""
+    onnx, paddle2onnx = _onnx()
+    from .static import ExportError
+
+    try:
+        raw = paddle2onnx.export(model_file, params_file, save_file=None, opset_version=opset,
+                                 auto_upgrade_opset=False, enable_onnx_checker=True, enable_optimize=True)
+    except Exception as e:  # paddle2onnx logs the real error, then fails on its undefined result
+        raise ExportError(f"paddle2onnx could not convert {model_file}: {e}") from None
+    if not raw:
+        raise ExportError(f"paddle2onnx returned an empty model for {model_file}")
+    return onnx.load_from_string(raw)
+
+
+def constants_to_initializers(model) -> None:
+    """Replace ``Constant`` nodes holding a tensor of >= MIN_EXTERNAL_BYTES by initializers; drop
+    initializers no node reads."""
+    graph = model.graph
+    keep = []
+    for node in graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value" \
+                and len(node.attribute[0].t.raw_data) >= MIN_EXTERNAL_BYTES:
+            t = node.attribute[0].t
+            t.name = node.output[0]
+            graph.initializer.append(t)
+        else:
+            keep.append(node)
+    del graph.node[:]
+    graph.node.extend(keep)
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    unused = [t for t in graph.initializer if t.name not in used]
+    for t in unused:  # paddle2onnx leaves a few dead constants; onnxruntime warns about each
+        graph.initializer.remove(t)
+
+
+def _scalar(graph, name: str):
+    """The value of a scalar constant input (initializer or Constant node), else None."""
+    from onnx import numpy_helper
+
+    for t in graph.initializer:
+        if t.name == name:
+            a = numpy_helper.to_array(t)
+            return float(a.reshape(-1)[0]) if a.size == 1 else None
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            a = numpy_helper.to_array(n.attribute[0].t)
+            return float(a.reshape(-1)[0]) if a.size == 1 else None
+    return None
+
+
+def fix_tanh_gelu(model) -> int:
+    """Rewrite erf GELUs as the tanh approximation; returns how many were rewritten.
+
+    paddle2onnx 2.1 ignores ``gelu(approximate=True)`` (our ``gelu_new``, GPT-2's activation)
+    and emits the exact ``0.5 * x * (1 + erf(x / sqrt(2)))``: a silent 3e-4 logit error on
+    ``gpt-bench``. We match exactly that chain, Div -> Erf -> Add(1) -> Mul(x) -> Mul(0.5), and
+    replace it by ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))``, the form
+    onnxruntime's FastGelu fusion recognises. Export validation then checks parity.
+    """
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def only_consumer(name, op):
+        users = consumers.get(name, [])
+        return users[0] if len(users) == 1 and users[0].op_type == op else None
+
+    def other(node, name):
+        return node.input[1] if node.input[0] == name else node.input[0]
+
+    consts = {"gelu_tanh.half": 0.5, "gelu_tanh.one": 1.0, "gelu_tanh.three": 3.0,
+              "gelu_tanh.coef": 0.044715, "gelu_tanh.scale": math.sqrt(2.0 / math.pi)}
+    rewrites = []
+    for erf in [n for n in graph.node if n.op_type == "Erf"]:
+        div = producer.get(erf.input[0])
+        if div is None or div.op_type != "Div" or abs((_scalar(graph, div.input[1]) or 0) - math.sqrt(2)) > 1e-4:
+            continue
+        x = div.input[0]
+        add = only_consumer(erf.output[0], "Add")
+        mul = add and only_consumer(add.output[0], "Mul")
+        half = mul and only_consumer(mul.output[0], "Mul")
+        if not (add and mul and half and _scalar(graph, other(add, erf.output[0])) == 1.0
+                and other(mul, add.output[0]) == x and _scalar(graph, other(half, mul.output[0])) == 0.5):
+            continue
+        rewrites.append((x, [div, erf, add, mul, half]))
+    if not rewrites:
+        return 0
+    for name, value in consts.items():
+        graph.initializer.append(helper.make_tensor(name, TensorProto.FLOAT, [], [value]))
+    for k, (x, old) in enumerate(rewrites):
+        out, p = old[-1].output[0], f"gelu_tanh.{k}."
+        new = [helper.make_node("Pow", [x, "gelu_tanh.three"], [p + "cube"]),
+               helper.make_node("Mul", [p + "cube", "gelu_tanh.coef"], [p + "cube_c"]),
+               helper.make_node("Add", [x, p + "cube_c"], [p + "inner"]),
+               helper.make_node("Mul", [p + "inner", "gelu_tanh.scale"], [p + "scaled"]),
+               helper.make_node("Tanh", [p + "scaled"], [p + "tanh"]),
+               helper.make_node("Add", [p + "tanh", "gelu_tanh.one"], [p + "onep"]),
+               helper.make_node("Mul", [x, "gelu_tanh.half"], [p + "halfx"]),
+               helper.make_node("Mul", [p + "halfx", p + "onep"], [out])]
+        at = list(graph.node).index(old[-1])
+        for n in new[::-1]:
+            graph.node.insert(at + 1, n)
+        for n in old:
+            graph.node.remove(n)
+    return len(rewrites)
+
+
+def rename_io(model, io: dict) -> None:
+    """Give graph inputs/outputs the manifest's names and named dynamic dimensions."""
+    graph = model.graph
+    rename = {}
+    for values, specs in ((graph.input, io["inputs"]), (graph.output, io["outputs"])):
+        if len(values) != len(specs):
+            from .static import ExportError
+
+            raise ExportError(f"ONNX graph has {len(values)} {'inputs' if values is graph.input else 'outputs'}, "
+                              f"the manifest expects {len(specs)}")
+        for value, spec in zip(values, specs):
+            if value.name != spec["name"]:
+                rename[value.name] = spec["name"]
+                value.name = spec["name"]
+            for dim, want in zip(value.type.tensor_type.shape.dim, spec["shape"]):
+                if isinstance(want, str):
+                    dim.dim_param = want.replace("+", "_plus_")
+    for node in graph.node:
+        for seq in (node.input, node.output):
+            for i, name in enumerate(seq):
+                if name in rename:
+                    seq[i] = rename[name]
+
+
+def drop_output_identities(model) -> int:
+    """Let the producer of ``X -> Identity -> graph output`` write the output directly.
+    paddle2onnx ends every fetch with an Identity; for the KV cache that is a full copy of
+    each layer's cache on every decode step. Returns how many were removed."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    inputs = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    produced = {o for n in graph.node for o in n.output}
+    removed = 0
+    for node in list(graph.node):
+        if node.op_type != "Identity" or node.output[0] not in outputs:
+            continue
+        src, dst = node.input[0], node.output[0]
+        if src in outputs or src in inputs or src not in produced:
+            continue
+        graph.node.remove(node)
+        for n in graph.node:
+            for seq in (n.input, n.output):
+                for i, name in enumerate(seq):
+                    if name == src:
+                        seq[i] = dst
+        removed += 1
+    return removed
+
+
+def split_shared_weights(model) -> int:
+    """Give each MatMul its own name for a weight other nodes also read (the tied embedding:
+    Gather + LM head). onnxruntime only pre-packs a MatMul weight no other node uses; unpacked,
+    the ``gpt-bench`` head takes 7.7 ms per decode step instead of 3.7 ms. Both names keep
+    the same bytes, which ``externalize`` stores once. Returns how many were split."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    users: dict[str, list] = {}
+    for n in graph.node:
+        for i in n.input:
+            if i in inits:
+                users.setdefault(i, []).append(n)
+    split = 0
+    for name, nodes in users.items():
+        if len(nodes) < 2:
+            continue
+        for k, n in enumerate(x for x in nodes if x.op_type in ("MatMul", "Gemm") and x.input[1] == name):
+            copy = graph.initializer.add()
+            copy.CopyFrom(inits[name])
+            copy.name = f"{name}.for_{n.op_type.lower()}{k}"
+            n.input[1] = copy.name
+            split += 1
+    return split
+
+
+def externalize(models: dict, out_dir: str) -> int:
+    """Move large initializers of all ``models`` into one ``DATA_FILE`` in ``out_dir``, each
+    distinct tensor once. Returns the data file size."""
+    from onnx import TensorProto
+
+    offsets: dict[str, tuple[int, int]] = {}
+    path = os.path.join(out_dir, DATA_FILE)
+    with open(path, "wb") as f:
+        for model in models.values():
+            for t in model.graph.initializer:
+                if t.data_location == TensorProto.EXTERNAL or len(t.raw_data) < MIN_EXTERNAL_BYTES:
+                    continue
+                key = hashlib.sha256(t.raw_data).hexdigest() + f":{t.data_type}"
+                if key not in offsets:
+                    pad = (-f.tell()) % ALIGN
+                    f.write(b"\0" * pad)
+                    offsets[key] = (f.tell(), len(t.raw_data))
+                    f.write(t.raw_data)
+                offset, length = offsets[key]
+                t.ClearField("raw_data")
+                t.data_location = TensorProto.EXTERNAL
+                del t.external_data[:]
+                for k, v in (("location", DATA_FILE), ("offset", str(offset)), ("length", str(length))):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = k, v
+        f.flush()
+        os.fsync(f.fileno())
+    return os.path.getsize(path)
+
+
+def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict, opset: int = 17,
+                     tanh_gelu: bool = False) -> dict:
+    """Convert the exported Paddle programs in ``paddle_dir`` to ``{name}.onnx`` files plus one
+    shared ``model.onnx.data`` in ``out_dir``; ``io`` is ``static.io_spec(cfg)``; ``tanh_gelu``:
+    the model uses ``gelu_new`` (see ``fix_tanh_gelu``).
+    Returns ``{program: {"model": file, "data": shared data file}}``."""
+    onnx, _ = _onnx()
+    from .static import ExportError
+
+    models = {}
+    for name in PROGRAMS:
+        files = paddle_files[name]
+        model = paddle_to_onnx(os.path.join(paddle_dir, files["model"]), os.path.join(paddle_dir, files["params"]),
+                               opset)
+        constants_to_initializers(model)
+        rename_io(model, io[name])
+        if tanh_gelu:
+            fix_tanh_gelu(model)
+        drop_output_identities(model)
+        split_shared_weights(model)
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as e:
+            raise ExportError(f"the converted {name} program is not valid ONNX: {e}") from None
+        models[name] = model
+    externalize(models, out_dir)
+    out = {}
+    for name, model in models.items():
+        onnx.save_model(model, os.path.join(out_dir, f"{name}.onnx"))
+        out[name] = {"model": f"{name}.onnx", "data": DATA_FILE}
+    return out

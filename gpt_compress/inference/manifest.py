@@ -1,0 +1,186 @@
+"""The exported model directory: its manifest, file checks and errors.
+
+Shared by the exporter (``export/``) and every runner. Importing it needs neither Paddle nor
+onnxruntime nor the model code, so a serving process stays free of the training stack.
+
+An export directory holds::
+
+    manifest.json      what is in the directory (this module's ``MANIFEST``)
+    checksums.json     sha256 of every file (written by ``checkpoint.write_checkpoint_dir``)
+    prefill.json, decode.json, forward.json, model.pdiparams   Paddle Inference (--format paddle)
+    prefill.onnx, decode.onnx, forward.onnx, model.onnx.data   onnxruntime (--format onnx)
+    tokenizer.json, vocab.json, merges.txt                      when the checkpoint had a tokenizer
+
+Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the new tokens):
+
+* ``prefill(input_ids (B,T), attention_mask (B,T)) -> logits (B,V), present_key_i/value_i (B,H_i,T,D)``
+* ``decode(input_ids (B,T), attention_mask (B,S+T), past_key_i/value_i (B,H_i,S,D))
+  -> logits (B,V), present_key_i/value_i (B,H_i,S+T,D)``; ``logits`` are those of the last position
+* ``forward(input_ids (B,T), attention_mask (B,T)) -> logits (B,T,V)`` for scoring
+
+``H_i`` may differ per layer (structurally pruned models).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+FORMAT = "gpt-compress-inference"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CHECKSUMS = "checksums.json"
+PROGRAMS = ("prefill", "decode", "forward")
+BACKENDS = ("paddle", "onnx")
+
+
+class ModelDirError(RuntimeError):
+    """An exported model directory is missing, incomplete, corrupt or from a newer exporter."""
+
+
+class InputError(ValueError):
+    """A request the model cannot serve (empty prompt, unknown token ids, too long)."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of an exported model directory."""
+
+    path: str  # the model directory
+    data: dict
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits."""
+        return int(self.data["vocab_size"])
+
+    @property
+    def max_positions(self) -> int:
+        """Context length: prompt + new tokens must fit."""
+        return int(self.data["max_position_embeddings"])
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        return self.data.get("eos_token_id")
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.data.get("pad_token_id") or 0)
+
+    @property
+    def layers(self) -> list[dict]:
+        """Per-layer cache shapes: ``[{"heads": H_i, "head_dim": D}, ...]``."""
+        return self.data["cache"]["layers"]
+
+    @property
+    def formats(self) -> list[str]:
+        """Backends present in the directory ("paddle", "onnx")."""
+        return list(self.data["formats"])
+
+    def program(self, name: str) -> dict:
+        """The manifest entry of program ``name`` (inputs, outputs, files per backend)."""
+        return self.data["programs"][name]
+
+    def file(self, name: str) -> str:
+        """Absolute path of ``name`` inside the model directory; raises naming it if missing."""
+        fp = os.path.join(self.path, name)
+        if not os.path.isfile(fp):
+            raise ModelDirError(f"{fp} is missing (listed in {os.path.join(self.path, MANIFEST)}); "
+                                "re-export the model")
+        return fp
+
+    def files(self, backend: str, program: str) -> dict[str, str]:
+        """Absolute paths of the files ``backend`` needs for ``program``."""
+        if backend not in self.formats:
+            raise ModelDirError(f"{self.path} was exported without the {backend!r} format "
+                                f"(it has: {', '.join(self.formats)}); re-export with --format {backend} or all")
+        return {k: self.file(v) for k, v in self.program(program)[backend].items()}
+
+
+def _sha256(path: str, chunk: int = 1 << 22) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_files(path: str, names: Optional[list[str]] = None) -> None:
+    """Check sizes/sha256 of ``names`` (default: all) against ``checksums.json``; the error names the file."""
+    sums_path = os.path.join(path, CHECKSUMS)
+    try:
+        with open(sums_path, encoding="utf-8") as f:
+            sums = json.load(f)
+    except FileNotFoundError:
+        raise ModelDirError(f"{sums_path} is missing: {path} is not a complete export") from None
+    except ValueError as e:
+        raise ModelDirError(f"{sums_path} is not valid JSON ({e}); re-export the model") from None
+    for name in names if names is not None else sorted(sums):
+        fp = os.path.join(path, name)
+        if name not in sums:
+            raise ModelDirError(f"{fp} is not listed in {sums_path}; re-export the model")
+        if not os.path.isfile(fp):
+            raise ModelDirError(f"{fp} is missing (listed in {sums_path}); re-export the model")
+        if _sha256(fp) != sums[name]:
+            raise ModelDirError(f"{fp} is corrupt: its sha256 does not match {sums_path}; re-export the model")
+
+
+def read_manifest(path: str) -> Manifest:
+    """Parse and check ``manifest.json``: format name and version, required keys."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ModelDirError(f"model directory not found: {path}")
+    fp = os.path.join(path, MANIFEST)
+    if not os.path.isfile(fp):
+        hint = (" (it looks like a training checkpoint: export it with `gptc export` or use backend='dygraph')"
+                if os.path.isfile(os.path.join(path, "config.json")) else "")
+        raise ModelDirError(f"{fp} not found: {path} is not an exported gpt-compress model{hint}")
+    try:
+        with open(fp, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{fp} is not valid JSON ({e}); re-export the model") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ModelDirError(f"{fp}: format {got!r} is not {FORMAT!r}")
+    version = data.get("format_version")
+    if not isinstance(version, int):
+        raise ModelDirError(f"{fp}: format_version is missing or not an integer")
+    if version > FORMAT_VERSION:
+        raise ModelDirError(f"{fp}: export format version {version} is newer than this gpt-compress "
+                            f"understands ({FORMAT_VERSION}); upgrade gpt-compress or re-export")
+    missing = [k for k in ("vocab_size", "max_position_embeddings", "cache", "programs", "formats") if k not in data]
+    missing += [f"programs.{p}" for p in PROGRAMS if p not in data.get("programs", {})]
+    if missing:
+        raise ModelDirError(f"{fp} lacks {', '.join(missing)}; re-export the model")
+    return Manifest(path=path, data=data)
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int, max_positions: int, max_new_tokens: int,
+                  truncate: bool = False) -> list[list[int]]:
+    """Validate token-id prompts; with ``truncate`` keep the last tokens that fit the context."""
+    if not prompts:
+        raise InputError("no prompts given")
+    room = max_positions - max_new_tokens
+    if room < 1:
+        raise InputError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
+                         f"model's context of {max_positions} tokens")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise InputError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in p if t < 0 or t >= vocab_size]
+        if bad:
+            raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if len(p) > room:
+            if not truncate:
+                raise InputError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} "
+                                 f"at most {room} fit the context of {max_positions}. Shorten it, lower "
+                                 "max_new_tokens, or pass truncate=True (--truncate) to keep its last tokens")
+            p = p[-room:]
+        out.append(p)
+    return out

@@ -1,0 +1,211 @@
+"""Paddle Inference backend: ``DecodeBackend`` + ``score`` over an exported model directory.
+
+Predictors are created on first use (a generation-only server never loads ``forward``), one
+per *role*, each with its own ``ProgramOptions``:
+
+==================  ==========  =====================================================
+role                program     default on CPU (measured on 2 cores, ``bench/decode.py``)
+==================  ==========  =====================================================
+``prefill``         prefill     oneDNN, all threads
+``decode``          decode      batches < ``batched_from``: plain MKL, **1 thread**
+``decode_batched``  decode      batches >= ``batched_from``: oneDNN, all threads
+``forward``         forward     oneDNN, all threads
+==================  ==========  =====================================================
+
+Why: a batch-1 step is ~250 small ops around GEMVs that stream the weights. MKL's GEMV is
+near memory speed on one core, while a second thread costs a fork/join and cache traffic per
+op (10.5 vs 14 ms per ``gpt-bench`` step); oneDNN is ~30% slower than MKL on (1, K) x (K, N).
+From a few rows on, MKL's small-M GEMM is ~2x slower than oneDNN's on this CPU, so batched
+decode uses oneDNN, whose per-shape kernel rebuilds the bucketed cache avoids (see below).
+
+Zero copy: inputs and outputs are ``paddle.Tensor``s passed to ``Predictor.run(list)``; the KV
+cache returned by one step is fed to the next as is, never through numpy. Only the (B, V)
+logits are copied out.
+
+Thread safety: a predictor must not run two requests at once. ``PaddleBackend`` does not lock;
+``runner.Generator`` serialises calls. For parallel serving give each thread its own backend
+from ``clone()`` (``Predictor.clone()`` shares the weights).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import paddle
+import paddle.inference as pi
+
+from .manifest import Manifest, ModelDirError, read_manifest, verify_files
+
+ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward"}
+
+
+@dataclass
+class ProgramOptions:
+    """Configuration of one predictor."""
+
+    threads: int = 0  # CPU math threads; 0: $OMP_NUM_THREADS, else the number of cores
+    onednn: bool = False  # oneDNN (MKL-DNN) kernels on CPU
+    onednn_cache: int = 32  # oneDNN primitive cache capacity (distinct input shapes kept)
+    ir_optim: bool = True  # Paddle's graph optimisation passes
+
+
+def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
+    """Options per role (see the module docstring for the measurements behind them)."""
+    if device == "gpu":
+        return {role: ProgramOptions() for role in ROLES}
+    return {"prefill": ProgramOptions(onednn=True), "decode": ProgramOptions(threads=1),
+            "decode_batched": ProgramOptions(onednn=True), "forward": ProgramOptions(onednn=True)}
+
+
+def _threads(n: int) -> int:
+    if n > 0:
+        return n
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
+
+
+def gpu_available() -> bool:
+    """True when this Paddle build has CUDA and sees a device."""
+    return paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+
+
+def make_config(files: dict[str, str], opts: ProgramOptions, device: str = "cpu", gpu_id: int = 0) -> pi.Config:
+    """A ``paddle.inference.Config`` for one program."""
+    config = pi.Config(files["model"], files["params"])
+    config.disable_glog_info()
+    config.switch_ir_optim(opts.ir_optim)
+    if device == "gpu":
+        # Written for GPU, unverifiable on the CPU-only development machines: ir_optim keeps
+        # Paddle's GPU pass list, which fuses matmul+bias(+act) epilogues and layer norms.
+        if not gpu_available():
+            raise RuntimeError("device='gpu' but this Paddle build has no CUDA or sees no GPU")
+        config.enable_use_gpu(256, gpu_id)
+    else:
+        config.disable_gpu()
+        config.set_cpu_math_library_num_threads(_threads(opts.threads))
+        if opts.onednn:
+            config.enable_onednn()
+            config.set_onednn_cache_capacity(opts.onednn_cache)
+        else:
+            config.disable_onednn()
+    return config
+
+
+@dataclass
+class PaddleCache:
+    """KV cache: [k_0, v_0, k_1, ...], each (B, H_i, C, D), of which positions ``< length`` are
+    filled. ``C == length`` unless bucketed (see ``PaddleBackend``)."""
+
+    tensors: list
+    length: int
+
+
+class PaddleBackend:
+    """Runs the exported ``prefill``/``decode``/``forward`` programs with Paddle Inference.
+
+    When decode runs on oneDNN the cache is *bucketed*: kept in buffers whose length grows in
+    steps of ``cache_bucket`` positions, empty slots masked out, new keys/values written in
+    place. oneDNN builds its kernels per input shape; with the cache length growing every step
+    the rebuilds made batch-8 decode 3-4x slower, with buckets they happen once per bucket."""
+
+    def __init__(self, model_dir: Union[str, Manifest], device: str = "cpu", gpu_id: int = 0,
+                 options: Optional[dict[str, ProgramOptions]] = None, verify: bool = True,
+                 batched_from: int = 4, cache_bucket: int = 64):
+        self.manifest = model_dir if isinstance(model_dir, Manifest) else read_manifest(model_dir)
+        self.device, self.gpu_id = device, gpu_id
+        unknown = set(options or {}) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown predictor role(s) {sorted(unknown)}; roles: {', '.join(ROLES)}")
+        self.options = {**default_options(device), **(options or {})}
+        self.batched_from, self.cache_bucket = batched_from, cache_bucket
+        self._files = {name: self.manifest.files("paddle", name) for name in ("prefill", "decode", "forward")}
+        if verify:
+            names = sorted({os.path.basename(p) for f in self._files.values() for p in f.values()})
+            verify_files(self.manifest.path, names)
+        self._predictors: dict[str, pi.Predictor] = {}
+        self._place = paddle.CUDAPlace(gpu_id) if device == "gpu" else paddle.CPUPlace()
+
+    def clone(self) -> "PaddleBackend":
+        """A backend for another thread: ``Predictor.clone()`` shares the weights."""
+        other = object.__new__(PaddleBackend)
+        other.__dict__.update(self.__dict__)
+        other._predictors = {k: p.clone() for k, p in self._predictors.items()}
+        return other
+
+    def predictor(self, role: str) -> pi.Predictor:
+        """The predictor of ``role`` (a key of ``ROLES``), created on first use."""
+        if role not in self._predictors:
+            files = self._files[ROLES[role]]
+            try:
+                config = make_config(files, self.options[role], self.device, self.gpu_id)
+                self._predictors[role] = pi.create_predictor(config)
+            except (RuntimeError, ValueError, OSError) as e:
+                raise ModelDirError(f"Paddle Inference could not load {files['model']} with "
+                                    f"{files['params']}: {e}") from None
+        return self._predictors[role]
+
+    def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
+        pred = self.predictor(role)
+        outs = pred.run([feeds[n] for n in pred.get_input_names()])
+        order = {n: i for i, n in enumerate(pred.get_output_names())}
+        return [outs[order[n]] for n in self.manifest.program(ROLES[role])["paddle_output_names"]]
+
+    def _tensor(self, a: np.ndarray) -> paddle.Tensor:
+        return paddle.to_tensor(np.ascontiguousarray(a, dtype=np.int64), place=self._place)
+
+    def _decode_role(self, batch: int) -> str:
+        return "decode_batched" if batch >= self.batched_from else "decode"
+
+    def _bucketed(self, role: str) -> bool:
+        return self.cache_bucket > 0 and self.device != "gpu" and self.options[role].onednn
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+        """Prompt (B, T) -> last logits (B, V) float32, cache."""
+        outs = self._run("prefill", {"input_ids": self._tensor(input_ids),
+                                     "attention_mask": self._tensor(attention_mask)})
+        return outs[0].numpy(), PaddleCache(outs[1:], int(input_ids.shape[1]))
+
+    @paddle.no_grad()
+    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: PaddleCache):
+        """New tokens (B, T) with the full mask (B, S + T) -> logits (B, V), grown cache.
+        A bucketed cache is updated in place: do not reuse ``cache`` after this call."""
+        batch, new = input_ids.shape
+        s, tensors = cache.length, cache.tensors
+        cap = int(tensors[0].shape[2])
+        mask = np.asarray(attention_mask, dtype=np.int64)
+        role = self._decode_role(batch)
+        bucketed = self._bucketed(role)
+        if bucketed:
+            if s + new > cap:  # next bucket: copy into a larger zero-filled buffer
+                grown = -(-(s + new) // self.cache_bucket) * self.cache_bucket
+                tensors = [paddle.concat([t[:, :, :s], paddle.zeros([t.shape[0], t.shape[1], grown - s, t.shape[3]],
+                                                                    dtype=t.dtype)], axis=2) for t in tensors]
+                cap = grown
+            # Empty slots are masked out; the new tokens' positions (cumsum of the mask) skip them.
+            mask = np.concatenate([mask[:, :s], np.zeros((batch, cap - s), np.int64), mask[:, s:]], axis=1)
+        elif cap != s:
+            tensors = [t[:, :, :s] for t in tensors]
+        feeds = {"input_ids": self._tensor(input_ids), "attention_mask": self._tensor(mask)}
+        for i in range(len(self.manifest.layers)):
+            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = tensors[2 * i], tensors[2 * i + 1]
+        outs = self._run(role, feeds)
+        if not bucketed:
+            return outs[0].numpy(), PaddleCache(outs[1:], s + new)
+        for t, present in zip(tensors, outs[1:]):  # (B, H, cap + new, D) -> slots s .. s + new
+            t[:, :, s:s + new] = present[:, :, cap:cap + new]
+        return outs[0].numpy(), PaddleCache(tensors, s + new)
+
+    def reorder_cache(self, cache: PaddleCache, rows: np.ndarray) -> PaddleCache:
+        """Gather cache rows (beam search)."""
+        idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64), place=self._place)
+        return PaddleCache([paddle.index_select(t, idx, axis=0) for t in cache.tensors], cache.length)
+
+    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
+        if attention_mask is None:
+            attention_mask = np.ones_like(input_ids)
+        outs = self._run("forward", {"input_ids": self._tensor(input_ids),
+                                     "attention_mask": self._tensor(attention_mask)})
+        return outs[0].numpy()

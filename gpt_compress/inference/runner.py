@@ -1,0 +1,240 @@
+"""One runner API over every backend: ``Generator.from_dir(path, backend=...)``.
+
+    gen = Generator.from_dir("export/", backend="onnx")        # or "paddle"; "dygraph" takes a checkpoint
+    out = gen.generate(["To be, or not", "ROMEO:"], max_new_tokens=32, decode_strategy="sampling", top_p=0.9)
+    for piece in gen.stream_text("ROMEO:", max_new_tokens=32):  # text as it is produced
+        print(piece, end="", flush=True)
+    logits = gen.score(input_ids, attention_mask)               # (B, T, V) for evaluation
+
+Decoding itself (greedy, sampling, top-k/top-p, repetition penalty, beam search) is
+``model/generation.py``, shared by all backends; a backend only runs the network.
+
+Importing this module loads neither the model code nor the training stack: the "paddle"
+backend imports ``paddle.inference``, the "onnx" backend only onnxruntime.
+
+Thread safety: one ``Generator`` may be called from several threads; calls are **serialised**
+by a lock (a streaming iterator holds it until it is exhausted or closed), because a Paddle
+predictor must not run two requests at once and two parallel decodes on a 2-core machine only
+slow each other. For parallel serving build one Generator per thread (``PaddleBackend.clone()``
+shares weights).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from ..config import GenerationConfig
+from ..model.generation import beam_search, stream_tokens
+from .manifest import InputError, ModelDirError, check_prompts, read_manifest
+
+Prompt = Union[str, Sequence[int]]
+BACKENDS = ("paddle", "onnx", "dygraph")
+
+
+@dataclass
+class Generated:
+    """Result of ``Generator.generate``: new tokens per prompt (EOS included if produced)."""
+
+    sequences: list[list[int]]
+    texts: Optional[list[str]]  # decoded new tokens, when the model has a tokenizer
+    prompt_tokens: list[int]  # prompt lengths after encoding (and truncation)
+    scores: Optional[list[float]]  # beam search: length-normalised log-probability of each result
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens of all prompts per second of wall time (prefill included)."""
+        return sum(len(s) for s in self.sequences) / max(self.seconds, 1e-9)
+
+
+def _load_tokenizer(path: str):
+    from ..data.tokenizer import Tokenizer
+
+    return Tokenizer.load(path)
+
+
+class Generator:
+    """Generation and scoring over one ``DecodeBackend`` (+ ``score``)."""
+
+    def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
+                 pad_token_id: int, tokenizer=None, name: str = ""):
+        self.backend = backend
+        self.vocab_size, self.max_positions = vocab_size, max_positions
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.tokenizer = tokenizer
+        self.name = name
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_dir(cls, path: str, backend: str = "paddle", tokenizer=None, verify: bool = True,
+                 **options: Any) -> "Generator":
+        """Load an exported directory ("paddle", "onnx") or a checkpoint directory ("dygraph").
+        ``options`` go to the backend (e.g. ``threads`` for onnx, ``options``/``device`` for paddle).
+        ``tokenizer``: a Tokenizer, a directory holding one, or None for the model directory's."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        path = os.fspath(path)
+        if backend == "dygraph":
+            from ..checkpoint import load_model
+            from .dygraph import DygraphBackend
+
+            model = load_model(path, verify=verify)
+            cfg = model.config
+            runner = DygraphBackend(model)
+            info = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
+                        eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
+            has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
+        else:
+            manifest = read_manifest(path)
+            if backend == "paddle":
+                from .predictor import PaddleBackend
+
+                runner = PaddleBackend(manifest, verify=verify, **options)
+            else:
+                from .ort import OrtBackend
+
+                runner = OrtBackend(manifest, verify=verify, **options)
+            info = dict(vocab_size=manifest.vocab_size, max_positions=manifest.max_positions,
+                        eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id)
+            has_tok = bool(manifest.data.get("tokenizer"))
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = _load_tokenizer(tokenizer)
+        elif tokenizer is None and has_tok:
+            tokenizer = _load_tokenizer(path)
+        return cls(runner, tokenizer=tokenizer, name=f"{backend}:{path}", **info)
+
+    # ------------------------------------------------------------------ inputs
+    def encode(self, prompts: Union[Prompt, Sequence[Prompt]]) -> list[list[int]]:
+        """Token ids of one prompt or a list of prompts (strings need the tokenizer)."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
+                                        and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise InputError(f"{self.name} has no tokenizer: pass token-id lists or a tokenizer")
+                p = self.tokenizer.encode(p)
+            out.append([int(t) for t in p])
+        return out
+
+    def _config(self, config: Optional[GenerationConfig], sampling: dict) -> GenerationConfig:
+        cfg = dataclasses.replace(config) if config is not None else GenerationConfig()
+        names = {f.name for f in dataclasses.fields(GenerationConfig)}
+        unknown = sorted(set(sampling) - names)
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        cfg = dataclasses.replace(cfg, **sampling)
+        if cfg.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+        if cfg.decode_strategy == "beam_search" and cfg.num_beams < 1:
+            raise InputError(f"num_beams must be >= 1, got {cfg.num_beams}")
+        return cfg
+
+    def _prepare(self, prompts, config, sampling, truncate):
+        cfg = self._config(config, sampling)
+        ids = check_prompts(self.encode(prompts), self.vocab_size, self.max_positions, cfg.max_new_tokens, truncate)
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else self.eos_token_id
+        if eos is not None and not 0 <= eos < self.vocab_size:
+            eos = None  # e.g. GPT-2's 50256 on a small-vocabulary model: it can never be produced
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else self.pad_token_id
+        if not 0 <= pad < self.vocab_size:
+            # Padding is masked out, but the embedding lookup still reads it: keep it in range.
+            pad = eos if eos is not None and 0 <= eos < self.vocab_size else 0
+        return cfg, ids, eos, pad
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
+                 truncate: bool = False, on_tokens: Optional[Callable[[np.ndarray], None]] = None,
+                 **sampling: Any) -> Generated:
+        """Generate for one prompt or a batch (strings or token-id lists, any lengths).
+        ``sampling``: ``GenerationConfig`` fields (decode_strategy, max_new_tokens, temperature,
+        top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, ...).
+        ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search).
+        ``truncate`` keeps the end of a prompt too long for the context instead of raising."""
+        cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
+        with self._lock:
+            t0 = time.perf_counter()
+            if cfg.decode_strategy == "beam_search":
+                out = beam_search(self.backend, ids, cfg, eos, pad)
+                seqs, scores = out.sequences, out.scores
+            else:
+                seqs, scores = [[] for _ in ids], None
+                alive = [True] * len(ids)
+                for step in stream_tokens(self.backend, ids, cfg, eos, pad):
+                    if on_tokens is not None:
+                        on_tokens(step)
+                    for i, t in enumerate(step):
+                        if alive[i]:
+                            seqs[i].append(int(t))
+                            alive[i] = eos is None or int(t) != eos
+            seconds = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(s) for s in seqs] if self.tokenizer is not None else None
+        return Generated(sequences=seqs, texts=texts, prompt_tokens=[len(p) for p in ids], scores=scores,
+                         seconds=seconds)
+
+    def stream(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
+               truncate: bool = False, **sampling: Any) -> Iterator[np.ndarray]:
+        """Iterator over each step's new tokens (B,) as they are produced (greedy/sampling);
+        rows that already finished yield the pad id. Inputs are checked now; the iterator holds
+        the lock from its first step until it is exhausted or closed."""
+        cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
+        if cfg.decode_strategy == "beam_search":
+            raise InputError("beam search does not stream; call generate()")
+        return self._locked_stream(ids, cfg, eos, pad)
+
+    def _locked_stream(self, ids, cfg, eos, pad) -> Iterator[np.ndarray]:
+        with self._lock:
+            yield from stream_tokens(self.backend, ids, cfg, eos, pad)
+
+    def stream_text(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
+        """Iterator over decoded text pieces of one prompt's continuation (needs the tokenizer).
+        A piece is held back while it ends inside a multi-byte character."""
+        if self.tokenizer is None:
+            raise InputError(f"{self.name} has no tokenizer; use stream() for token ids")
+        steps = self.stream([prompt] if isinstance(prompt, str) else [list(prompt)], **kwargs)
+        return self._text_pieces(steps)
+
+    def _text_pieces(self, steps: Iterator[np.ndarray]) -> Iterator[str]:
+        tokens: list[int] = []
+        shown = ""
+        try:
+            for step in steps:
+                tokens.append(int(step[0]))
+                if self.eos_token_id is not None and tokens[-1] == self.eos_token_id:
+                    break
+                text = self.tokenizer.decode(tokens)
+                if text.endswith("\ufffd"):
+                    continue
+                yield text[len(shown):]
+                shown = text
+        finally:
+            steps.close()  # releases the lock now, not at garbage collection
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Logits (B, T, V) float32 for every position of ``input_ids`` (B, T); ``attention_mask``
+        marks real tokens (left or right padding)."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        if input_ids.ndim != 2 or input_ids.size == 0:
+            raise InputError(f"input_ids must be a non-empty (batch, seq) array, got shape {input_ids.shape}")
+        if input_ids.shape[1] > self.max_positions:
+            raise InputError(f"input_ids has {input_ids.shape[1]} positions; the model's context is "
+                             f"{self.max_positions}")
+        if input_ids.min() < 0 or input_ids.max() >= self.vocab_size:
+            raise InputError(f"input_ids has token ids outside the vocabulary [0, {self.vocab_size})")
+        if attention_mask is not None:
+            attention_mask = np.asarray(attention_mask, dtype=np.int64)
+            if attention_mask.shape != input_ids.shape:
+                raise InputError(f"attention_mask shape {attention_mask.shape} != input_ids shape {input_ids.shape}")
+        with self._lock:
+            return self.backend.score(input_ids, attention_mask)
+
+
+__all__ = ["Generator", "Generated", "InputError", "ModelDirError", "BACKENDS"]

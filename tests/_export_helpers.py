@@ -1,0 +1,103 @@
+"""Shared by test_export.py and test_inference.py: a tiny GPT trained on tinyshakespeare, a
+structurally pruned copy of it, and their exports. Built once per pytest session (cached under
+the session's base temp dir, so both test files reuse them)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+PRUNED_HEADS = [4, 2]  # layer 1 keeps heads 1 and 3 of 4
+PRUNED_FFN = [256, 96]
+LOGIT_ATOL = 1e-4
+
+
+def train_tiny(tok_dir: str, prefix: str, out: Path, steps: int = 200) -> str:
+    """Train a gpt-tiny for ``steps`` AdamW steps on random 64-token windows of the shakespeare
+    fixture and save it with its tokenizer; returns the checkpoint directory.
+
+    A plain loop on purpose: these tests are about export and inference, and must not break
+    while the training stack (``train/``) is being changed. A trained model matters here: its
+    peaked next-token distributions make greedy/beam choices real decisions, not float noise."""
+    import paddle
+    import paddle.nn.functional as F
+
+    from gpt_compress.checkpoint import save_model
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.data.indexed import open_dataset
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.model.gpt import GPTForCausalLM
+
+    paddle.seed(1234)
+    rng = np.random.default_rng(1234)
+    data = open_dataset(prefix)
+    tokens = np.concatenate([np.asarray(data[i], dtype=np.int64) for i in range(len(data))])
+    cfg = ModelConfig.from_preset("gpt-tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = GPTForCausalLM(cfg)
+    opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters(), weight_decay=0.01)
+    model.train()
+    for _ in range(steps):
+        starts = rng.integers(0, len(tokens) - 65, 8)
+        batch = paddle.to_tensor(np.stack([tokens[s:s + 65] for s in starts]))
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape([-1, cfg.vocab_size]), batch[:, 1:].reshape([-1]))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    model.eval()
+    return save_model(model, str(out), tokenizer=Tokenizer.load(tok_dir), extra={"train_loss": float(loss)})
+
+
+def prune_checkpoint(src: str, dst: str) -> str:
+    """A structurally pruned copy of ``src``: layer 1 keeps 2 of its 4 heads, the FFNs keep
+    ``PRUNED_FFN`` columns (weights sliced, so the model stays a trained one)."""
+    from gpt_compress.checkpoint import load_model, save_model
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.model.gpt import GPTForCausalLM
+    from gpt_compress.checkpoint import assign_weights, state_dict_numpy
+
+    model = load_model(src)
+    cfg = model.config
+    w = state_dict_numpy(model)
+    small = ModelConfig.from_dict({**cfg.to_dict(), "layer_num_heads": PRUNED_HEADS, "layer_ffn_sizes": PRUNED_FFN})
+    d = cfg.dim_head
+    for i, (heads, ffn) in enumerate(zip(PRUNED_HEADS, PRUNED_FFN)):
+        p = f"gpt.blocks.{i}."
+        keep = [1, 3] if heads == 2 else list(range(cfg.heads(i)))
+        cols = np.concatenate([np.arange(h * 3 * d, (h + 1) * 3 * d) for h in keep])  # head-major [H, 3, D]
+        rows = np.concatenate([np.arange(h * d, (h + 1) * d) for h in keep])
+        w[p + "attn.qkv.weight"] = w[p + "attn.qkv.weight"][:, cols]
+        w[p + "attn.qkv.bias"] = w[p + "attn.qkv.bias"][cols]
+        w[p + "attn.out.weight"] = w[p + "attn.out.weight"][rows]
+        w[p + "mlp.fc_in.weight"] = w[p + "mlp.fc_in.weight"][:, :ffn]
+        w[p + "mlp.fc_in.bias"] = w[p + "mlp.fc_in.bias"][:ffn]
+        w[p + "mlp.fc_out.weight"] = w[p + "mlp.fc_out.weight"][:ffn]
+    pruned = GPTForCausalLM(small)
+    assign_weights(pruned, w, "pruned")
+    return save_model(pruned, dst, tokenizer=Tokenizer.load(src))
+
+
+def model_dirs(tmp_path_factory, shakespeare) -> dict[str, str]:
+    """{"ckpt", "export", "pruned_ckpt", "pruned_export"}; built on first call in a session."""
+    from gpt_compress.export.static import export
+
+    base = tmp_path_factory.getbasetemp() / "gptc_export_models"
+    dirs = {"ckpt": base / "ckpt_link", "export": base / "export", "pruned_ckpt": base / "pruned_ckpt",
+            "pruned_export": base / "pruned_export"}
+    done = base / "DONE"
+    if not done.exists():
+        base.mkdir(exist_ok=True)
+        tok_dir, prefix = shakespeare
+        ckpt = train_tiny(tok_dir, prefix, base / "ckpt")
+        dirs["ckpt"].write_text(ckpt)
+        export(ckpt, str(dirs["export"]), formats=("paddle", "onnx"))
+        prune_checkpoint(ckpt, str(dirs["pruned_ckpt"]))
+        export(str(dirs["pruned_ckpt"]), str(dirs["pruned_export"]), formats=("paddle", "onnx"))
+        done.write_text("ok")
+    out = {k: str(v) for k, v in dirs.items()}
+    out["ckpt"] = dirs["ckpt"].read_text()
+    return out

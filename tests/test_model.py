@@ -1,0 +1,46 @@
+"""Model behaviours not covered by the HF parity tests: recompute modes, classification head."""
+import numpy as np
+import paddle
+import pytest
+
+from gpt_compress.config import ModelConfig
+from gpt_compress.model.gpt import GPTForCausalLM, GPTForSequenceClassification
+
+
+def _loss_and_grads(recompute, ids, state=None):
+    paddle.seed(0)
+    cfg = ModelConfig.from_preset("gpt-tiny", recompute=recompute, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = GPTForCausalLM(cfg)
+    if state is not None:
+        model.set_state_dict(state)
+    model.train()
+    logits = model(paddle.to_tensor(ids[:, :-1]))
+    loss = paddle.nn.functional.cross_entropy(logits.reshape([-1, cfg.vocab_size]),
+                                              paddle.to_tensor(ids[:, 1:]).reshape([-1]))
+    loss.backward()
+    return float(loss), {n: p.grad.numpy() for n, p in model.named_parameters()}, model.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["full", "full_attn", "core_attn"])
+def test_recompute_gives_same_loss_and_gradients(mode):
+    ids = np.random.RandomState(0).randint(0, 1024, (2, 33))
+    ref_loss, ref_grads, state = _loss_and_grads("none", ids)
+    loss, grads, _ = _loss_and_grads(mode, ids, state)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for n, g in ref_grads.items():
+        np.testing.assert_allclose(grads[n], g, atol=1e-6, err_msg=n)
+
+
+def test_classifier_pools_last_real_token():
+    paddle.seed(0)
+    cfg = ModelConfig.from_preset("gpt-tiny", num_labels=3)
+    model = GPTForSequenceClassification(cfg)
+    model.eval()
+    ids = np.random.RandomState(1).randint(1, 1024, (2, 10))
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0  # second row: 6 real tokens, right-padded
+    padded = model(paddle.to_tensor(ids), attention_mask=paddle.to_tensor(mask)).numpy()
+    alone = model(paddle.to_tensor(ids[1:, :6])).numpy()
+    np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
+    assert padded.shape == (2, 3)
