@@ -47,28 +47,28 @@ def _counted(labels: paddle.Tensor, loss_mask: Optional[paddle.Tensor]) -> paddl
     return valid
 
 
-def _head_ce(hidden, weight, targets, scale, vocab_major: bool, chunk: int, with_grads: bool):
-    """sum_i scale_i * CE(logits_i, target_i) and, with ``with_grads``, its gradients w.r.t.
-    ``hidden`` (N, H) and ``weight``. hidden (N, H); targets (N,) in [0, V); scale (N, 1)."""
+def _head_ce(hidden, weight, targets, vocab_major: bool, chunk: int, with_grads: bool):
+    """Sum over rows of CE(logits_i, target_i) and, with ``with_grads``, the gradients of that sum
+    w.r.t. ``hidden`` and ``weight``. hidden (N, H); weight (V, H) if vocab_major else (H, V);
+    targets (N,) in [0, V)."""
     loss = paddle.zeros([], dtype="float32")
     grad_hidden, grad_weight = [], None
     for start in range(0, hidden.shape[0], chunk):
         h = hidden[start:start + chunk]  # (n, H)
-        w = scale[start:start + chunk]  # (n, 1)
         logits = paddle.matmul(h, weight, transpose_y=vocab_major)  # (n, V)
         row_loss, probs = base_softmax_with_cross_entropy(
             logits, targets[start:start + chunk].unsqueeze(-1), return_softmax=True)  # (n, 1), (n, V)
         del logits
-        loss = loss + (row_loss * w).sum()
+        loss = loss + row_loss.sum()
         if not with_grads:
             continue
         # d CE / d logits = softmax - onehot(target): the softmax part here, the one-hot part
-        # after the loop on (N, H) tensors. Row weights are applied on the (n, H) side.
-        grad_hidden.append(paddle.matmul(probs, weight, transpose_y=not vocab_major) * w)  # (n, H)
+        # once after the loop, as a gather / index_add on (N, H) tensors.
+        grad_hidden.append(paddle.matmul(probs, weight, transpose_y=not vocab_major))  # (n, H)
         if vocab_major:
-            part = paddle.matmul(probs, h * w, transpose_x=True)  # (V, H)
+            part = paddle.matmul(probs, h, transpose_x=True)  # (V, H)
         else:
-            part = paddle.matmul(h * w, probs, transpose_x=True)  # (H, V)
+            part = paddle.matmul(h, probs, transpose_x=True)  # (H, V)
         del probs
         if grad_weight is None:
             grad_weight = part
@@ -78,29 +78,30 @@ def _head_ce(hidden, weight, targets, scale, vocab_major: bool, chunk: int, with
     if not with_grads:
         return loss, None, None
     grad_hidden = paddle.concat(grad_hidden, axis=0) if len(grad_hidden) > 1 else grad_hidden[0]
-    weighted = hidden * scale  # (N, H)
     if vocab_major:
-        grad_hidden = grad_hidden - paddle.gather(weight, targets) * scale
-        grad_weight.index_add_(targets, 0, -weighted)
+        grad_hidden = grad_hidden - paddle.gather(weight, targets)
+        grad_weight.index_add_(targets, 0, -hidden)
     else:
-        grad_hidden = grad_hidden - paddle.gather(weight, targets, axis=1).t() * scale
-        grad_weight.index_add_(targets, 1, -weighted.t())
+        grad_hidden = grad_hidden - paddle.gather(weight, targets, axis=1).t()
+        grad_weight.index_add_(targets, 1, -hidden.t())
     return loss, grad_hidden, grad_weight
 
 
 class _FusedHeadCrossEntropy(PyLayer):
-    """The head + cross-entropy as one autograd node; gradients are computed in forward."""
+    """Mean CE of the LM head as one autograd node; the gradients are computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, scale, vocab_major: bool, chunk: int):
-        loss, grad_hidden, grad_weight = _head_ce(hidden, weight, targets, scale, vocab_major, chunk, True)
+    def forward(ctx, hidden, weight, targets, vocab_major: bool, chunk: int):
+        loss, grad_hidden, grad_weight = _head_ce(hidden, weight, targets, vocab_major, chunk, True)
+        ctx.rows = hidden.shape[0]
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss
+        return loss / ctx.rows
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensor()
-        return grad_hidden * grad_loss, grad_weight * grad_loss
+        scale = grad_loss / ctx.rows
+        return grad_hidden * scale, grad_weight * scale
 
 
 def lm_loss(model, input_ids: paddle.Tensor, labels: paddle.Tensor,
@@ -123,7 +124,8 @@ def causal_lm_loss(model, batch: dict) -> paddle.Tensor:
 def lm_head_loss(model, hidden: paddle.Tensor, labels: paddle.Tensor,
                  loss_mask: Optional[paddle.Tensor] = None, chunk: int = DEFAULT_CHUNK) -> paddle.Tensor:
     """``lm_loss`` from the final hidden states (B, T, H) of ``model.gpt``."""
-    if not paddle.in_dynamic_mode():  # PyLayer is eager-only; under to_static use the plain math
+    if not paddle.in_dynamic_mode() or hidden.dtype != paddle.float32:
+        # PyLayer is eager-only (to_static gets the plain math), and the fused path is fp32-only.
         return _masked_mean_ce(model.logits(hidden), labels, loss_mask)
     hidden = hidden.reshape([-1, hidden.shape[-1]])  # (N, H)
     weight, vocab_major = head_weight(model)
@@ -134,10 +136,9 @@ def lm_head_loss(model, hidden: paddle.Tensor, labels: paddle.Tensor,
     if keep.shape[0] < counted.shape[0]:
         hidden = paddle.gather(hidden, keep)
     targets = paddle.gather(labels.reshape([-1]), keep)
-    scale = paddle.full([keep.shape[0], 1], 1.0 / keep.shape[0], dtype="float32")
     if not paddle.is_grad_enabled() or (hidden.stop_gradient and weight.stop_gradient):
-        return _head_ce(hidden, weight, targets, scale, vocab_major, chunk, with_grads=False)[0]
-    return _FusedHeadCrossEntropy.apply(hidden, weight, targets, scale, vocab_major, chunk)
+        return _head_ce(hidden, weight, targets, vocab_major, chunk, with_grads=False)[0] / keep.shape[0]
+    return _FusedHeadCrossEntropy.apply(hidden, weight, targets, vocab_major, chunk)
 
 
 def lm_loss_reference(model, input_ids: paddle.Tensor, labels: paddle.Tensor,
