@@ -99,6 +99,8 @@ class Manifest:
 
 
 def _sha256(path: str, chunk: int = 1 << 22) -> str:
+    # Same as checkpoint.sha256_file, kept here so a serving process never imports checkpoint.py
+    # (tests/test_inference.py checks the modules a fresh serving process loads).
     import hashlib
 
     h = hashlib.sha256()
