@@ -1,24 +1,23 @@
 """Process-wide CPU settings that decide Paddle's training speed; call ``tune_cpu()`` before the first matmul.
 
-Measured on a 2-core AMD EPYC (Zen 4) VM, gpt-bench, batch 8 x seq 256, fp32; all three are
-exact (same kernels' math, different dispatch/memory) and each can be turned off:
+Measured on a 2-core AMD EPYC (Zen 4) VM, gpt-bench train step (batch 8 x seq 256, fp32, AdamW),
+one quiet window: none 7.7 s, +mkl_amd 4.0 s, +no strided views 3.4 s, +malloc 3.0 s
+(``bench/forward.py --tune ...``). All three leave the math unchanged; each can be turned off.
 
 * ``mkl_amd``: Paddle 3.3.1 ships an old MKL (``libmklml_intel.so``) that takes a slow generic
-  GEMM path on non-Intel CPUs. ``MKL_DEBUG_CPU_TYPE=5`` selects its AVX2 kernels: fp32 matmuls
-  go from 60-80 to 150-210 GFLOP/s and a train step from ~8 s to ~4.5 s. MKL reads the variable
-  at its first BLAS call (setting it after ``import paddle`` works; after a matmul it does
-  nothing). Set only on AuthenticAMD: on Intel it would replace AVX-512 with AVX2.
-* ``strided_views=False``: with ``FLAGS_use_stride_kernel`` on (Paddle's default), slices and
-  transposes are strided views and the kernels that consume them (and their gradients) fall
-  back to slow element-wise copies: the backward of the q/k/v slices alone took 0.3 s per step.
-  Off, views are materialised by the fast copy kernels: ~0.5 s less per train step (of ~3.5 s).
-  Code that writes in place into a slice to change its base tensor would stop doing so; nothing
-  in this package does.
-* ``malloc``: glibc serves blocks above its mmap threshold (128 KB, at most 32 MB) with fresh
-  pages, and the page faults cost more than the op (an out-of-place ``exp`` of 26 MB: 16 ms, in
-  place: 5 ms). ``M_MMAP_MAX=0`` serves every block from the heap and a 1 GB trim threshold keeps
-  freed memory for reuse: ~5% per step, more for code that allocates [N, vocab] logits. The
-  price is that freed memory is not returned to the OS while the process runs.
+  GEMM path on non-Intel CPUs; ``MKL_DEBUG_CPU_TYPE=5`` selects its AVX2 kernels (fp32 GEMMs
+  60-80 -> 150-210 GFLOP/s). MKL reads the variable at its first BLAS call: setting it after
+  ``import paddle`` works, after a matmul it does nothing. Set only on AuthenticAMD (on Intel it
+  would trade AVX-512 for AVX2).
+* ``strided_views=False``: with ``FLAGS_use_stride_kernel`` on (Paddle's default) slices and
+  transposes are strided views, and the kernels that consume them and their gradients fall back
+  to slow element-wise copies (the q/k/v slices' backward alone took 0.3 s per step). Off, views
+  are materialised by the fast copy kernels. Code that writes in place into a slice to change its
+  base tensor would stop doing so; the test suite passes with it off.
+* ``malloc``: glibc serves blocks above its mmap threshold (128 KB to 32 MB) with fresh pages
+  whose faults cost more than the op (an out-of-place ``exp`` of 26 MB: 16 ms; in place: 5 ms).
+  ``M_MMAP_MAX=0`` serves every block from the heap and a 1 GB trim threshold keeps freed memory
+  for reuse. The price: memory freed by the process is not returned to the OS until it exits.
 """
 from __future__ import annotations
 

@@ -265,11 +265,11 @@ def test_format_missing_from_directory_is_explained(dirs, tmp_path):
 def test_cli_export_model_entry_point(dirs, tmp_path):
     out = tmp_path / "cli_out"
     proc = subprocess.run([sys.executable, "-m", "gpt_compress", "export", "--model", dirs["pruned_ckpt"],
-                           "--output", str(out), "--format", "paddle"], env=ENV, cwd=ROOT,
+                           "--output", str(out), "--format", "all"], env=ENV, cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["formats"] == ["paddle"] and "model.pdiparams" in summary["files"]
+    summary = json.loads(proc.stdout)  # stdout holds only the JSON summary
+    assert summary["formats"] == ["paddle", "onnx"] and "model.onnx.data" in summary["files"]
     # A directory that is not a checkpoint: exit 1 and a message naming the file.
     proc = subprocess.run([sys.executable, "-m", "gpt_compress", "export", "--model", str(tmp_path / "nope"),
                            "--output", str(tmp_path / "x")], env=ENV, cwd=ROOT, capture_output=True, text=True)
@@ -317,4 +317,24 @@ def test_batched_decode_with_bucketed_cache_matches_dygraph(dirs, bucket):
     outs = {b: gens[b].generate(prompts, max_new_tokens=33) for b in BACKENDS}
     for b in ("paddle", "onnx"):
         assert outs[b].sequences == outs["dygraph"].sequences, b
+    _assert_step_parity(gens)
+
+
+def test_untied_lm_head_exports_with_parity(tmp_path):
+    import paddle
+
+    from gpt_compress.checkpoint import save_model
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.model.gpt import GPTForCausalLM
+
+    paddle.seed(3)
+    cfg = ModelConfig.from_preset("gpt-tiny", tie_word_embeddings=False, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, initializer_range=0.2)
+    ckpt = save_model(GPTForCausalLM(cfg), str(tmp_path / "ckpt"))
+    out = export(ckpt, str(tmp_path / "exported"), formats=("paddle", "onnx"))  # validates vs dygraph
+    gens = {b: Generator.from_dir(ckpt if b == "dygraph" else out, backend=b) for b in BACKENDS}
+    for g in gens.values():
+        g.backend = Recorder(g.backend)
+    outs = {b: g.generate([[5, 6, 7], [9]], max_new_tokens=9).sequences for b, g in gens.items()}
+    assert outs["paddle"] == outs["dygraph"] and outs["onnx"] == outs["dygraph"]
     _assert_step_parity(gens)

@@ -199,3 +199,14 @@ def test_min_new_tokens_with_an_eos_outside_the_vocabulary(gens):
     assert gens["onnx"].eos_token_id == 50256
     out = gens["onnx"].generate([[1, 2, 3]], max_new_tokens=5, min_new_tokens=5)
     assert len(out.sequences[0]) == 5
+
+
+@pytest.mark.parametrize("backend", ["paddle", "onnx"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_repeated_generations_on_one_backend_are_identical(dirs, gens, backend, batch):
+    """Regression: Paddle's run(list) returns tensors aliasing the predictor's variables; a
+    second generation once overwrote its own cache and diverged from the 4th token on."""
+    g = Generator.from_dir(dirs["export"], backend=backend)
+    prompts = [[3, 4, 5], [10, 11], [100, 200, 300, 400], [7]][:batch]
+    ref = gens["dygraph"].generate(prompts, max_new_tokens=12).sequences
+    assert [g.generate(prompts, max_new_tokens=12).sequences for _ in range(3)] == [ref] * 3

@@ -20,9 +20,11 @@ What we do to paddle2onnx's output, each step a function below:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+import sys
 
 from ..inference.manifest import PROGRAMS
 
@@ -43,6 +45,21 @@ def _onnx():
     return onnx, paddle2onnx
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """paddle2onnx's C++ core prints progress on file descriptor 1; keep stdout for results
+    (``gptc export`` and ``bench/decode.py`` print JSON there)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17):
     """One Paddle program -> an in-memory ``onnx.ModelProto`` (nothing installed, nothing optimized
     beyond paddle2onnx's own C++ passes)."""
@@ -50,8 +67,9 @@ def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17):
     from .static import ExportError
 
     try:
-        raw = paddle2onnx.export(model_file, params_file, save_file=None, opset_version=opset,
-                                 auto_upgrade_opset=False, enable_onnx_checker=True, enable_optimize=True)
+        with _stdout_to_stderr():
+            raw = paddle2onnx.export(model_file, params_file, save_file=None, opset_version=opset,
+                                     auto_upgrade_opset=False, enable_onnx_checker=True, enable_optimize=True)
     except Exception as e:  # paddle2onnx logs the real error, then fails on its undefined result
         raise ExportError(f"paddle2onnx could not convert {model_file}: {e}") from None
     if not raw:

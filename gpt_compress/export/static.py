@@ -54,39 +54,9 @@ class TransposedEmbedding(nn.Layer):
         return paddle.transpose(cols, [1, 0]).reshape([shape[0], shape[1], self.hidden])
 
 
-class TransposedLinear(nn.Layer):
-    """An ``nn.Linear`` whose weight is stored (out, in). For a batch-1 product (1, K) x (K, N)
-    with K > N (the MLP's down projection) MKL's GEMV is ~1.6x faster on this layout (169 vs
-    272 us for 1536 -> 384 on one core); other shapes are fastest as ``nn.Linear`` stores them."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        fan_in, fan_out = linear.weight.shape
-        self.weight_t = self.create_parameter([fan_out, fan_in], dtype=linear.weight.dtype)
-        self.weight_t.set_value(paddle.transpose(linear.weight, [1, 0]))
-        self.bias = linear.bias
-
-    def forward(self, x):
-        y = paddle.matmul(x, self.weight_t, transpose_y=True)
-        return y if self.bias is None else y + self.bias
-
-
-def _transpose_narrowing_linears(layer: nn.Layer) -> int:
-    """Swap every ``nn.Linear`` with more inputs than outputs for a ``TransposedLinear``."""
-    swapped = 0
-    for name, child in list(layer.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.shape[0] > child.weight.shape[1]:
-            setattr(layer, name, TransposedLinear(child))
-            swapped += 1
-        else:
-            swapped += _transpose_narrowing_linears(child)
-    return swapped
-
-
 class ExportableLM(nn.Layer):
-    """The three inference entry points around one ``GPTForCausalLM``, mutated in place for
-    fast GEMVs: a tied ``gpt.wte`` becomes a ``TransposedEmbedding``, narrowing Linears
-    ``TransposedLinear``s. The math is unchanged; only weight layouts differ."""
+    """The three inference entry points around one ``GPTForCausalLM`` (mutated in place: with
+    tied embeddings its ``gpt.wte`` becomes a ``TransposedEmbedding``; the math is unchanged)."""
 
     def __init__(self, model):
         super().__init__()
@@ -94,7 +64,6 @@ class ExportableLM(nn.Layer):
         self.tied = model.config.tie_word_embeddings
         if self.tied:
             model.gpt.wte = TransposedEmbedding(model.gpt.wte.weight)
-        _transpose_narrowing_linears(model.gpt)
 
     def _logits(self, hidden):
         if self.tied:

@@ -18,17 +18,24 @@ op (10.5 vs 14 ms per ``gpt-bench`` step); oneDNN is ~30% slower than MKL on (1,
 From a few rows on, MKL's small-M GEMM is ~2x slower than oneDNN's on this CPU, so batched
 decode uses oneDNN, whose per-shape kernel rebuilds the bucketed cache avoids (see below).
 
-Zero copy: inputs and outputs are ``paddle.Tensor``s passed to ``Predictor.run(list)``; the KV
-cache returned by one step is fed to the next as is, never through numpy. Only the (B, V)
-logits are copied out.
+Inputs and outputs are ``paddle.Tensor``s passed to ``Predictor.run(list)``: no numpy round
+trip for the KV cache. But the returned tensors share memory with the predictor's own
+variables, which its next run overwrites in place once they are large enough (a second
+generation then read a cache being written: wrong tokens from the 4th step on). So cache
+outputs we keep are cloned, once per step (~0.2 ms at batch 1), or, on the bucketed path,
+only the new positions are copied into our own buffers. The (B, V) logits go to numpy.
 
-Thread safety: a predictor must not run two requests at once. ``PaddleBackend`` does not lock;
-``runner.Generator`` serialises calls. For parallel serving give each thread its own backend
-from ``clone()`` (``Predictor.clone()`` shares the weights).
+Threads: a Paddle predictor keeps per-thread state (oneDNN kernel caches, the math library's
+thread count); run from a thread other than the one that first ran it, it failed with
+``RuntimeError: std::exception`` and gave slightly different logits. So every call of a
+``PaddleBackend`` (from any thread) is executed by the backend's own single worker thread,
+which also serialises them. For parallel serving give each thread its own backend from
+``clone()`` (``Predictor.clone()`` shares the weights).
 """
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -126,16 +133,25 @@ class PaddleBackend:
             verify_files(self.manifest.path, names)
         self._predictors: dict[str, pi.Predictor] = {}
         self._place = paddle.CUDAPlace(gpu_id) if device == "gpu" else paddle.CPUPlace()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-predictor")
+
+    def _call(self, fn, *args):
+        """Run ``fn(*args)`` on this backend's worker thread (see the module docstring)."""
+        return self._worker.submit(fn, *args).result()
 
     def clone(self) -> "PaddleBackend":
-        """A backend for another thread: ``Predictor.clone()`` shares the weights."""
+        """An independent backend (own worker thread) whose predictors share these weights."""
         other = object.__new__(PaddleBackend)
         other.__dict__.update(self.__dict__)
-        other._predictors = {k: p.clone() for k, p in self._predictors.items()}
+        other._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-predictor")
+        other._predictors = self._call(lambda: {k: p.clone() for k, p in self._predictors.items()})
         return other
 
     def predictor(self, role: str) -> pi.Predictor:
-        """The predictor of ``role`` (a key of ``ROLES``), created on first use."""
+        """The predictor of ``role`` (a key of ``ROLES``), created on first use (by the worker)."""
+        return self._call(self._predictor, role)
+
+    def _predictor(self, role: str) -> pi.Predictor:
         if role not in self._predictors:
             files = self._files[ROLES[role]]
             try:
@@ -147,7 +163,7 @@ class PaddleBackend:
         return self._predictors[role]
 
     def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
-        pred = self.predictor(role)
+        pred = self._predictor(role)
         outs = pred.run([feeds[n] for n in pred.get_input_names()])
         order = {n: i for i, n in enumerate(pred.get_output_names())}
         return [outs[order[n]] for n in self.manifest.program(ROLES[role])["paddle_output_names"]]
@@ -163,14 +179,28 @@ class PaddleBackend:
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
         """Prompt (B, T) -> last logits (B, V) float32, cache."""
-        outs = self._run("prefill", {"input_ids": self._tensor(input_ids),
-                                     "attention_mask": self._tensor(attention_mask)})
-        return outs[0].numpy(), PaddleCache(outs[1:], int(input_ids.shape[1]))
+        return self._call(self._prefill, input_ids, attention_mask)
 
-    @paddle.no_grad()
     def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: PaddleCache):
         """New tokens (B, T) with the full mask (B, S + T) -> logits (B, V), grown cache.
         A bucketed cache is updated in place: do not reuse ``cache`` after this call."""
+        return self._call(self._decode, input_ids, attention_mask, cache)
+
+    def reorder_cache(self, cache: PaddleCache, rows: np.ndarray) -> PaddleCache:
+        """Gather cache rows (beam search)."""
+        return self._call(self._reorder_cache, cache, rows)
+
+    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
+        return self._call(self._score, input_ids, attention_mask)
+
+    def _prefill(self, input_ids, attention_mask):
+        outs = self._run("prefill", {"input_ids": self._tensor(input_ids),
+                                     "attention_mask": self._tensor(attention_mask)})
+        return outs[0].numpy(), PaddleCache([t.clone() for t in outs[1:]], int(input_ids.shape[1]))
+
+    @paddle.no_grad()
+    def _decode(self, input_ids, attention_mask, cache):
         batch, new = input_ids.shape
         s, tensors = cache.length, cache.tensors
         cap = int(tensors[0].shape[2])
@@ -192,18 +222,16 @@ class PaddleBackend:
             feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = tensors[2 * i], tensors[2 * i + 1]
         outs = self._run(role, feeds)
         if not bucketed:
-            return outs[0].numpy(), PaddleCache(outs[1:], s + new)
+            return outs[0].numpy(), PaddleCache([t.clone() for t in outs[1:]], s + new)
         for t, present in zip(tensors, outs[1:]):  # (B, H, cap + new, D) -> slots s .. s + new
             t[:, :, s:s + new] = present[:, :, cap:cap + new]
         return outs[0].numpy(), PaddleCache(tensors, s + new)
 
-    def reorder_cache(self, cache: PaddleCache, rows: np.ndarray) -> PaddleCache:
-        """Gather cache rows (beam search)."""
+    def _reorder_cache(self, cache, rows):
         idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64), place=self._place)
         return PaddleCache([paddle.index_select(t, idx, axis=0) for t in cache.tensors], cache.length)
 
-    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
-        """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
+    def _score(self, input_ids, attention_mask):
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
         outs = self._run("forward", {"input_ids": self._tensor(input_ids),
