@@ -158,3 +158,64 @@ def test_glue_sst2_finetune_beats_chance(dirs, shared_data, tmp_path):
     assert result["num_dev"] == 872
     # Chance (majority class) is 444/872 = 50.9%; threshold 65%.
     assert result["metrics"]["accuracy"] > 0.65, result
+
+
+def _png_size(path):
+    """(width, height) of a PNG, read from its IHDR chunk; fails on anything else."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_report_tables_and_plots_real_results(dirs, wiki_part, shared_data, tmp_path):
+    """`gptc eval --output` results of a dense and a pruned model on two backends, through `gptc
+    report`: one row per model x backend with both tasks merged, sizes from the weight files,
+    and a size-vs-quality PNG."""
+    results = []
+    for model, backend in ((dirs["ckpt"], "dygraph"), (dirs["export"], "onnx"), (dirs["pruned_export"], "paddle")):
+        for task, data, extra in (("wikitext", wiki_part, ["--input-format", "raw"]),
+                                  ("lambada", str(shared_data / "lambada_test.jsonl"), ["--limit", "40"])):
+            out = tmp_path / f"{os.path.basename(model)}-{backend}-{task}.json"
+            res = subprocess.run([sys.executable, "-m", "gpt_compress", "eval", "--model", model, "--backend", backend,
+                                  "--task", task, "--data", data, *extra, "--output", str(out), "--no-progress"],
+                                 capture_output=True, text=True, cwd=ROOT)
+            assert res.returncode == 0, res.stderr[-2000:]
+            results.append(json.loads(out.read_text()))
+    paths = []
+    for i, r in enumerate(results):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(r))
+        paths.append(str(tmp_path / f"r{i}.json"))
+    report_dir = tmp_path / "report"
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "report", "--results", *paths,
+                          "--name", f"{dirs['pruned_export']}=pruned", "--output", str(report_dir)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    md = (report_dir / "report.md").read_text()
+    table = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert len(table) == 1 + 3, md  # header + one row per model x backend
+    rows = json.loads((report_dir / "results.json").read_text())
+    by = {(r["name"], r["backend"]): r for r in rows}
+    dense, pruned = by[(os.path.basename(dirs["ckpt"]), "dygraph")], by[("pruned", "paddle")]
+    for r, src in zip(rows, results[::2]):
+        assert r["wikitext_ppl"] == src["ppl"] and r["lambada_acc"] is not None
+    # Dense weights: the safetensors file; pruned: fewer parameters in its .pdiparams.
+    assert dense["size_mb"] == pytest.approx(os.path.getsize(os.path.join(dirs["ckpt"], "model.safetensors")) / 2**20, abs=1e-3)
+    assert pruned["size_mb"] < by[(os.path.basename(dirs["export"]), "onnx")]["size_mb"]
+    assert f"{dense['wikitext_ppl']:.3f}" in md
+    w, h = _png_size(report_dir / "size_vs_quality.png")
+    assert w > 300 and h > 200 and os.path.getsize(report_dir / "size_vs_quality.png") > 10_000
+
+
+def test_report_rejects_bad_inputs(tmp_path):
+    from gpt_compress.eval.report import load_rows, markdown_table, read_train_log
+
+    bad = tmp_path / "log.jsonl"
+    bad.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n')
+    with pytest.raises(ValueError, match=r"log\.jsonl:2: malformed JSON"):
+        read_train_log(str(bad))
+    (tmp_path / "r.json").write_text(json.dumps({"task": "wikitext", "ppl": 3.0}))
+    with pytest.raises(ValueError, match="without 'model'/'backend'"):
+        load_rows([str(tmp_path / "r.json")])
+    with pytest.raises(ValueError, match="unknown report column"):
+        markdown_table([], ["name", "speed"])

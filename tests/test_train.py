@@ -148,3 +148,12 @@ def test_pretraining_learns_shakespeare(shakespeare, tmp_path):
     # Observed: unigram ~5.4 nats, trained ~4.2 after 300 steps (about 1 minute).
     assert summary["valid_loss"] < unigram - 0.8, (summary, unigram)
     assert summary["valid_loss"] < untrained - 2.0
+
+    # The log feeds the report's loss-curve plot: 300 train points, the final validation point.
+    from gpt_compress.eval.report import plot_loss_curves, read_train_log
+
+    train_pts, val_pts = read_train_log(os.path.join(out, "train_log.jsonl"))
+    assert [s for s, _ in train_pts] == list(range(1, 301)) and val_pts[-1][0] == 300
+    png = plot_loss_curves({"tiny": os.path.join(out, "train_log.jsonl")}, str(tmp_path / "loss.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
