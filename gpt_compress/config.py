@@ -238,6 +238,116 @@ class GenerationConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How one run spreads over processes: data, tensor and pipeline parallel, sharding.
+
+    The batch sizes stay in ``Engine``: ``global_batch_size = micro_batch_size x accumulate
+    x dp_degree x sharding_degree`` (sharding ranks read different data, like dp ranks).
+    ``gpt_compress/parallel/`` applies the layout; ``validate`` checks it against the launch.
+    """
+
+    dp_degree: int = 1  # data-parallel replicas (gradients all-reduced)
+    mp_degree: int = 1  # tensor (model) parallel ranks: heads, FFN and vocab split across them
+    pp_degree: int = 1  # pipeline stages (whole blocks per stage)
+    sharding_degree: int = 1  # data-parallel ranks that also shard optimizer state (ZeRO)
+    sharding_stage: int = 1  # 1: optimizer state, 2: + gradients, 3: + parameters
+    virtual_pp_degree: int = 1  # interleaved pipeline chunks per stage
+    sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence (mp > 1)
+    pp_micro_batches: int = 0  # pipeline micro-batches per step; 0: Engine's accumulation steps
+
+    def __post_init__(self) -> None:
+        for key in ("dp_degree", "mp_degree", "pp_degree", "sharding_degree", "virtual_pp_degree"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"Parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.sharding_stage not in (1, 2, 3):
+            raise ConfigError(f"Parallel.sharding_stage must be 1, 2 or 3, got {self.sharding_stage}")
+        if self.sequence_parallel and self.mp_degree == 1:
+            raise ConfigError("Parallel.sequence_parallel needs Parallel.mp_degree > 1")
+
+    @property
+    def world_size(self) -> int:
+        """Processes this layout needs: dp x sharding x mp x pp."""
+        return self.dp_degree * self.sharding_degree * self.mp_degree * self.pp_degree
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different samples: dp x sharding."""
+        return self.dp_degree * self.sharding_degree
+
+    @property
+    def enabled(self) -> bool:
+        """True when the layout spans more than one process."""
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        """``dp 2 x mp 2`` style summary of the degrees above 1 (``single process`` if none)."""
+        parts = [f"{n} {v}" for n, v in (("dp", self.dp_degree), ("sharding", self.sharding_degree),
+                                          ("mp", self.mp_degree), ("pp", self.pp_degree)) if v > 1]
+        return " x ".join(parts) or "single process"
+
+    def validate(self, world_size: int) -> None:
+        """Raise ``ConfigError`` unless the degrees multiply to the launched ``world_size``."""
+        if self.world_size != world_size:
+            terms = " x ".join(f"{n} {v}" for n, v in (("dp", self.dp_degree), ("sharding", self.sharding_degree),
+                                                        ("mp", self.mp_degree), ("pp", self.pp_degree))
+                               if v > 1 or n in ("dp", "mp", "pp"))
+            hint = ("launch with python -m paddle.distributed.launch --nproc_per_node "
+                    f"{self.world_size}" if world_size == 1 else "change the Parallel degrees or the launch")
+            raise ConfigError(f"Parallel: {terms} = {self.world_size} but {world_size} "
+                              f"process{'es were' if world_size != 1 else ' was'} launched; {hint}")
+
+
+@dataclass
+class PipelineConfig:
+    """`gptc pipeline`: text -> pretrained -> pruned + distilled -> QAT int8 -> exported -> evaluated.
+    The other sections configure pretraining; each later stage adds its own ``*_overrides``."""
+
+    corpus: list[str] = field(default_factory=lambda: ["stdlib"])  # JSONL/text files or dirs; "stdlib": embedded
+    corpus_max_bytes: int = 4_000_000  # size of the embedded standard-library corpus
+    heldout_fraction: float = 0.05  # JSONL documents kept out of training as the perplexity text
+    tokenizer_dir: str = ""  # an existing tokenizer; "" trains a byte-level BPE of Model.vocab_size
+    init_from: str = ""  # start from this checkpoint (ours or a Hugging Face GPT-2 dir) instead of pretraining
+    prune: bool = True  # prune heads/FFN channels of the base model (the Prune section, plus prune_overrides)
+    distill: bool = True  # distill the base model into the pruned one (needs prune)
+    qat: bool = True  # quantization-aware training of the last float model, int8 export
+    pretrain_overrides: list[str] = field(default_factory=list)  # "Section.key=value" for pretraining only
+    prune_overrides: list[str] = field(default_factory=list)  # ... for `gptc prune`
+    distill_overrides: list[str] = field(default_factory=list)  # ... for `gptc distill`
+    qat_overrides: list[str] = field(default_factory=list)  # ... for `gptc qat`
+    formats: list[str] = field(default_factory=lambda: ["paddle", "onnx"])  # export formats to build and evaluate
+    eval_wikitext: str = ""  # perplexity text (WikiText raw/tokens); "" uses the held-out corpus documents
+    eval_input_format: str = "raw"  # raw | raw-hf-rows | tokens
+    eval_max_chars: int = 0  # score only the first N characters of the perplexity text (0: all)
+    eval_lambada: str = ""  # lambada_test.jsonl; "" skips LAMBADA
+    lambada_limit: int = 0  # LAMBADA: only the first N examples (0: all)
+    eval_seq_len: int = 0  # evaluation window; 0: the model's context
+    speed_prompt_tokens: int = 32  # decode speed: prompt length (batch 1, greedy)
+    speed_new_tokens: int = 32  # decode speed: generated tokens per run
+    speed_reps: int = 3  # decode speed: timed runs (median)
+
+    def __post_init__(self) -> None:
+        if not self.corpus and not self.init_from:
+            raise ConfigError("Pipeline.corpus is empty: give JSONL/text files, or [stdlib]")
+        if not 0.0 <= self.heldout_fraction < 0.5:
+            raise ConfigError(f"Pipeline.heldout_fraction must be in [0, 0.5), got {self.heldout_fraction}")
+        if self.distill and not self.prune:
+            raise ConfigError("Pipeline.distill needs Pipeline.prune (the student is the pruned model)")
+        bad = [f for f in self.formats if f not in ("paddle", "onnx")]
+        if bad or not self.formats:
+            raise ConfigError(f"Pipeline.formats must be a non-empty subset of [paddle, onnx], got {self.formats}")
+        if self.eval_input_format not in ("raw", "raw-hf-rows", "tokens"):
+            raise ConfigError(f"Pipeline.eval_input_format must be raw, raw-hf-rows or tokens, "
+                              f"got {self.eval_input_format!r}")
+        for key in ("speed_prompt_tokens", "speed_new_tokens", "speed_reps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"Pipeline.{key} must be >= 1, got {getattr(self, key)}")
+
+
+# Defined beside its transforms (gpt_compress/qat/); pure Python, imports nothing from Paddle.
+from .qat.config import QuantConfig  # noqa: E402
+
+
+@dataclass
 class Config:
     """The whole configuration of a run: one dataclass per YAML section."""
 
@@ -247,6 +357,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         """Sections keyed by their YAML names."""
@@ -261,6 +372,7 @@ SECTIONS: dict[str, str] = {
     "Engine": "engine",
     "Optimizer": "optimizer",
     "Generation": "generation",
+    "Parallel": "parallel",
 }
 
 

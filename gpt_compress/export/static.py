@@ -130,12 +130,13 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def save_paddle_programs(model, out_dir: str) -> dict[str, dict[str, str]]:
+def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None) -> dict[str, dict[str, str]]:
     """``paddle.jit.save`` the three programs of ``model`` into ``out_dir`` with one shared
     params file. Returns ``{program: {"model": file, "params": file}}`` (names relative to out_dir).
-    ``model`` is mutated (see ``ExportableLM``); pass a model you will not train further."""
+    ``model`` is mutated (see ``ExportableLM``); pass a model you will not train further.
+    ``wrapper``: an ``ExportableLM`` subclass instance around ``model`` (tensor-parallel shards)."""
     model.eval()
-    wrapper = ExportableLM(model)
+    wrapper = wrapper or ExportableLM(model)
     specs = _input_specs(model.config)
     for name in PROGRAMS:
         setattr(wrapper, name, paddle.jit.to_static(getattr(wrapper, name), input_spec=specs[name], full_graph=True))

@@ -60,8 +60,10 @@ def set_rng_state(state: dict) -> None:
     paddle.set_rng_state(gens)
 
 
-def _optimizer_tensors(model, optimizer) -> tuple[dict, dict]:
-    """Optimizer state keyed by public parameter names: (tensors, json extras)."""
+def _optimizer_tensors(model, optimizer, to_numpy=None) -> tuple[dict, dict]:
+    """Optimizer state keyed by public parameter names: (tensors, json extras). ``to_numpy``
+    turns a state tensor into its whole value (a gather for distributed tensors)."""
+    to_numpy = to_numpy or (lambda t: np.ascontiguousarray(t.numpy()))
     internal = {p.name: n for n, p in model.named_parameters()}
     by_len = sorted(internal, key=len, reverse=True)
     tensors, extra = {}, {}
@@ -70,7 +72,7 @@ def _optimizer_tensors(model, optimizer) -> tuple[dict, dict]:
             owner = next((i for i in by_len if key.startswith(i + "_")), None)
             if owner is None:
                 raise CheckpointError(f"optimizer state {key!r} belongs to no model parameter")
-            tensors[internal[owner] + "::" + key[len(owner) + 1:]] = np.ascontiguousarray(val.numpy())
+            tensors[internal[owner] + "::" + key[len(owner) + 1:]] = to_numpy(val)
         elif key != "LR_Scheduler":
             extra[key] = val
     return tensors, extra
@@ -88,13 +90,22 @@ def _load_optimizer(model, optimizer, tensors: dict, scheduler_state: dict) -> N
 
 
 def save_training_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, consumed_samples: int,
-                             run_config: dict, tokenizer=None, keep: int = 3, extra: Optional[dict] = None) -> str:
-    """Write ``output_dir/checkpoints/step_{step}`` atomically and prune to the newest ``keep``."""
+                             run_config: dict, tokenizer=None, keep: int = 3, extra: Optional[dict] = None,
+                             parallel=None) -> str:
+    """Write ``output_dir/checkpoints/step_{step}`` atomically and prune to the newest ``keep``.
+    Under ``parallel`` every rank takes part in gathering the whole tensors (the files have the
+    single-process layout) and rank 0 writes them."""
     from safetensors.numpy import save_file
 
     root = os.path.join(output_dir, "checkpoints")
-    weights = state_dict_numpy(model)
-    opt_tensors, opt_extra = _optimizer_tensors(model, optimizer)
+    if parallel is None:
+        weights = state_dict_numpy(model)
+        opt_tensors, opt_extra = _optimizer_tensors(model, optimizer)
+    else:
+        weights = parallel.gather_model(model)
+        opt_tensors, opt_extra = parallel.gather_optimizer(model, optimizer)
+        if not parallel.dims.is_main:
+            return os.path.join(os.path.abspath(root), f"step_{step:08d}")
     head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
     state = {"step": step, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
              "optimizer_extra": opt_extra, "rng": rng_state(), "run_config": run_config, **(extra or {})}
@@ -133,10 +144,12 @@ def find_resume_checkpoint(output_dir: str) -> Optional[str]:
     return None
 
 
-def load_training_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+def load_training_checkpoint(path: str, model, optimizer, scheduler, parallel=None) -> dict:
     """Restore model, optimizer, scheduler and RNG from ``path``; returns the trainer state."""
     from safetensors.numpy import load_file
 
+    if parallel is not None:
+        return parallel.load_training_checkpoint(path, model, optimizer, scheduler)
     verify_checksums(path)
     assign_weights(model, load_weights(path), os.path.join(path, WEIGHTS))
     with open(os.path.join(path, STATE), encoding="utf-8") as f:

@@ -54,7 +54,12 @@ class FitResult:
 class _Logger:
     """JSONL log (always), console progress bar, VisualDL (when installed)."""
 
-    def __init__(self, output_dir: str, resume_step: int, total: int, show: bool):
+    def __init__(self, output_dir: str, resume_step: int, total: int, show: bool, enabled: bool = True):
+        self.file, self.vdl = None, None
+        self.bar = tqdm(total=total, initial=resume_step, desc="train", disable=not (show and enabled),
+                        dynamic_ncols=True)
+        if not enabled:  # a non-zero rank of a parallel run: rank 0 logs
+            return
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "train_log.jsonl")
         if os.path.exists(self.path):
@@ -66,8 +71,6 @@ class _Logger:
                 f.writelines(keep)
             os.replace(tmp, self.path)
         self.file = open(self.path, "a", encoding="utf-8")
-        self.bar = tqdm(total=total, initial=resume_step, desc="train", disable=not show, dynamic_ncols=True)
-        self.vdl = None
         try:
             from visualdl import LogWriter
 
@@ -76,6 +79,8 @@ class _Logger:
             pass
 
     def log(self, record: dict, echo: bool = False) -> None:
+        if self.file is None:
+            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.vdl is not None:
@@ -88,7 +93,8 @@ class _Logger:
 
     def close(self) -> None:
         self.bar.close()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.vdl is not None:
             self.vdl.close()
 
@@ -123,11 +129,14 @@ def evaluate(model, loss_fn: LossFn, batches: Iterable[Batch]) -> float:
 def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]], cfg: Config,
         eval_batches: Optional[Callable[[], Iterable[Batch]]] = None, tokenizer=None,
         samples_per_micro_batch: Optional[int] = None, tokens_per_sample: Optional[int] = None,
-        show_progress: bool = True) -> FitResult:
+        show_progress: bool = True, parallel=None) -> FitResult:
     """Train ``model`` for ``cfg.engine.max_steps`` optimizer steps.
 
     ``train_batches(consumed_samples)`` yields micro-batches starting at that sample position
     (so resume restores one integer); ``eval_batches()`` yields the validation batches.
+    ``parallel`` (``gpt_compress.parallel.build_parallel``) is set when ``model`` is spread over
+    several processes: it wraps the optimizer, may run the micro-batches itself (pipeline),
+    clips across ranks and gathers checkpoints; only its rank 0 logs and writes.
     """
     eng = cfg.engine
     micro = samples_per_micro_batch or eng.micro_batch_size
@@ -140,6 +149,10 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
     out = cfg.global_.output_dir
     scheduler = build_scheduler(cfg.optimizer, eng.max_steps)
     optimizer = build_optimizer(model, cfg.optimizer, scheduler)
+    if parallel is not None:
+        optimizer = parallel.prepare_optimizer(optimizer)
+    main = parallel is None or parallel.dims.is_main
+    clip = getattr(parallel, "clip_grad_norm_", clip_grad_norm_)
     params = [p for p in model.parameters() if not p.stop_gradient]
 
     step, consumed = 0, 0
@@ -149,10 +162,10 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
     elif eng.resume:
         resume = eng.resume
     if resume:
-        state = load_training_checkpoint(resume, model, optimizer, scheduler)
+        state = load_training_checkpoint(resume, model, optimizer, scheduler, parallel=parallel)
         step, consumed = state["step"], state["consumed_samples"]
     run_config = cfg.to_dict()
-    logger = _Logger(out, step, eng.max_steps, show_progress)
+    logger = _Logger(out, step, eng.max_steps, show_progress, enabled=main)
     if resume:
         logger.log({"step": step, "event": "resumed", "checkpoint": resume}, echo=True)
 
@@ -166,14 +179,16 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
             t0 = time.perf_counter()
             lr = scheduler.get_lr()
             total = 0.0
-            for _ in range(accumulate):
+            if hasattr(parallel, "forward_backward"):  # pipeline: its schedule runs the micro-batches
+                total = parallel.forward_backward(batches, accumulate)
+            for _ in range(0 if hasattr(parallel, "forward_backward") else accumulate):
                 with paddle.amp.auto_cast(enable=amp_dtype is not None, dtype=amp_dtype or "float16", level="O1"):
                     loss = loss_fn(model, next(batches)) / accumulate
                 (scaler.scale(loss) if scaler else loss).backward()
                 total += float(loss)
             if scaler:
                 scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm_(params, cfg.optimizer.grad_clip)
+            grad_norm = clip(params, cfg.optimizer.grad_clip)
             if not math.isfinite(total) or not math.isfinite(grad_norm):
                 raise TrainingDiverged(f"loss is {total} (grad norm {grad_norm}) at step {step + 1}; stopped "
                                        f"before updating the weights. Last good checkpoint: {ckpt or 'none'}")
@@ -206,7 +221,7 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
                             "eval_ppl": round(math.exp(min(last_eval, 50.0)), 4)}, echo=True)
             if (eng.save_steps > 0 and step % eng.save_steps == 0) or step == eng.max_steps:
                 ckpt = save_training_checkpoint(out, step, model, optimizer, scheduler, consumed, run_config,
-                                                tokenizer, keep=eng.keep_checkpoint_max)
+                                                tokenizer, keep=eng.keep_checkpoint_max, parallel=parallel)
     finally:
         logger.close()
     skip = min(len(tps_hist) - 1, 2)  # the first steps include warm-up work

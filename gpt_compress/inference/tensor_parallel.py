@@ -1,0 +1,117 @@
+"""Tensor-parallel generation over a ``gptc partition`` directory, one process per rank.
+
+    from gpt_compress.inference.tensor_parallel import generate_tensor_parallel
+    tokens = generate_tensor_parallel("tp_export/", [[464, 3290]], max_new_tokens=16)
+
+``generate_tensor_parallel`` (and `gptc infer-tp`) starts ``mp_degree`` processes with
+``paddle.distributed.launch`` (each runs ``gptc infer-tp`` in rank mode, ``run_rank``). Every process calls ``fleet.init``
+(the programs' all-reduces need the communicator) before creating its Paddle Inference
+predictors on its ``rank_{r}/`` directory, then all of them run the same numpy decoding loop
+(``model/generation.py``) in lock-step: after each program call the ranks all-gather their
+vocabulary slices of the logits, so every rank picks the same next token. Rank 0 writes the
+result. ``TensorParallelBackend`` is the ``DecodeBackend`` doing that gather.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+class TensorParallelBackend:
+    """``prefill``/``decode``/``score``/``reorder_cache`` of rank ``rank``'s programs with the
+    logits all-gathered along the vocabulary (every rank returns the full logits)."""
+
+    def __init__(self, model_dir: str, rank: int, device: str = "cpu", **options):
+        from ..export.partition import read_tp_manifest
+        from .predictor import PaddleBackend
+
+        self.top = read_tp_manifest(model_dir) if os.path.isfile(os.path.join(model_dir, "manifest.json")) else None
+        self.local = PaddleBackend(os.path.join(model_dir, f"rank_{rank}"), device=device, **options)
+        self.rank = rank
+
+    def _gather(self, local: np.ndarray) -> np.ndarray:
+        import paddle
+        import paddle.distributed as dist
+
+        parts: list = []
+        dist.all_gather(parts, paddle.to_tensor(np.ascontiguousarray(local)))
+        return np.concatenate([p.numpy() for p in parts], axis=-1)
+
+    def prefill(self, input_ids, attention_mask):
+        logits, cache = self.local.prefill(input_ids, attention_mask)
+        return self._gather(logits), cache
+
+    def decode(self, input_ids, attention_mask, cache):
+        logits, cache = self.local.decode(input_ids, attention_mask, cache)
+        return self._gather(logits), cache
+
+    def reorder_cache(self, cache, rows):
+        return self.local.reorder_cache(cache, rows)
+
+    def score(self, input_ids, attention_mask=None):
+        return self._gather(self.local.score(input_ids, attention_mask))
+
+
+def run_rank(model_dir: str, request: str, output: str) -> None:
+    """Body of one launched rank: ``fleet.init``, predictors on ``rank_{r}/``, generate the
+    request (JSON: prompts + generation settings) in lock-step; rank 0 writes ``output``."""
+    import paddle.distributed as dist
+
+    from ..config import GenerationConfig
+    from ..export.partition import _init_mp, read_tp_manifest
+    from .runner import Generator
+
+    top = read_tp_manifest(model_dir)
+    _init_mp(int(top["mp_degree"]))
+    with open(request, encoding="utf-8") as f:
+        req = json.load(f)
+    rank = dist.get_rank()
+    backend = TensorParallelBackend(model_dir, rank=rank)
+    tokenizer = None
+    if top.get("tokenizer"):
+        from ..data.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(model_dir)
+    gen = Generator(backend, vocab_size=top["vocab_size"], max_positions=top["max_position_embeddings"],
+                    eos_token_id=top["eos_token_id"], pad_token_id=top["pad_token_id"] or 0,
+                    tokenizer=tokenizer, name=f"tensor-parallel:{model_dir}")
+    out = gen.generate(req["prompts"], config=GenerationConfig(**req["generation"]))
+    if rank == 0:
+        tmp = output + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"sequences": out.sequences, "texts": out.texts, "prompt_tokens": out.prompt_tokens,
+                       "seconds": out.seconds, "mp_degree": top["mp_degree"]}, f)
+        os.replace(tmp, output)
+
+
+def generate_tensor_parallel(model_dir: str, prompts, generation: Optional[dict] = None,
+                             log_dir: Optional[str] = None, timeout: float = 1800, **overrides) -> dict:
+    """Generate with a tensor-parallel export: launches its ``mp_degree`` ranks and returns rank 0's
+    ``{"sequences", "texts", "prompt_tokens", "seconds"}``. ``prompts``: strings (needs the
+    tokenizer) or token-id lists; ``generation``/``overrides``: ``GenerationConfig`` fields."""
+    from ..export.partition import _log_tail, read_tp_manifest
+    from ..parallel.launch import launch_command
+
+    top = read_tp_manifest(model_dir)
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    with tempfile.TemporaryDirectory(prefix="gptc-tp-") as tmp:
+        req = os.path.join(tmp, "request.json")
+        with open(req, "w", encoding="utf-8") as f:
+            json.dump({"prompts": [p if isinstance(p, str) else [int(t) for t in p] for p in prompts],
+                       "generation": {**(generation or {}), **overrides}}, f)
+        result = os.path.join(tmp, "result.json")
+        log_dir = log_dir or os.path.join(tmp, "logs")
+        cmd = launch_command(int(top["mp_degree"]), ["infer-tp", "--model-dir", os.path.abspath(model_dir),
+                                                     "--request", req, "--output", result], log_dir=log_dir)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0 or not os.path.isfile(result):
+            raise RuntimeError(f"tensor-parallel generation failed (exit {res.returncode}):\n{_log_tail(log_dir)}")
+        with open(result, encoding="utf-8") as f:
+            return json.load(f)
+

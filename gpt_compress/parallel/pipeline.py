@@ -1,0 +1,264 @@
+"""Pipeline parallelism: fleet's ``PipelineLayer`` built from the one model's own sublayers.
+
+``pipeline_layers(model)`` lists the model as a sequence of stage pieces that *reference* its
+sublayers (embeddings, each ``gpt.blocks.i``, ``ln_f``, the head), so no second copy of the
+model exists and parameter names stay those of ``model/gpt.py``. The tied token embedding is a
+``SharedLayerDesc`` used by the first stage (lookup) and the last (LM head); fleet all-reduces its
+gradient between the two. Each stage trains only its own parameters: the others are frozen in
+this process (``stop_gradient``) so the optimizer and the clip never see them.
+
+Fleet's 1F1B schedule runs the micro-batches (``PipelineParallel.forward_backward_pipeline``);
+the trainer's optimizer, clipping and LR schedule stay the same. CPU/gloo needs two settings
+(checked with Paddle 3.3.1): ``pp_configs.use_batch_p2p_comm=False`` (gloo refuses
+"send with sync_op and use_calc_stream") and ``ParallelEnv._device_id`` (read by
+``PipelineLayer`` even on CPU: "'ParallelEnv' object has no attribute '_device_id'").
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+
+from ..config import Config, ConfigError
+from ..train.loss import _masked_mean_ce
+from .plan import check_divisible
+
+
+def init_fleet(cfg: Config) -> None:
+    """``fleet.init`` with a dp x pp hybrid topology and the pipeline's micro-batching."""
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    par, eng = cfg.parallel, cfg.engine
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": par.dp_degree, "mp_degree": 1, "pp_degree": par.pp_degree,
+                               "sharding_degree": 1,
+                               "pp_configs": {"use_batch_p2p_comm": paddle.is_compiled_with_cuda()}}
+    micro, acc = micro_batches(cfg)
+    strategy.pipeline_configs = {"accumulate_steps": acc, "micro_batch_size": micro}
+    if not paddle.is_compiled_with_cuda() and not hasattr(dist.ParallelEnv, "_device_id"):
+        dist.ParallelEnv._device_id = 0  # PipelineLayer reads it; a CPU process has no device id
+    fleet.init(is_collective=True, strategy=strategy)
+
+
+def micro_batches(cfg: Config) -> tuple[int, int]:
+    """(samples per pipeline micro-batch, micro-batches per step) for this dp replica."""
+    eng, par = cfg.engine, cfg.parallel
+    per_replica = eng.global_batch_size // par.data_parallel_size
+    acc = par.pp_micro_batches or per_replica // eng.micro_batch_size
+    if acc < 1 or per_replica % acc:
+        raise ConfigError(f"Parallel.pp_micro_batches {acc} does not divide the {per_replica} samples each "
+                          "data-parallel replica takes per step")
+    return per_replica // acc, acc
+
+
+class _Embeddings(nn.Layer):
+    """Stage-0 piece after the token lookup: add learned positions, dropout. (B, T, H) -> same."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.wpe, self.drop = gpt.wpe, gpt.drop
+
+    def forward(self, x):
+        pos = paddle.arange(0, x.shape[1], dtype="int64").unsqueeze(0)  # (1, T)
+        return self.drop(x + self.wpe(pos))
+
+
+class _StageBlock(nn.Layer):
+    """One decoder block, hidden states in and out (no cache)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block.forward_train(x)
+
+
+class _Final(nn.Layer):
+    """``ln_f`` (and the untied ``lm_head``): hidden -> normed hidden or logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.ln_f = model.gpt.ln_f
+        self.lm_head = getattr(model, "lm_head", None)
+
+    def forward(self, x):
+        x = self.ln_f(x)
+        return x if self.lm_head is None else self.lm_head(x)
+
+
+class _TokenEmbedding(nn.Layer):
+    """The shared piece: ``gpt.wte``'s weight, used as lookup table and as tied LM head."""
+
+    def __init__(self, wte):
+        super().__init__()
+        self.weight = wte.weight  # the same Parameter object: fleet syncs it between the stages
+
+
+def _lookup(shared, input_ids):
+    return nn.functional.embedding(input_ids, shared.weight)  # (B, T) -> (B, T, H)
+
+
+def _tied_head(shared, hidden):
+    return paddle.matmul(hidden, shared.weight, transpose_y=True)  # (B, T, H) -> (B, T, V)
+
+
+def pipeline_layers(model) -> list:
+    """The model as an ordered list of pipeline pieces (descriptors for the shared embedding)."""
+    from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
+
+    gpt = model.gpt
+    tied = model.config.tie_word_embeddings
+    pieces = [SharedLayerDesc("wte", _TokenEmbedding, _lookup, "weight", gpt.wte), _Embeddings(gpt)]
+    pieces += [_StageBlock(b) for b in gpt.blocks]
+    pieces.append(_Final(model))
+    if tied:
+        pieces.append(SharedLayerDesc("wte", _TokenEmbedding, _tied_head, "weight", gpt.wte))
+    return pieces
+
+
+class Pipeline:
+    """pp (x dp) through fleet: same interface as ``plan.AutoParallel`` plus ``forward_backward``."""
+
+    def __init__(self, dims, cfg: Config):
+        self.dims, self.cfg = dims, cfg
+        self.pipe = None
+        self.model = None
+
+    def apply(self, model):
+        """Split ``model`` into this rank's stage; returns ``model`` (other stages frozen here)."""
+        from paddle.distributed import fleet
+        from paddle.distributed.fleet.meta_parallel import PipelineLayer
+
+        par = self.cfg.parallel
+        check_divisible(model.config, par)
+        n = model.config.num_layers
+        vpp = par.virtual_pp_degree
+        # Cut only at block boundaries: the embedding pieces go with the first blocks, ln_f/head with the last.
+        seg = "layer:^_StageBlock$"
+        layers = PipelineLayer(layers=pipeline_layers(model), num_stages=par.pp_degree,
+                               topology=fleet.get_hybrid_communicate_group().topology(),
+                               loss_fn=_LossFn(), seg_method=seg,
+                               num_virtual_pipeline_stages=vpp if vpp > 1 else None)
+        own = {id(p) for p in layers.parameters()}
+        for p in model.parameters():
+            if id(p) not in own:
+                p.stop_gradient = True  # another stage trains it
+        self.pipe = fleet.distributed_model(layers)
+        self.model = model
+        self._layers = layers
+        # The tied embedding lives on the first and last stage; count it once in the grad norm.
+        self._shared_dup = set()
+        if self.dims.pp_rank > 0 and model.config.tie_word_embeddings:
+            self._shared_dup = {id(model.gpt.wte.weight)}
+        self._rank_of_name = None
+        if n < par.pp_degree:
+            raise ConfigError(f"pp_degree {par.pp_degree} exceeds Model.num_layers {n}")
+        return model
+
+    def prepare_optimizer(self, optimizer):
+        return optimizer
+
+    # ----------------------------------------------------------------------- training
+    def forward_backward(self, batches: Iterator[dict], accumulate: int) -> float:
+        """Run ``accumulate`` micro-batches through the 1F1B schedule; gradients accumulate in
+        the parameters (mean over the micro-batches); returns the mean loss."""
+        parts = [next(batches) for _ in range(accumulate)]
+        ids = paddle.to_tensor(np.concatenate([b["input_ids"] for b in parts]))
+        labels = paddle.to_tensor(np.concatenate([b["labels"] for b in parts]).astype(np.int64))
+        loss = self.pipe.forward_backward_pipeline((ids, labels))
+        if self.cfg.parallel.dp_degree > 1:
+            from paddle.distributed import fleet
+            from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
+
+            fused_allreduce_gradients([p for p in self._layers.parameters() if not p.stop_gradient],
+                                      fleet.get_hybrid_communicate_group())
+        return float(loss.numpy().reshape(-1)[0])
+
+    def _eval(self, ids: np.ndarray, labels: np.ndarray, compute_loss: bool):
+        # The whole batch as one pipeline micro-batch (training sets its own micro-batching).
+        saved = self.pipe.accumulate_steps, self.pipe.micro_batch_size
+        self.pipe.accumulate_steps, self.pipe.micro_batch_size = 1, int(ids.shape[0])
+        try:
+            return self.pipe.eval_batch((paddle.to_tensor(ids), paddle.to_tensor(labels.astype(np.int64))),
+                                        compute_loss=compute_loss)
+        finally:
+            self.pipe.accumulate_steps, self.pipe.micro_batch_size = saved
+
+    @paddle.no_grad()
+    def loss_fn(self, model, batch: dict) -> paddle.Tensor:
+        """Evaluation loss of one batch through all stages (every rank gets it)."""
+        loss = self._eval(batch["input_ids"], batch["labels"], compute_loss=True)
+        return paddle.to_tensor(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+
+    @paddle.no_grad()
+    def logits(self, input_ids: np.ndarray):
+        """Logits (B, T, V) of the last stage as numpy (None on the other stages)."""
+        out = self._eval(input_ids, np.zeros_like(input_ids), compute_loss=False)
+        if self.dims.pp_rank != self.cfg.parallel.pp_degree - 1:
+            return None
+        first = out[0]
+        first = first[0] if isinstance(first, (tuple, list)) else first
+        return first.numpy()
+
+    @paddle.no_grad()
+    def clip_grad_norm_(self, parameters, max_norm: float) -> float:
+        """Global-norm clip over all stages (the shared embedding counted once)."""
+        import paddle.distributed as dist
+
+        grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in self._shared_dup]
+        sq = paddle.zeros([1], dtype="float32")
+        for g in counted:
+            sq = sq + paddle.sum(paddle.square(g.astype("float32")))
+        from paddle.distributed import fleet
+
+        dist.all_reduce(sq, group=fleet.get_hybrid_communicate_group().get_pipe_parallel_group())
+        norm = paddle.sqrt(sq)
+        if max_norm > 0:
+            scale = max_norm / paddle.maximum(norm, paddle.to_tensor(max_norm, dtype="float32"))
+            for g in grads:
+                g.multiply_(scale.astype(g.dtype))
+        return float(norm.numpy().reshape(-1)[0])
+
+    # -------------------------------------------------------------------- checkpoints
+    def _merge(self, local: dict) -> dict:
+        """Union over the pipeline stages of ``{name: array}`` (all ranks call; all get it)."""
+        import paddle.distributed as dist
+
+        parts = []
+        dist.all_gather_object(parts, local)
+        merged = {}
+        for part in parts:
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        return merged
+
+    def _own_names(self, model) -> set:
+        own = {id(p) for p in self._layers.parameters()}
+        return {n for n, p in model.named_parameters() if id(p) in own}
+
+    def gather_model(self, model) -> dict:
+        own = self._own_names(model)
+        return self._merge({n: np.ascontiguousarray(v.numpy()) for n, v in model.state_dict().items() if n in own})
+
+    def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
+        raise ConfigError(f"resuming {path} under Parallel {self.cfg.parallel.describe()} is not supported yet; "
+                          "start from its weights with -o Engine.init_from=CHECKPOINT or resume in one process")
+
+    def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
+        from ..train.checkpoint import _optimizer_tensors  # noqa: PLC0415 (one owner of the key mapping)
+
+        tensors, extra = _optimizer_tensors(model, optimizer)
+        return self._merge(tensors), extra
+
+
+class _LossFn(nn.Layer):
+    """Last stage: logits (B, T, V) and labels (B, T) -> mean CE over counted positions."""
+
+    def forward(self, logits, labels):
+        return _masked_mean_ce(logits, labels, None)
+
