@@ -50,7 +50,7 @@ def overrides(tok_dir, prefix, out, steps, micro, parallel=()):
          "Data.seq_length": 256, "Data.data_prefix": f"[{prefix}]", "Data.tokenizer_dir": tok_dir,
          "Data.split": "[100,0,0]", "Global.output_dir": out, "Engine.max_steps": steps,
          "Engine.global_batch_size": 8, "Engine.micro_batch_size": micro, "Engine.eval_freq": 0,
-         "Engine.save_steps": 0, "Engine.keep_checkpoint_max": 1, "Engine.logging_freq": 0}
+         "Engine.eval_iters": 0, "Engine.save_steps": 0, "Engine.keep_checkpoint_max": 1, "Engine.logging_freq": 0}
     return [x for k, v in o.items() for x in ("-o", f"{k}={v}")] + [x for p in parallel for x in ("-o", p)]
 
 

@@ -64,8 +64,9 @@ def init_distributed(config: Config) -> ParallelDims:
     if cfg.pp_degree > 1 and (cfg.mp_degree > 1 or cfg.sharding_degree > 1):
         raise ConfigError(f"Parallel: {cfg.describe()}: pipeline parallelism runs on fleet's PipelineLayer, "
                           "which this version combines with dp_degree only (not mp or sharding)")
-    if cfg.virtual_pp_degree > 1 and cfg.pp_degree == 1:
-        raise ConfigError("Parallel.virtual_pp_degree > 1 needs Parallel.pp_degree > 1")
+    if cfg.virtual_pp_degree > 1 and cfg.pp_degree <= 2:
+        # fleet's interleaved schedule asserts "virtual pipeline must run under pp degree > 2"
+        raise ConfigError("Parallel.virtual_pp_degree > 1 needs Parallel.pp_degree > 2 (fleet's interleaved schedule)")
     check_batch(config)
     dims = ParallelDims(cfg, rank, world)
     if world == 1:

@@ -169,7 +169,7 @@ class Pipeline:
         parts = [next(batches) for _ in range(accumulate)]
         ids = paddle.to_tensor(np.concatenate([b["input_ids"] for b in parts]))
         labels = paddle.to_tensor(np.concatenate([b["labels"] for b in parts]).astype(np.int64))
-        loss = self.pipe.forward_backward_pipeline((ids, labels))
+        loss = self.pipe.forward_backward_pipeline((ids, labels), None)  # no loss scaler (fp32)
         if self.cfg.parallel.dp_degree > 1:
             from paddle.distributed import fleet
             from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
