@@ -91,10 +91,8 @@ def profile_worker(argv) -> None:
     from gpt_compress.config import load_config
     from gpt_compress.data.dataset import SampleIterator, build_datasets
     from gpt_compress.parallel import build_parallel, init_distributed
-    from gpt_compress.runtime import tune_cpu
     from gpt_compress.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
-    tune_cpu()
     ov = [a for a in argv if a != "-o"]
     cfg = load_config(None, ov)
     dims = init_distributed(cfg)
