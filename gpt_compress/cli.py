@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval", "evaluate a model: LAMBADA accuracy or WikiText perplexity, on any backend"),
     "export": ("export", "export a checkpoint to a static inference model (Paddle Inference / ONNX)"),
     "infer": ("infer", "generate with an exported model (Paddle Inference, onnxruntime or dygraph)"),
+    "prune": ("prune", "remove the least important attention heads and FFN channels (smaller checkpoint)"),
+    "distill": ("distill", "train a student (e.g. a pruned model) on a teacher's outputs"),
     "partition": ("partition", "export a checkpoint as tensor-parallel rank programs (mp_degree directories)"),
     "infer-tp": ("infer_tp", "generate with a tensor-parallel export, one process per rank"),
 }

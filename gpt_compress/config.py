@@ -238,6 +238,58 @@ class GenerationConfig:
 
 
 @dataclass
+class PruneConfig:
+    """Structured pruning: remove the least important attention heads and FFN channels."""
+
+    head_ratio: float = 0.0  # fraction of attention heads to remove
+    ffn_ratio: float = 0.0  # fraction of FFN channels to remove
+    criterion: str = "taylor"  # "taylor" (|w * grad| on calibration data) or "magnitude" (weight norms)
+    scope: str = "layer"  # "layer": the ratio in every layer; "global": one ranking across layers
+    calib_batches: int = 8  # Taylor: micro-batches of training data that score the weights
+    min_heads: int = 1  # no layer keeps fewer heads
+    min_ffn: int = 1  # no layer keeps fewer FFN channels
+
+    def __post_init__(self) -> None:
+        for key in ("head_ratio", "ffn_ratio"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"Prune.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.criterion not in ("taylor", "magnitude"):
+            raise ConfigError(f"Prune.criterion must be taylor or magnitude, got {self.criterion!r}")
+        if self.scope not in ("layer", "global"):
+            raise ConfigError(f"Prune.scope must be layer or global, got {self.scope!r}")
+        for key in ("calib_batches", "min_heads", "min_ffn"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"Prune.{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation: a teacher's soft targets (and hidden states) train a student."""
+
+    teacher: str = ""  # teacher checkpoint directory
+    student: str = ""  # student checkpoint (e.g. `gptc prune` output); "" builds the Model section fresh
+    temperature: float = 2.0  # softmax temperature of the KL term, which is scaled by T^2
+    alpha: float = 0.5  # weight of the KL term; 1 - alpha weighs the LM cross-entropy
+    hidden_mse_weight: float = 0.0  # weight of the hidden-state MSE; 0 disables it
+    hidden_layers: list[int] = field(default_factory=list)  # student blocks matched by the MSE; []: all
+    layer_map: list[int] = field(default_factory=list)  # teacher block per hidden_layers entry; []: by depth
+    projection_batches: int = 4  # widths differ: micro-batches whose teacher-state PCA maps to the student width
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError(f"Distill.temperature must be > 0, got {self.temperature}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"Distill.alpha must be in [0, 1], got {self.alpha}")
+        if self.hidden_mse_weight < 0:
+            raise ConfigError(f"Distill.hidden_mse_weight must be >= 0, got {self.hidden_mse_weight}")
+        if self.layer_map and len(self.layer_map) != len(self.hidden_layers):
+            raise ConfigError(f"Distill.layer_map has {len(self.layer_map)} entries but hidden_layers has "
+                              f"{len(self.hidden_layers)}; give one teacher block per student block")
+        if self.projection_batches < 1:
+            raise ConfigError(f"Distill.projection_batches must be >= 1, got {self.projection_batches}")
+
+
+@dataclass
 class ParallelConfig:
     """How one run spreads over processes: data, tensor and pipeline parallel, sharding.
 
@@ -357,6 +409,8 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
@@ -372,6 +426,8 @@ SECTIONS: dict[str, str] = {
     "Engine": "engine",
     "Optimizer": "optimizer",
     "Generation": "generation",
+    "Prune": "prune",
+    "Distill": "distill",
     "Parallel": "parallel",
 }
 

@@ -52,32 +52,18 @@ def train_tiny(tok_dir: str, prefix: str, out: Path, steps: int = 200) -> str:
 
 
 def prune_checkpoint(src: str, dst: str) -> str:
-    """A structurally pruned copy of ``src``: layer 1 keeps 2 of its 4 heads, the FFNs keep
-    ``PRUNED_FFN`` columns (weights sliced, so the model stays a trained one)."""
+    """A structurally pruned copy of ``src`` made by ``gpt_compress.prune.prune_model``: layer 1
+    keeps heads 1 and 3 of its 4, the FFNs keep their first ``PRUNED_FFN`` channels (weights
+    sliced, so the model stays a trained one)."""
     from gpt_compress.checkpoint import load_model, save_model
-    from gpt_compress.config import ModelConfig
     from gpt_compress.data.tokenizer import Tokenizer
-    from gpt_compress.model.gpt import GPTForCausalLM
-    from gpt_compress.checkpoint import assign_weights, state_dict_numpy
+    from gpt_compress.prune import prune_model
 
     model = load_model(src)
-    cfg = model.config
-    w = state_dict_numpy(model)
-    small = ModelConfig.from_dict({**cfg.to_dict(), "layer_num_heads": PRUNED_HEADS, "layer_ffn_sizes": PRUNED_FFN})
-    d = cfg.dim_head
-    for i, (heads, ffn) in enumerate(zip(PRUNED_HEADS, PRUNED_FFN)):
-        p = f"gpt.blocks.{i}."
-        keep = [1, 3] if heads == 2 else list(range(cfg.heads(i)))
-        cols = np.concatenate([np.arange(h * 3 * d, (h + 1) * 3 * d) for h in keep])  # head-major [H, 3, D]
-        rows = np.concatenate([np.arange(h * d, (h + 1) * d) for h in keep])
-        w[p + "attn.qkv.weight"] = w[p + "attn.qkv.weight"][:, cols]
-        w[p + "attn.qkv.bias"] = w[p + "attn.qkv.bias"][cols]
-        w[p + "attn.out.weight"] = w[p + "attn.out.weight"][rows]
-        w[p + "mlp.fc_in.weight"] = w[p + "mlp.fc_in.weight"][:, :ffn]
-        w[p + "mlp.fc_in.bias"] = w[p + "mlp.fc_in.bias"][:ffn]
-        w[p + "mlp.fc_out.weight"] = w[p + "mlp.fc_out.weight"][:ffn]
-    pruned = GPTForCausalLM(small)
-    assign_weights(pruned, w, "pruned")
+    keep_heads = [list(range(model.config.heads(0))), [1, 3]]
+    keep_ffn = [list(range(n)) for n in PRUNED_FFN]
+    pruned = prune_model(model, keep_heads, keep_ffn)
+    assert [len(k) for k in keep_heads] == PRUNED_HEADS
     return save_model(pruned, dst, tokenizer=Tokenizer.load(src))
 
 

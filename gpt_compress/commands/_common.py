@@ -11,7 +11,8 @@ import numpy as np
 from ..cli import add_config_arguments
 from ..config import Config, load_config
 
-__all__ = ["add_config_arguments", "config_from_args", "seed_everything", "find_tokenizer", "print_json"]
+__all__ = ["add_config_arguments", "config_from_args", "seed_everything", "find_tokenizer", "print_json",
+           "lm_batches"]
 
 
 def config_from_args(args) -> Config:
@@ -48,3 +49,34 @@ def fail(message: str, code: int = 1) -> int:
     """Print a user-facing error and return the exit code."""
     print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def lm_batches(cfg: Config, num_train_samples: int, model_configs=()):
+    """(``train_batches(consumed)``, ``eval_batches()`` or None) over ``Data.data_prefix`` as
+    `gptc pretrain` reads it: train/valid splits of ``Data.split``, ``Engine.micro_batch_size``
+    samples per batch, ``Engine.eval_iters`` validation batches. ``model_configs`` must all fit
+    ``Data.seq_length`` positions."""
+    import itertools
+
+    from ..config import ConfigError
+    from ..data.dataset import SampleIterator, build_datasets
+
+    eng, data = cfg.engine, cfg.data
+    if not data.data_prefix:
+        raise ConfigError("Data.data_prefix is empty: point it at a preprocessed dataset prefix "
+                          "(see `gptc preprocess`)")
+    for mc in model_configs:
+        if data.seq_length > mc.max_position_embeddings:
+            raise ConfigError(f"Data.seq_length {data.seq_length} exceeds the model's max_position_embeddings "
+                              f"{mc.max_position_embeddings}; lower Data.seq_length")
+    n_eval = eng.eval_iters * eng.micro_batch_size
+    train, valid, _ = build_datasets(data.data_prefix, data.split, data.seq_length, (num_train_samples, n_eval, 0),
+                                     cfg.global_.seed)
+
+    def train_batches(consumed: int = 0):
+        return SampleIterator(train, eng.micro_batch_size, consumed)
+
+    def eval_batches():
+        return itertools.islice(SampleIterator(valid, eng.micro_batch_size), eng.eval_iters)
+
+    return train_batches, eval_batches if valid is not None else None

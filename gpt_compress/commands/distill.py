@@ -1,0 +1,72 @@
+"""`gptc distill`: train a student (e.g. a `gptc prune` output) on a teacher's soft targets with the
+normal trainer (checkpoints, resume, logs); reports validation loss/perplexity of the teacher and
+of the student before and after."""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, lm_batches, print_json, seed_everything
+
+
+def add_arguments(parser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--resume", default=None,
+                        help="'auto' (newest valid checkpoint in Global.output_dir) or a checkpoint dir; "
+                             "same as -o Engine.resume=...")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs still written)")
+
+
+def _ppl(loss: float) -> float:
+    return round(math.exp(min(loss, 50.0)), 4)
+
+
+def run(args) -> int:
+    from ..checkpoint import build_model, load_model
+    from ..config import ConfigError
+    from ..distill import DistillLoss
+    from ..train.loss import causal_lm_loss
+    from ..train.trainer import TrainingDiverged, evaluate, fit
+
+    if args.resume:
+        args.override = [*args.override, f"Engine.resume={args.resume}"]
+    cfg = config_from_args(args)
+    dc, eng = cfg.distill, cfg.engine
+    if not dc.teacher:
+        raise ConfigError("Distill.teacher is empty: pass the teacher checkpoint, -o Distill.teacher=DIR")
+    seed_everything(cfg.global_.seed)
+    teacher = load_model(dc.teacher)
+    student = load_model(dc.student) if dc.student else build_model(cfg.model, "lm")
+    cfg.model = student.config
+    tokenizer = find_tokenizer(cfg.data.tokenizer_dir, dc.student, dc.teacher)
+    train_batches, eval_batches = lm_batches(cfg, eng.max_steps * eng.global_batch_size,
+                                             [student.config, teacher.config])
+    needs_projection = dc.hidden_mse_weight > 0 and student.config.hidden_size != teacher.config.hidden_size
+    try:
+        loss_fn = DistillLoss.from_config(
+            teacher, dc, student.config,
+            itertools.islice(train_batches(0), dc.projection_batches) if needs_projection else None)
+    except ValueError as e:
+        raise ConfigError(f"Distill: {e}") from None
+    summary = {"teacher": dc.teacher, "student": dc.student or f"fresh {cfg.model.name}",
+               "params_teacher": teacher.config.num_parameters(), "params_student": student.config.num_parameters()}
+    if eval_batches:
+        t_loss, s_loss = evaluate(teacher, causal_lm_loss, eval_batches()), evaluate(student, causal_lm_loss,
+                                                                                    eval_batches())
+        summary.update(teacher_valid_loss=round(t_loss, 5), teacher_valid_ppl=_ppl(t_loss),
+                       student_valid_loss_before=round(s_loss, 5), student_valid_ppl_before=_ppl(s_loss))
+    try:
+        result = fit(student, loss_fn, train_batches, cfg, eval_batches=eval_batches, tokenizer=tokenizer,
+                     show_progress=not args.no_progress)
+    except TrainingDiverged as e:
+        return fail(str(e))
+    summary.update(steps=result.steps, last_loss=result.last_loss, tokens_per_s=round(result.tokens_per_s, 1),
+                   checkpoint=result.checkpoint)
+    if eval_batches:
+        after = evaluate(student, causal_lm_loss, eval_batches())
+        gap = summary["student_valid_ppl_before"] - summary["teacher_valid_ppl"]
+        summary.update(student_valid_loss_after=round(after, 5), student_valid_ppl_after=_ppl(after),
+                       ppl_gap_recovered=round((summary["student_valid_ppl_before"] - _ppl(after)) / gap, 4)
+                       if gap > 0 else None)
+    print_json(summary)
+    return 0
