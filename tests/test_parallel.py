@@ -45,12 +45,13 @@ LAYOUTS = {
 
 def _overrides(tok_dir, prefix, out, micro, parallel=()):
     eng = {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": micro, "eval_freq": 0,
-           "save_steps": 0, "logging_freq": 0}
+           "save_steps": STEPS // 2, "logging_freq": 0}
     return ["-o", "Model.preset=gpt-tiny", "-o", "Model.hidden_dropout_prob=0.0",
             "-o", "Model.attention_probs_dropout_prob=0.0", "-o", "Data.seq_length=64",
             "-o", f"Data.data_prefix=[{prefix}]", "-o", f"Data.tokenizer_dir={tok_dir}",
             "-o", "Data.split=[95,5,0]", "-o", f"Global.output_dir={out}",
             "-o", "Optimizer.lr.max_lr=3e-3", "-o", "Optimizer.lr.warmup_rate=0.2",
+            "-o", f"Optimizer.lr.decay_steps={STEPS}",
             *[x for k, v in eng.items() for x in ("-o", f"Engine.{k}={v}")],
             *[x for p in parallel for x in ("-o", p)]]
 
@@ -132,8 +133,27 @@ def test_layout_matches_single_process(layout, reference, parallel_runs):
 
     out = parallel_runs(layout)
     # Rank 0 alone logged and wrote checkpoints, in the single-process layout.
-    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [f"step_{STEPS:08d}"]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [f"step_{s:08d}" for s in (STEPS // 2, STEPS)]
     _assert_close(_losses(out), reference["losses"], load_weights(_final_checkpoint(out)), reference["weights"])
+
+
+@pytest.mark.parametrize("layout", ["mp2", "pp2", "sharding2_stage2"])
+def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, tmp_path):
+    """Resume the layout's step-5 checkpoint (single-process layout) in the same layout: every
+    rank takes its blocks of the weights and (sharded) optimizer moments; steps 6-10 and the final
+    weights equal the uninterrupted run."""
+    from gpt_compress.checkpoint import load_weights
+
+    tok_dir, prefix = shakespeare
+    base = parallel_runs(layout)
+    nproc, par, micro = LAYOUTS[layout]
+    out = str(tmp_path / "run")
+    mid = os.path.join(base, "checkpoints", f"step_{STEPS // 2:08d}")
+    _launch(nproc, ["pretrain", "--no-progress", *_overrides(tok_dir, prefix, out, micro, par), "--resume", mid],
+            tmp_path / "logs")
+    np.testing.assert_allclose(_losses(out), _losses(base)[STEPS // 2:], rtol=1e-6, atol=0)
+    got, want = load_weights(_final_checkpoint(out)), load_weights(_final_checkpoint(base))
+    assert max(float(np.max(np.abs(got[k] - want[k]))) for k in want) <= 1e-6
 
 
 def test_parallel_config_checks_the_launch():

@@ -246,8 +246,11 @@ class Pipeline:
         return self._merge({n: np.ascontiguousarray(v.numpy()) for n, v in model.state_dict().items() if n in own})
 
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
-        raise ConfigError(f"resuming {path} under Parallel {self.cfg.parallel.describe()} is not supported yet; "
-                          "start from its weights with -o Engine.init_from=CHECKPOINT or resume in one process")
+        """Every stage holds the whole model: load it all; the stage's optimizer keeps the moments
+        of its own parameters (the others' entries are never used)."""
+        from ..train.checkpoint import load_training_checkpoint
+
+        return load_training_checkpoint(path, model, optimizer, scheduler)
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         from ..train.checkpoint import _optimizer_tensors  # noqa: PLC0415 (one owner of the key mapping)

@@ -190,10 +190,48 @@ class AutoParallel:
         return _optimizer_tensors(model, optimizer, self.gather_numpy)
 
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
-        """Resume is not wired for distributed optimizer state yet: say so instead of half-resuming."""
-        raise ConfigError(f"resuming {path} under Parallel {self.dims.cfg.describe()} is not supported yet; "
-                          "start from its weights with -o Engine.init_from=CHECKPOINT (any layout loads them) "
-                          "or resume in one process")
+        """Resume: every rank reads the single-process-layout checkpoint and keeps its blocks of the
+        weights and optimizer moments; scheduler, RNG and data position as in one process."""
+        import json
+        import os
+
+        from safetensors.numpy import load_file
+
+        from ..checkpoint import WEIGHTS, check_state_dict, load_weights, verify_checksums
+        from ..train.checkpoint import OPTIMIZER, STATE, set_rng_state
+
+        verify_checksums(path)
+        weights = load_weights(path)
+        check_state_dict(model, weights, os.path.join(path, WEIGHTS))
+        # The sharded optimizer creates (and shards) its moments on request, by a zero-gradient
+        # step that may move the weights: assign the weights after it.
+        states = optimizer.state_dict()
+        for name, t in model.state_dict().items():
+            _assign_local(t, weights[name], self.dims.rank)
+        internal = {n: p.name for n, p in model.named_parameters()}
+        saved = {f"{internal[key.split('::', 1)[0]]}_{key.split('::', 1)[1]}": arr
+                 for key, arr in load_file(os.path.join(path, OPTIMIZER)).items()}
+        missing = [k for k, t in states.items() if isinstance(t, paddle.Tensor) and k not in saved]
+        if missing:
+            raise ConfigError(f"{path}: optimizer state lacks {missing[:3]}; was it written by another optimizer?")
+        for key, t in states.items():
+            if isinstance(t, paddle.Tensor):
+                _assign_local(t, saved[key], self.dims.rank)
+        with open(os.path.join(path, STATE), encoding="utf-8") as f:
+            state = json.load(f)
+        scheduler.set_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return state
+
+
+def _assign_local(t: paddle.Tensor, full: np.ndarray, rank: int) -> None:
+    """Write this rank's block of ``full`` into (distributed) tensor ``t`` in place."""
+    part = local_slice(np.asarray(full), t, rank)
+    target = t._local_value() if t.is_dist() else t
+    if tuple(target.shape) != part.shape:
+        raise ConfigError(f"cannot place a {full.shape} checkpoint tensor into {tuple(t.shape)} "
+                          f"(local {tuple(target.shape)}, {t.placements if t.is_dist() else 'dense'})")
+    target.set_value(paddle.to_tensor(part, dtype=target.dtype))
 
 
 def _allreduce_partial(grad):
