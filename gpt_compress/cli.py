@@ -20,12 +20,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("pretrain", "pretrain (or continue training) a GPT model"),
     "finetune-glue": ("finetune_glue", "finetune a sequence-classification head on a GLUE task"),
     "eval": ("eval", "evaluate a model: LAMBADA accuracy or WikiText perplexity, on any backend"),
+    "qat": ("qat", "quantization-aware training (fake-quant W8A8 finetuning), then int8 export"),
+    "ptq": ("ptq", "post-training quantization (calibrated W8A8 or weight-only int8/int4), then int8 export"),
+    "quant-sensitivity": ("quant_sensitivity", "rank layers by their quantization loss; write a skip list"),
     "export": ("export", "export a checkpoint to a static inference model (Paddle Inference / ONNX)"),
     "infer": ("infer", "generate with an exported model (Paddle Inference, onnxruntime or dygraph)"),
-    "prune": ("prune", "remove the least important attention heads and FFN channels (smaller checkpoint)"),
-    "distill": ("distill", "train a student (e.g. a pruned model) on a teacher's outputs"),
     "partition": ("partition", "export a checkpoint as tensor-parallel rank programs (mp_degree directories)"),
     "infer-tp": ("infer_tp", "generate with a tensor-parallel export, one process per rank"),
+    "prune": ("prune", "remove the least important attention heads and FFN channels (smaller checkpoint)"),
+    "distill": ("distill", "train a student (e.g. a pruned model) on a teacher's outputs"),
+    "report": ("report", "Markdown table and PNG plots from eval results and training logs"),
+    "pipeline": ("pipeline", "text -> pretrain -> prune + distill -> QAT -> export -> evaluate -> report"),
 }
 
 

@@ -210,7 +210,7 @@ class EngineConfig:
     mix_precision: str = "fp32"  # "fp32", "bf16", "fp16" (AMP needs a GPU)
     peak_tflops: float = 0.0  # hardware peak for MFU; 0 estimates nothing
     max_loss_spike: float = 0.0  # stop if loss > spike * running mean; 0 disables (NaN always stops)
-    to_static: bool = False  # compile the train step with paddle.jit.to_static
+    to_static: bool = False  # run the transformer body as a static program (paddle.jit.to_static)
 
 
 @dataclass
@@ -412,6 +412,8 @@ class Config:
     prune: PruneConfig = field(default_factory=PruneConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def to_dict(self) -> dict:
         """Sections keyed by their YAML names."""
@@ -429,6 +431,8 @@ SECTIONS: dict[str, str] = {
     "Prune": "prune",
     "Distill": "distill",
     "Parallel": "parallel",
+    "Quant": "quant",
+    "Pipeline": "pipeline",
 }
 
 

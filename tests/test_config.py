@@ -104,3 +104,14 @@ def test_analytic_count_equals_allocated_model():
 def test_all_presets_valid():
     for name in PRESETS:
         assert ModelConfig.from_preset(name).num_layers > 0
+
+
+def test_demo_config_is_configs_pipeline_tiny_cpu():
+    """`make demo` runs the embedded DEMO_CONFIG; configs/pipeline_tiny_cpu.yaml is the same run
+    for users to copy. They must not drift apart."""
+    from gpt_compress.commands.demo import DEMO_CONFIG
+    from gpt_compress.config import build_config, load_config
+
+    from_yaml = load_config(os.path.join(ROOT, "configs", "pipeline_tiny_cpu.yaml"), ["Global.output_dir=x"])
+    embedded = build_config(DEMO_CONFIG, ["Global.output_dir=x"])
+    assert from_yaml.to_dict() == embedded.to_dict()

@@ -1,113 +1,69 @@
-"""`gptc demo`: the main job on an embedded default, with no download.
+"""`gptc demo`: the whole toolkit on an embedded default, with no download.
 
-Builds an English corpus from the Python standard library's docstrings, trains a byte-level
-BPE tokenizer on it, preprocesses it into a Megatron indexed dataset, pretrains a small GPT
-for a few minutes on the CPU (the loss falls), reports validation perplexity before and
-after, and generates a completion.
+Runs `gptc pipeline` with ``DEMO_CONFIG`` (the same run as configs/pipeline_tiny_cpu.yaml): an
+English corpus from the Python standard library's docstrings, a byte-level BPE tokenizer
+trained on it, a Megatron indexed dataset, a small GPT pretrained on the CPU, pruned by 25% of
+its heads and FFN channels and distilled from the unpruned model, quantization-aware trained
+to int8, exported for Paddle Inference and onnxruntime, every artifact evaluated (held-out
+perplexity, decode speed, size), and a report with a table and plots. Then a completion from
+the int8 model. Rerunning skips finished stages.
 """
 from __future__ import annotations
 
-import math
 import os
-import time
 
-from ._common import print_json
+from ._common import fail, print_json
 
-# The embedded default run (YAML sections, as a config file would have them).
+# The embedded default run, as YAML sections (tests check it equals configs/pipeline_tiny_cpu.yaml).
 DEMO_CONFIG = {
-    "Global": {"seed": 1234},
+    "Global": {"seed": 1234, "output_dir": "demo_out"},
     "Model": {"preset": "gpt-test", "vocab_size": 4096, "hidden_size": 192, "num_layers": 4,
               "num_attention_heads": 6, "max_position_embeddings": 256,
               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
     "Data": {"seq_length": 128, "split": [95, 5, 0]},
     "Engine": {"max_steps": 300, "global_batch_size": 16, "micro_batch_size": 16, "eval_freq": 100,
-               "eval_iters": 8, "logging_freq": 50, "save_steps": 200, "keep_checkpoint_max": 1},
+               "eval_iters": 8, "logging_freq": 50, "save_steps": 100, "keep_checkpoint_max": 1},
     "Optimizer": {"weight_decay": 0.01, "grad_clip": 1.0,
                   "lr": {"decay_style": "cosine", "max_lr": 2e-3, "min_lr": 2e-4, "warmup_rate": 0.05}},
+    "Prune": {"head_ratio": 0.25, "ffn_ratio": 0.25, "criterion": "taylor", "calib_batches": 8},
+    "Distill": {"temperature": 2.0, "alpha": 0.5},
+    "Quant": {"targets": ["gpt.blocks.*"], "weight_only": ["gpt.wte", "gpt.wpe"], "calib_batches": 4},
+    "Pipeline": {"corpus": ["stdlib"], "corpus_max_bytes": 4_000_000, "heldout_fraction": 0.05,
+                 "distill_overrides": ["Engine.max_steps=100", "Optimizer.lr.max_lr=1.0e-3",
+                                       "Optimizer.lr.min_lr=1.0e-4"],
+                 "qat_overrides": ["Engine.max_steps=40", "Engine.eval_freq=0", "Optimizer.lr.max_lr=2.0e-4",
+                                   "Optimizer.lr.min_lr=2.0e-5"],
+                 "speed_prompt_tokens": 32, "speed_new_tokens": 64},
 }
 PROMPT = "Return a new list containing"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", default="demo_out", help="where everything is written")
-    parser.add_argument("--steps", type=int, default=DEMO_CONFIG["Engine"]["max_steps"],
-                        help="pretraining steps (about 0.7 s each on 2 idle cores)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="Section.key=value",
                         help="override a field of the embedded demo config")
-
-
-def _say(msg: str) -> None:
-    print(f"[demo] {msg}", flush=True)
+    parser.add_argument("--progress", action="store_true", help="progress bars of the training stages")
 
 
 def run(args) -> int:
-    from ..checkpoint import load_model
     from ..config import build_config
-    from ..data.dataset import SampleIterator, build_datasets
-    from ..data.preprocess import preprocess
-    from ..data.stdlib_corpus import build_stdlib_corpus
-    from ..data.tokenizer import Tokenizer
-    from ..inference.dygraph import DygraphBackend
-    from ..model.generation import generate
-    from ..train.loss import causal_lm_loss
-    from ..train.trainer import evaluate, fit
-    from ..checkpoint import build_model
-    from ..config import GenerationConfig
-    from ._common import seed_everything
+    from ..inference.runner import Generator
+    from ..pipeline import Pipeline, PipelineError
 
-    t_start = time.perf_counter()
-    out = os.path.abspath(args.output_dir)
-    os.makedirs(out, exist_ok=True)
-
-    _say("1/6 building a corpus from the Python standard library's docstrings (no download)")
-    corpus = build_stdlib_corpus(os.path.join(out, "corpus.jsonl"))
-    _say(f"    {corpus['documents']} documents, {corpus['bytes'] / 1e6:.1f} MB -> {corpus['path']}")
-
-    _say("2/6 training a byte-level BPE tokenizer (vocab 4096)")
-    tok_dir = os.path.join(out, "tokenizer")
-    tok = Tokenizer.train([corpus["path"]], vocab_size=DEMO_CONFIG["Model"]["vocab_size"])
-    tok.save(tok_dir)
-
-    _say("3/6 preprocessing into a Megatron mmap indexed dataset")
-    summary = preprocess([corpus["path"]], os.path.join(out, "data", "corpus"), tok, workers=1, progress=False)
-    _say(f"    {summary['documents']} documents, {summary['tokens']} tokens")
-    prefix = os.path.join(out, "data", "corpus_text_document")
-
-    raw = {k: dict(v) for k, v in DEMO_CONFIG.items()}
-    raw["Global"]["output_dir"] = os.path.join(out, "train")
-    raw["Data"].update(data_prefix=[prefix], tokenizer_dir=tok_dir)
-    raw["Engine"]["max_steps"] = args.steps
-    cfg = build_config(raw, args.override, source="embedded demo config")
-    seed_everything(cfg.global_.seed)
-    eng = cfg.engine
-    n_eval = eng.eval_iters * eng.micro_batch_size
-    train, valid, _ = build_datasets(cfg.data.data_prefix, cfg.data.split, cfg.data.seq_length,
-                                     (eng.max_steps * eng.global_batch_size, n_eval, 0), cfg.global_.seed)
-
-    def eval_batches():
-        return list(SampleIterator(valid, eng.micro_batch_size))[: eng.eval_iters]
-
-    model = build_model(cfg.model, "lm")
-    untrained = evaluate(model, causal_lm_loss, eval_batches())
-    _say(f"4/6 pretraining a {cfg.model.num_parameters() / 1e6:.1f}M-parameter GPT for {eng.max_steps} steps "
-         f"(batch {eng.global_batch_size} x {cfg.data.seq_length} tokens); untrained validation loss "
-         f"{untrained:.3f} (ppl {math.exp(untrained):.0f})")
-    result = fit(model, causal_lm_loss, lambda c: SampleIterator(train, eng.micro_batch_size, c), cfg,
-                 eval_batches=eval_batches, tokenizer=tok)
-
-    _say("5/6 validation perplexity")
-    trained_model = load_model(result.checkpoint)
-    val = evaluate(trained_model, causal_lm_loss, eval_batches())
-    _say(f"    validation loss {untrained:.3f} -> {val:.3f}; perplexity {math.exp(untrained):.0f} -> {math.exp(val):.1f}")
-
-    _say(f"6/6 greedy completion (repetition penalty 1.3) of {PROMPT!r}")
-    gen = generate(DygraphBackend(trained_model), [tok.encode(PROMPT)], GenerationConfig(max_new_tokens=40, repetition_penalty=1.3),
-                   tok.eod_id, tok.pad_id)
-    completion = tok.decode(gen.sequences[0])
-    print(PROMPT + completion, flush=True)
-    seconds = time.perf_counter() - t_start
-    _say(f"done in {seconds / 60:.1f} min; checkpoint: {result.checkpoint}")
-    print_json({"untrained_valid_loss": round(untrained, 4), "valid_loss": round(val, 4),
-                "valid_ppl": round(math.exp(val), 2), "train_tokens_per_s": round(result.tokens_per_s, 1),
-                "checkpoint": result.checkpoint, "seconds": round(seconds, 1), "completion": completion})
+    cfg = build_config(DEMO_CONFIG, [f"Global.output_dir={os.path.abspath(args.output_dir)}", *args.override],
+                       source="embedded demo config")
+    pipe = Pipeline(cfg, progress=args.progress)
+    try:
+        result = pipe.run()
+    except PipelineError as e:
+        return fail(str(e))
+    with open(result["report"], encoding="utf-8") as f:
+        print(f.read())
+    int8 = pipe.outputs("qat")["export"] if cfg.pipeline.qat else pipe.outputs("export_base")["export"]
+    gen = Generator.from_dir(int8, backend="onnx" if "onnx" in cfg.pipeline.formats else "paddle")
+    out = gen.generate(PROMPT, max_new_tokens=40, repetition_penalty=1.3)
+    completion = out.texts[0]
+    print(f"greedy completion by {int8} (repetition penalty 1.3):\n{PROMPT}{completion}\n", flush=True)
+    print(f"report: {result['report']}", flush=True)
+    print_json({**result, "completion": completion})
     return 0

@@ -6,7 +6,7 @@ optionally, speed figures (``gptc infer``/``bench/decode.py`` style: ``decode_to
 (model directory, backend), so the WikiText and LAMBADA results of one artifact land in one row.
 
 Plots: training/validation loss against step for every log given, and, when two or more
-artifacts carry both a size and a perplexity, quality (WikiText PPL) against weight size.
+artifacts carry the figures, quality (WikiText PPL) against weight size and against decode speed.
 """
 from __future__ import annotations
 
@@ -170,26 +170,33 @@ def plot_loss_curves(logs: Mapping[str, str], path: str) -> str:
         plt.close(fig)
 
 
-def plot_size_vs_quality(rows: Sequence[ReportRow], path: str) -> Optional[str]:
-    """WikiText PPL against weight size, one labelled point per artifact x backend; None (no
-    file) unless at least two rows have both figures."""
-    pts = [r for r in rows if r.size_mb is not None and r.wikitext_ppl is not None]
+# x-axis attribute of a quality trade-off plot -> (label, title, file name)
+TRADEOFFS = {"size_mb": ("weights (MB)", "Quality vs size", "size_vs_quality.png"),
+             "decode_tokens_per_s": ("batch-1 decode tokens/s (higher is faster)", "Quality vs speed",
+                                     "speed_vs_quality.png")}
+
+
+def plot_tradeoff(rows: Sequence[ReportRow], x: str, path: str) -> Optional[str]:
+    """WikiText PPL against ``x`` (a ``TRADEOFFS`` key), one labelled point per artifact x
+    backend; None (no file) unless at least two rows have both figures."""
+    xlabel, title, _ = TRADEOFFS[x]
+    pts = [r for r in rows if getattr(r, x) is not None and r.wikitext_ppl is not None]
     if len(pts) < 2:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     backends = sorted({r.backend for r in pts})
     for r in pts:
-        ax.scatter(r.size_mb, r.wikitext_ppl, color=f"C{backends.index(r.backend)}", s=36)
-        ax.annotate(f"{r.name} ({r.backend})", (r.size_mb, r.wikitext_ppl), fontsize=7,
+        ax.scatter(getattr(r, x), r.wikitext_ppl, color=f"C{backends.index(r.backend)}", s=36)
+        ax.annotate(f"{r.name} ({r.backend})", (getattr(r, x), r.wikitext_ppl), fontsize=7,
                     xytext=(4, 3), textcoords="offset points")
     for b in backends:
         ax.scatter([], [], color=f"C{backends.index(b)}", label=b)
-    ax.set_xlabel("weights (MB)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("WikiText perplexity (lower is better)")
     if max(r.wikitext_ppl for r in pts) / min(r.wikitext_ppl for r in pts) > 20:
         ax.set_yscale("log")
-    ax.set_title("Quality vs size")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     try:
@@ -210,10 +217,11 @@ def write_report(out_dir: str, rows: Sequence[ReportRow], logs: Optional[Mapping
     if logs:
         files["loss_curves"] = plot_loss_curves(logs, os.path.join(out_dir, "loss_curves.png"))
         parts += ["## Loss curves", "", "![loss curves](loss_curves.png)", ""]
-    size_png = plot_size_vs_quality(rows, os.path.join(out_dir, "size_vs_quality.png"))
-    if size_png:
-        files["size_vs_quality"] = size_png
-        parts += ["## Quality vs size", "", "![quality vs size](size_vs_quality.png)", ""]
+    for x, (_, heading, name) in TRADEOFFS.items():
+        png = plot_tradeoff(rows, x, os.path.join(out_dir, name))
+        if png:
+            files[name[:-4]] = png
+            parts += [f"## {heading}", "", f"![{heading.lower()}]({name})", ""]
     for name, text in (("results.json", json.dumps([asdict(r) for r in rows], indent=2)),
                        ("report.md", "\n".join(parts))):
         path = os.path.join(out_dir, name)

@@ -126,6 +126,21 @@ def evaluate(model, loss_fn: LossFn, batches: Iterable[Batch]) -> float:
     return float(np.mean(losses)) if losses else float("nan")
 
 
+def compile_body(model, parallel=None) -> None:
+    """``Engine.to_static``: run the transformer body (``model.gpt``) as a static program
+    (``paddle.jit.to_static``, in place: same parameters, names and checkpoints). The loss head
+    stays eager: the fused chunked LM loss is a PyLayer, which static graphs do not take."""
+    if parallel is not None:
+        raise ConfigError("Engine.to_static is for single-process training; Paddle's static "
+                          "distributed path (dist.to_static) does not run on CPU/gloo")
+    if model.config.recompute != "none":
+        raise ConfigError("Engine.to_static and Model.recompute cannot be combined: recompute is a "
+                          "PyLayer, which static graphs do not take")
+    if not isinstance(getattr(model, "gpt", None), paddle.nn.Layer):
+        raise ConfigError("Engine.to_static needs a model with a `gpt` body")
+    paddle.jit.to_static(model.gpt, full_graph=True)
+
+
 def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]], cfg: Config,
         eval_batches: Optional[Callable[[], Iterable[Batch]]] = None, tokenizer=None,
         samples_per_micro_batch: Optional[int] = None, tokens_per_sample: Optional[int] = None,
@@ -171,6 +186,8 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
 
     fpt = flops_per_token(model.config, seq)
     batches = train_batches(consumed)
+    if eng.to_static:
+        compile_body(model, parallel)
     model.train()
     ema, last_loss, last_eval, ckpt, tps_hist = None, float("nan"), None, resume, []
     tokens_per_step = eng.global_batch_size * seq

@@ -1,0 +1,106 @@
+"""`gptc pipeline` end to end on a tiny config: every stage runs and the report holds every
+artifact's figures; a second run skips everything; deleting one stage's output reruns only that
+stage and what depends on it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL = {"data", "pretrain", "prune", "distill", "qat", "export_base", "export_compressed",
+       "eval_base", "eval_compressed", "eval_int8", "report"}
+
+
+def _png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def _run(config, *extra):
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-c", str(config), *extra],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory, shared_data):
+    """configs/pipeline_tiny_cpu.yaml shrunk: a 2-layer model, seconds per stage."""
+    with open(os.path.join(ROOT, "configs", "pipeline_tiny_cpu.yaml"), encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    out = tmp_path_factory.mktemp("pipe")
+    raw["Global"]["output_dir"] = str(out / "run")
+    raw["Model"].update(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
+                        max_position_embeddings=128)
+    raw["Data"]["seq_length"] = 64
+    raw["Engine"].update(max_steps=20, global_batch_size=8, micro_batch_size=8, eval_freq=10, eval_iters=2,
+                         save_steps=10)
+    raw["Prune"]["calib_batches"] = 2
+    raw["Quant"]["calib_batches"] = 2
+    raw["Pipeline"].update(corpus_max_bytes=150_000, distill_overrides=["Engine.max_steps=5"],
+                           qat_overrides=["Engine.max_steps=5", "Engine.eval_freq=0"], eval_max_chars=6000,
+                           eval_lambada=str(shared_data / "lambada_test.jsonl"), lambada_limit=20,
+                           speed_prompt_tokens=16, speed_new_tokens=8, speed_reps=1)
+    path = out / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path, out / "run"
+
+
+def test_pipeline_runs_skips_and_reruns_what_follows(tiny_config):
+    config, out = tiny_config
+    first, _ = _run(config)
+    assert {s for s, r in first["stages"].items() if r["ran"]} == ALL
+
+    # The report: one row per artifact x backend, every figure present, plots are real images.
+    rows = json.loads((out / "report" / "results.json").read_text())
+    assert {(r["name"], r["backend"]) for r in rows} == {
+        (n, b) for n in ("base (fp32)", "pruned+distilled (fp32)", "QAT int8") for b in ("paddle", "onnx")}
+    for r in rows:
+        for key in ("size_mb", "wikitext_ppl", "lambada_acc", "decode_tokens_per_s", "prefill_ms"):
+            assert r[key] is not None and r[key] >= 0, (r, key)
+        assert 1.0 < r["wikitext_ppl"] < 512  # a trained model beats uniform over the 512-token vocabulary
+    by = {(r["name"], r["backend"]): r for r in rows}
+    for b in ("paddle", "onnx"):
+        # Pruned is smaller; int8 files are > 2x smaller even at this size, where per-channel
+        # scales, biases and norms (kept fp32) weigh more than in a real model (4x there).
+        assert by[("pruned+distilled (fp32)", b)]["size_mb"] < by[("base (fp32)", b)]["size_mb"]
+        assert by[("QAT int8", b)]["size_mb"] < 0.5 * by[("base (fp32)", b)]["size_mb"]
+    for name in ("base (fp32)", "pruned+distilled (fp32)", "QAT int8"):
+        p, o = by[(name, "paddle")]["wikitext_ppl"], by[(name, "onnx")]["wikitext_ppl"]
+        assert abs(p - o) / p < 1e-3, (name, p, o)
+    md = (out / "report" / "report.md").read_text()
+    assert md.count("| QAT int8 |") == 2 and "prune (taylor" in md
+    for png in ("loss_curves.png", "size_vs_quality.png", "speed_vs_quality.png"):
+        w, h = _png_size(out / "report" / png)
+        assert w > 300 and h > 200 and os.path.getsize(out / "report" / png) > 10_000, png
+
+    # Second run: nothing to do.
+    second, log = _run(config)
+    assert not any(r["ran"] for r in second["stages"].values()), second
+    assert log.count("up to date, skipped") == len(ALL)
+
+    # Delete one stage's output: that stage and what reads it rerun, nothing else.
+    shutil.rmtree(out / "export" / "compressed")
+    status, _ = _run(config, "--status")
+    stale = {s["stage"] for s in status["stages"] if not s["fresh"]}
+    assert stale == {"export_compressed", "eval_compressed", "report"}
+    third, _ = _run(config)
+    assert {s for s, r in third["stages"].items() if r["ran"]} == {"export_compressed", "eval_compressed", "report"}
+
+
+def test_pipeline_config_errors_are_named(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-o", "Pipeline.distill=true",
+                          "-o", "Pipeline.prune=false", "--status"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Pipeline.distill needs Pipeline.prune" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-o", f"Global.output_dir={tmp_path}",
+                          "--stage", "nope"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 1 and "unknown stage 'nope'" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-o", f"Global.output_dir={tmp_path}",
+                          "--stage", "prune"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 1 and "stage 'data' is not up to date" in res.stderr
