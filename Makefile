@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/gptc demo
 
 bench: $(STAMP)
-	$(BIN)/python bench/forward.py
+	$(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo_out
