@@ -61,9 +61,9 @@ def init_distributed(config: Config) -> ParallelDims:
     if cfg.dp_degree > 1 and cfg.sharding_degree > 1:
         raise ConfigError("Parallel: dp_degree and sharding_degree are both > 1; sharding ranks also split "
                           "the data, so set sharding_degree to their product and dp_degree to 1")
-    if cfg.pp_degree > 1 and (cfg.mp_degree > 1 or cfg.sharding_degree > 1):
+    if cfg.pp_degree > 1 and (cfg.sharding_degree > 1 or cfg.sequence_parallel):
         raise ConfigError(f"Parallel: {cfg.describe()}: pipeline parallelism runs on fleet's PipelineLayer, "
-                          "which this version combines with dp_degree only (not mp or sharding)")
+                          "which this version combines with dp and mp only (not sharding or sequence_parallel)")
     if cfg.virtual_pp_degree > 1 and cfg.pp_degree <= 2:
         # fleet's interleaved schedule asserts "virtual pipeline must run under pp degree > 2"
         raise ConfigError("Parallel.virtual_pp_degree > 1 needs Parallel.pp_degree > 2 (fleet's interleaved schedule)")

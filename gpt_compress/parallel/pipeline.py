@@ -33,7 +33,7 @@ def init_fleet(cfg: Config) -> None:
 
     par, eng = cfg.parallel, cfg.engine
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": par.dp_degree, "mp_degree": 1, "pp_degree": par.pp_degree,
+    strategy.hybrid_configs = {"dp_degree": par.dp_degree, "mp_degree": par.mp_degree, "pp_degree": par.pp_degree,
                                "sharding_degree": 1,
                                "pp_configs": {"use_batch_p2p_comm": paddle.is_compiled_with_cuda()}}
     micro, acc = micro_batches(cfg)
@@ -41,6 +41,95 @@ def init_fleet(cfg: Config) -> None:
     if not paddle.is_compiled_with_cuda() and not hasattr(dist.ParallelEnv, "_device_id"):
         dist.ParallelEnv._device_id = 0  # PipelineLayer reads it; a CPU process has no device id
     fleet.init(is_collective=True, strategy=strategy)
+    if par.mp_degree > 1:
+        tracker = fleet.meta_parallel.get_rng_state_tracker()
+        if "model_parallel_rng" not in tracker.states_:
+            tracker.add("model_parallel_rng", cfg.global_.seed + 1
+                        + fleet.get_hybrid_communicate_group().get_model_parallel_rank())
+        if not paddle.is_compiled_with_cuda():
+            _route_mp_collectives_through_gloo()
+
+
+class _AllReduce(paddle.autograd.PyLayer):
+    """Sum over the model-parallel group; the gradient passes through (the sum is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import paddle.distributed as dist
+
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+class _Identity(paddle.autograd.PyLayer):
+    """Identity whose gradient is summed over the model-parallel group (input of a column split)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        import paddle.distributed as dist
+
+        g = dy.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g
+
+
+def _route_mp_collectives_through_gloo() -> None:
+    """gloo refuses fleet's model-parallel all-reduce ("ProcessGroupGLOO does not support
+    all_reduce with ... use_calc_stream"): run fleet's ``_mp_allreduce`` / ``_c_identity`` as
+    ordinary ``paddle.distributed.all_reduce`` calls with the same autograd rules."""
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    def mp_allreduce(tensor, op=None, group=None, use_calc_stream=True, use_model_parallel=True,
+                     skip_c_identity_dynamic=False):
+        return _AllReduce.apply(tensor, group)
+
+    def c_identity(tensor, group=None, skip_c_identity_dynamic=False):
+        return _Identity.apply(tensor, group)
+
+    mp_ops._mp_allreduce, mp_ops._c_identity = mp_allreduce, c_identity
+
+
+def _mp_group():
+    from paddle.distributed import fleet
+
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
+def apply_fleet_tp(model, mp_rank: int, mp: int):
+    """Swap ``TP_PLAN``'s layers of the one model for fleet's tensor-parallel layers holding this
+    rank's blocks (column: ``ColumnParallelLinear``, row: ``RowParallelLinear``, vocab:
+    ``VocabParallelEmbedding``). Parameter names stay the model's; shapes become local."""
+    from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                        VocabParallelEmbedding)
+
+    from ..checkpoint import assign_weights, state_dict_numpy
+    from ..export.partition import shard_weights
+
+    local = shard_weights(state_dict_numpy(model), mp_rank, mp)
+    cfg = model.config
+    for block in model.gpt.blocks:
+        attn, mlp = block.attn, block.mlp
+        inner, ffn = attn.num_heads * attn.head_dim, mlp.fc_in.weight.shape[1]
+        attn.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * inner, has_bias=True, gather_output=False)
+        attn.out = RowParallelLinear(inner, cfg.hidden_size, has_bias=True, input_is_parallel=True)
+        attn.num_heads //= mp
+        mlp.fc_in = ColumnParallelLinear(cfg.hidden_size, ffn, has_bias=True, gather_output=False)
+        mlp.fc_out = RowParallelLinear(ffn, cfg.hidden_size, has_bias=True, input_is_parallel=True)
+    model.gpt.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+    if not cfg.tie_word_embeddings:
+        model.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, has_bias=False, gather_output=False)
+    assign_weights(model, local, f"model-parallel rank {mp_rank} of {mp}")
+    return model
 
 
 def micro_batches(cfg: Config) -> tuple[int, int]:
@@ -91,19 +180,29 @@ class _Final(nn.Layer):
 
 
 class _TokenEmbedding(nn.Layer):
-    """The shared piece: ``gpt.wte``'s weight, used as lookup table and as tied LM head."""
+    """The shared piece: ``gpt.wte`` (vocab-parallel under mp), used as lookup table and as tied
+    LM head. ``weight`` is the attribute fleet syncs (and all-reduces the gradient of) between the
+    first and the last stage."""
 
     def __init__(self, wte):
         super().__init__()
-        self.weight = wte.weight  # the same Parameter object: fleet syncs it between the stages
+        self.embedding = wte
+
+    @property
+    def weight(self):
+        return self.embedding.weight
 
 
 def _lookup(shared, input_ids):
-    return nn.functional.embedding(input_ids, shared.weight)  # (B, T) -> (B, T, H)
+    return shared.embedding(input_ids)  # (B, T) -> (B, T, H)
 
 
 def _tied_head(shared, hidden):
-    return paddle.matmul(hidden, shared.weight, transpose_y=True)  # (B, T, H) -> (B, T, V)
+    if getattr(shared.embedding, "is_mp", False):
+        from paddle.distributed.fleet.layers.mpu import mp_ops
+
+        hidden = mp_ops._c_identity(hidden, group=_mp_group())  # its gradient sums over the vocab slices
+    return paddle.matmul(hidden, shared.weight, transpose_y=True)  # (B, T, H) -> (B, T, V [/ mp])
 
 
 def pipeline_layers(model) -> list:
@@ -135,13 +234,15 @@ class Pipeline:
 
         par = self.cfg.parallel
         check_divisible(model.config, par)
+        if par.mp_degree > 1:
+            model = apply_fleet_tp(model, self.dims.mp_rank, par.mp_degree)
         n = model.config.num_layers
         vpp = par.virtual_pp_degree
         # Cut only at block boundaries: the embedding pieces go with the first blocks, ln_f/head with the last.
         seg = "layer:^_StageBlock$"
         layers = PipelineLayer(layers=pipeline_layers(model), num_stages=par.pp_degree,
                                topology=fleet.get_hybrid_communicate_group().topology(),
-                               loss_fn=_LossFn(), seg_method=seg,
+                               loss_fn=_LossFn(par.mp_degree), seg_method=seg,
                                num_virtual_pipeline_stages=vpp if vpp > 1 else None)
         own = {id(p) for p in layers.parameters()}
         for p in model.parameters():
@@ -206,18 +307,27 @@ class Pipeline:
 
     @paddle.no_grad()
     def clip_grad_norm_(self, parameters, max_norm: float) -> float:
-        """Global-norm clip over all stages (the shared embedding counted once)."""
+        """Global-norm clip over all stages and model-parallel blocks (the shared embedding and
+        parameters replicated over the mp ranks counted once)."""
         import paddle.distributed as dist
-
-        grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in self._shared_dup]
-        sq = paddle.zeros([1], dtype="float32")
-        for g in counted:
-            sq = sq + paddle.sum(paddle.square(g.astype("float32")))
         from paddle.distributed import fleet
 
-        dist.all_reduce(sq, group=fleet.get_hybrid_communicate_group().get_pipe_parallel_group())
-        norm = paddle.sqrt(sq)
+        hcg = fleet.get_hybrid_communicate_group()
+        grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [p for p in parameters if p.grad is not None and id(p) not in self._shared_dup]
+
+        def sq(ps):
+            out = paddle.zeros([1], dtype="float32")
+            for p in ps:
+                out = out + paddle.sum(paddle.square(p.grad.astype("float32")))
+            return out
+
+        split = sq([p for p in counted if getattr(p, "is_distributed", False)])
+        if self.cfg.parallel.mp_degree > 1:
+            dist.all_reduce(split, group=hcg.get_model_parallel_group())
+        total = split + sq([p for p in counted if not getattr(p, "is_distributed", False)])
+        dist.all_reduce(total, group=hcg.get_pipe_parallel_group())
+        norm = paddle.sqrt(total)
         if max_norm > 0:
             scale = max_norm / paddle.maximum(norm, paddle.to_tensor(max_norm, dtype="float32"))
             for g in grads:
@@ -241,27 +351,91 @@ class Pipeline:
         own = {id(p) for p in self._layers.parameters()}
         return {n for n, p in model.named_parameters() if id(p) in own}
 
+    def _whole(self, name: str, t: paddle.Tensor, param_shape) -> np.ndarray:
+        """``t`` (a parameter or a moment of ``name``) with its model-parallel blocks joined."""
+        from .plan import tp_split_of
+
+        split = tp_split_of(name) if self.cfg.parallel.mp_degree > 1 else None
+        if split is None or tuple(t.shape) != tuple(param_shape):
+            return np.ascontiguousarray(t.numpy())
+        import paddle.distributed as dist
+
+        parts: list = []
+        dist.all_gather(parts, t.detach(), group=_mp_group())
+        return np.ascontiguousarray(np.concatenate([x.numpy() for x in parts], axis=split[1]))
+
     def gather_model(self, model) -> dict:
         own = self._own_names(model)
-        return self._merge({n: np.ascontiguousarray(v.numpy()) for n, v in model.state_dict().items() if n in own})
-
-    def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
-        """Every stage holds the whole model: load it all; the stage's optimizer keeps the moments
-        of its own parameters (the others' entries are never used)."""
-        from ..train.checkpoint import load_training_checkpoint
-
-        return load_training_checkpoint(path, model, optimizer, scheduler)
+        return self._merge({n: self._whole(n, v, v.shape) for n, v in sorted(model.state_dict().items()) if n in own})
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         from ..train.checkpoint import _optimizer_tensors  # noqa: PLC0415 (one owner of the key mapping)
 
-        tensors, extra = _optimizer_tensors(model, optimizer)
-        return self._merge(tensors), extra
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        tensors, extra = _optimizer_tensors(model, optimizer, to_numpy=lambda t: t)
+        whole = {k: self._whole(k.split("::", 1)[0], t, shapes[k.split("::", 1)[0]])
+                 for k, t in sorted(tensors.items())}
+        return self._merge(whole), extra
+
+    def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
+        """Every stage holds the whole model: load it all (this rank's blocks under mp); the
+        stage's optimizer keeps the moments of its own parameters."""
+        import json
+        import os
+
+        from safetensors.numpy import load_file
+
+        from ..checkpoint import assign_weights, load_weights, verify_checksums
+        from ..export.partition import shard_weights
+        from ..train.checkpoint import OPTIMIZER, STATE, _load_optimizer, load_training_checkpoint, set_rng_state
+
+        mp = self.cfg.parallel.mp_degree
+        if mp == 1:
+            return load_training_checkpoint(path, model, optimizer, scheduler)
+        verify_checksums(path)
+        weights = load_weights(path)
+        rank = self.dims.mp_rank
+        assign_weights(model, shard_weights(weights, rank, mp), path)
+        moments = {}
+        for key, arr in load_file(os.path.join(path, OPTIMIZER)).items():
+            name = key.split("::", 1)[0]
+            same = name in weights and arr.shape == weights[name].shape
+            moments[key] = shard_weights({name: arr}, rank, mp)[name] if same else arr
+        with open(os.path.join(path, STATE), encoding="utf-8") as f:
+            state = json.load(f)
+        _load_optimizer(model, optimizer, moments, state["scheduler"])
+        scheduler.set_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return state
 
 
 class _LossFn(nn.Layer):
-    """Last stage: logits (B, T, V) and labels (B, T) -> mean CE over counted positions."""
+    """Last stage: logits (B, T, V [/ mp]) and labels (B, T) -> mean CE over counted positions.
+    Under mp the logits are this rank's vocabulary slice (``ParallelCrossEntropy`` has no CPU
+    kernel): max, sum of exponentials and the label's logit are combined over the mp group."""
+
+    def __init__(self, mp: int = 1):
+        super().__init__()
+        self.mp = mp
 
     def forward(self, logits, labels):
-        return _masked_mean_ce(logits, labels, None)
+        if self.mp == 1:
+            return _masked_mean_ce(logits, labels, None)
+        import paddle.distributed as dist
+        from paddle.distributed.fleet.layers.mpu import mp_ops
 
+        group = _mp_group()
+        vocab = logits.shape[-1]  # local slice
+        start = group.rank * vocab
+        logits = logits.reshape([-1, vocab]).astype("float32")  # (N, V/mp)
+        labels = labels.reshape([-1])
+        m = paddle.max(logits.detach(), axis=-1, keepdim=True)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # global max: a constant
+        sumexp = mp_ops._mp_allreduce(paddle.sum(paddle.exp(logits - m), axis=-1), group=group)  # (N,)
+        local = labels - start
+        mine = paddle.logical_and(local >= 0, local < vocab)
+        picked = paddle.take_along_axis(logits, paddle.clip(local, 0, vocab - 1).unsqueeze(-1), axis=-1).squeeze(-1)
+        target = mp_ops._mp_allreduce(picked * mine.astype("float32"), group=group)  # (N,)
+        valid = (labels != -100).astype("float32")
+        per = paddle.log(sumexp) + m.squeeze(-1) - target
+        return paddle.sum(per * valid) / paddle.clip(paddle.sum(valid), min=1.0)

@@ -1,0 +1,39 @@
+"""One rank of tests/test_parallel.py's check of the fleet tensor-parallel pieces used inside
+pipeline stages (pp x mp): the one model with fleet's column/row/vocab-parallel layers, the tied
+head and the vocab-parallel loss, on 2 gloo processes. Writes rank 0's loss and whole gradients."""
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from gpt_compress.config import ModelConfig
+from gpt_compress.export.partition import _init_mp
+from gpt_compress.model.gpt import GPTForCausalLM
+from gpt_compress.parallel.pipeline import (_LossFn, _mp_group, _route_mp_collectives_through_gloo, _TokenEmbedding,
+                                            _tied_head, apply_fleet_tp)
+from gpt_compress.parallel.plan import tp_split_of
+
+out, ids_path = sys.argv[1], sys.argv[2]
+_init_mp(2)
+_route_mp_collectives_through_gloo()
+paddle.seed(7)
+model = GPTForCausalLM(ModelConfig.from_preset("gpt-tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+rank = dist.get_rank()
+model = apply_fleet_tp(model, rank, 2)
+data = np.load(ids_path)
+ids, labels = paddle.to_tensor(data[:, :-1]), paddle.to_tensor(data[:, 1:])
+logits = _tied_head(_TokenEmbedding(model.gpt.wte), model.gpt(ids))  # (B, T, V / 2)
+loss = _LossFn(2)(logits, labels)
+loss.backward()
+grads = {}
+for name, p in model.named_parameters():
+    g = p.grad
+    split = tp_split_of(name)
+    if split is not None:
+        parts = []
+        dist.all_gather(parts, g, group=_mp_group())
+        g = paddle.concat(parts, axis=split[1])
+    grads[name] = g.numpy()
+if rank == 0:
+    np.savez(out, loss=float(loss), **grads)
