@@ -27,11 +27,11 @@ from .plan import check_divisible
 
 
 def init_fleet(cfg: Config) -> None:
-    """``fleet.init`` with a dp x pp hybrid topology and the pipeline's micro-batching."""
+    """``fleet.init`` with a dp x pp x mp hybrid topology and the pipeline's micro-batching."""
     import paddle.distributed as dist
     from paddle.distributed import fleet
 
-    par, eng = cfg.parallel, cfg.engine
+    par = cfg.parallel
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": par.dp_degree, "mp_degree": par.mp_degree, "pp_degree": par.pp_degree,
                                "sharding_degree": 1,
@@ -236,7 +236,8 @@ class Pipeline:
         check_divisible(model.config, par)
         if par.mp_degree > 1:
             model = apply_fleet_tp(model, self.dims.mp_rank, par.mp_degree)
-        n = model.config.num_layers
+        if model.config.num_layers < par.pp_degree:
+            raise ConfigError(f"pp_degree {par.pp_degree} exceeds Model.num_layers {model.config.num_layers}")
         vpp = par.virtual_pp_degree
         # Cut only at block boundaries: the embedding pieces go with the first blocks, ln_f/head with the last.
         seg = "layer:^_StageBlock$"
@@ -255,9 +256,6 @@ class Pipeline:
         self._shared_dup = set()
         if self.dims.pp_rank > 0 and model.config.tie_word_embeddings:
             self._shared_dup = {id(model.gpt.wte.weight)}
-        self._rank_of_name = None
-        if n < par.pp_degree:
-            raise ConfigError(f"pp_degree {par.pp_degree} exceeds Model.num_layers {n}")
         return model
 
     def prepare_optimizer(self, optimizer):
