@@ -95,14 +95,16 @@ class _FusedHeadCrossEntropy(PyLayer):
     def forward(ctx, hidden, weight, targets, vocab_major: bool, chunk: int):
         loss, grad_hidden, grad_weight = _head_ce(hidden, weight, targets, vocab_major, chunk, True)
         ctx.rows = hidden.shape[0]
+        # Paddle requires None for an input that needs no gradient (e.g. a frozen tied embedding).
+        ctx.needs = (not hidden.stop_gradient, not weight.stop_gradient)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss / ctx.rows
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensor()
+        grads = ctx.saved_tensor()
         scale = grad_loss / ctx.rows
-        return grad_hidden * scale, grad_weight * scale
+        return tuple(g * scale if need else None for g, need in zip(grads, ctx.needs))
 
 
 def lm_loss(model, input_ids: paddle.Tensor, labels: paddle.Tensor,
