@@ -312,6 +312,9 @@ def test_quantized_checkpoint_roundtrip_and_float_fallback(qat_run, dirs):
     assert not quant_layers(plain)
     assert float(paddle.abs(plain(ids) - q1(ids)).max()) > 1e-4  # quantization does change logits
     assert not quant_layers(load_any(dirs["ckpt"]))
+    # The dygraph runner (`gptc eval/infer --backend dygraph`) runs a quantized checkpoint quantized.
+    gen = Generator.from_dir(report["quantized_checkpoint"], backend="dygraph")
+    np.testing.assert_array_equal(gen.score(ids.numpy()), q1(ids).numpy())
 
 
 def test_quant_config_section(tmp_path):

@@ -81,10 +81,10 @@ class Generator:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         path = os.fspath(path)
         if backend == "dygraph":
-            from ..checkpoint import load_model
+            from ..qat.quantize import load_any
             from .dygraph import DygraphBackend
 
-            model = load_model(path, verify=verify)
+            model = load_any(path, verify=verify)  # a quantized checkpoint runs as its fake-quant model
             cfg = model.config
             runner = DygraphBackend(model)
             info = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,

@@ -341,14 +341,14 @@ def read_quant_state(path: str) -> Optional[dict]:
         return json.load(f).get("quant")
 
 
-def load_quantized(path: str):
+def load_quantized(path: str, verify: bool = True):
     """Rebuild the fake-quant model saved by ``save_quantized`` (eval mode, scales restored)."""
     from ..checkpoint import CheckpointError, load_model
 
     state = read_quant_state(path)
     if state is None:
         raise CheckpointError(f"{path} is a float checkpoint (config.json has no 'quant' entry)")
-    model = load_model(path)
+    model = load_model(path, verify=verify)
     qcfg = QuantConfig(**{**state["config"], "skip_file": ""})
     apply_plan(model, {n: e["mode"] for n, e in state["layers"].items()}, qcfg)
     layers = quant_layers(model)
@@ -362,8 +362,8 @@ def load_quantized(path: str):
     return model
 
 
-def load_any(path: str):
+def load_any(path: str, verify: bool = True):
     """A checkpoint as its model: fake-quant if it was saved quantized, else float."""
     from ..checkpoint import load_model
 
-    return load_quantized(path) if read_quant_state(path) else load_model(path)
+    return load_quantized(path, verify) if read_quant_state(path) else load_model(path, verify=verify)
