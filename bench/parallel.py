@@ -136,7 +136,8 @@ def profile_worker(argv) -> None:
                 names[name] = names.get(name, 0.0) + ev.get("dur", 0) / 1e6
     # Auto-parallel runs every collective inside a reshard function (SameNdMeshReshard, ...): count
     # those, not the collectives nested in them; without any reshard event, count the collectives.
-    outer = {n: v for n, v in names.items() if "reshard" in n.lower() and "node" not in n.lower()}
+    # (the kernels' events are one word, e.g. SameNdMeshReshard; "reshard dygraph" wraps them)
+    outer = {n: v for n, v in names.items() if "reshard" in n.lower() and " " not in n and "node" not in n.lower()}
     comm = sum(outer.values()) if outer else sum(names.values())
     step_total = float(np.sum(times))
     result = {"rank": dims.rank, "steps": len(times), "step_s": float(np.median(times)),
