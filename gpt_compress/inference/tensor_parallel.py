@@ -43,17 +43,21 @@ class TensorParallelBackend:
         return np.concatenate([p.numpy() for p in parts], axis=-1)
 
     def prefill(self, input_ids, attention_mask):
+        """Prompt (B, T) -> full last logits (B, V), this rank's cache."""
         logits, cache = self.local.prefill(input_ids, attention_mask)
         return self._gather(logits), cache
 
     def decode(self, input_ids, attention_mask, cache):
+        """New tokens -> full logits (B, V), grown cache (this rank's heads)."""
         logits, cache = self.local.decode(input_ids, attention_mask, cache)
         return self._gather(logits), cache
 
     def reorder_cache(self, cache, rows):
+        """Gather cache rows (beam search)."""
         return self.local.reorder_cache(cache, rows)
 
     def score(self, input_ids, attention_mask=None):
+        """Full-sequence logits (B, T, V), gathered over the ranks."""
         return self._gather(self.local.score(input_ids, attention_mask))
 
 

@@ -34,10 +34,12 @@ class ParallelDims:
 
     @property
     def mp_rank(self) -> int:
+        """Index among the tensor-parallel ranks of this rank's group."""
         return self.rank % self.cfg.mp_degree
 
     @property
     def pp_rank(self) -> int:
+        """Pipeline stage of this rank."""
         return (self.rank // self.cfg.mp_degree) % self.cfg.pp_degree
 
     @property

@@ -190,6 +190,7 @@ class _TokenEmbedding(nn.Layer):
 
     @property
     def weight(self):
+        """The (local block of the) token embedding table."""
         return self.embedding.weight
 
 
@@ -259,6 +260,7 @@ class Pipeline:
         return model
 
     def prepare_optimizer(self, optimizer):
+        """The stage's plain optimizer (it only holds this stage's trainable parameters)."""
         return optimizer
 
     # ----------------------------------------------------------------------- training
@@ -363,10 +365,12 @@ class Pipeline:
         return np.ascontiguousarray(np.concatenate([x.numpy() for x in parts], axis=split[1]))
 
     def gather_model(self, model) -> dict:
+        """Every parameter's whole value by public name, from the stage (and mp rank) that owns it."""
         own = self._own_names(model)
         return self._merge({n: self._whole(n, v, v.shape) for n, v in sorted(model.state_dict().items()) if n in own})
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
+        """Optimizer moments of all stages, whole, keyed like a single-process checkpoint."""
         from ..train.checkpoint import _optimizer_tensors  # noqa: PLC0415 (one owner of the key mapping)
 
         shapes = {n: p.shape for n, p in model.named_parameters()}
