@@ -11,7 +11,9 @@ embedding/head weight-only int8), ``woq8`` and ``woq4`` (weight-only int8 / int4
 matrix incl. the LM head, MatMulNBits; int8 inputs per block unless ``--float-inputs``). Every
 variant is exported
 with the code users run (``export.int8.export_quantized``) and timed by ``bench/decode.py``'s
-worker in its own subprocess (same prompt/new-token settings, best of ``--rounds``).
+worker in its own subprocess (same prompt/new-token settings, best of ``--rounds``), and by a
+step worker that times batch-1 decode steps one by one: ``step_min_vs_fp32`` compares the
+fastest steps, the figure a loaded machine disturbs least.
 Without ``--calib-prefix`` the W8A8 scales come from random token ids: fine for speed, not for
 accuracy. A random-init model is not validated against its fake-quant model: its logits are so
 sensitive that one input code rounding the other way (float32 summation order differs between
@@ -97,6 +99,31 @@ def decode_run(backend: str, path: str, a, env) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def step_worker(backend: str, path: str, prompt: int, steps: int = 64, reps: int = 3) -> dict:
+    """Batch-1 decode step latency taken one step at a time: the minimum over ``reps x steps``
+    steps is the cost undisturbed by neighbours (a shared 2-core machine halves whole runs)."""
+    import time
+
+    from gpt_compress.inference.runner import Generator
+
+    be = Generator.from_dir(path, backend=backend, verify=False).backend
+    ids = np.random.default_rng(0).integers(0, be.manifest.vocab_size, (1, prompt)).astype(np.int64)
+    mask, times, pre = np.ones_like(ids), [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        logits, cache = be.prefill(ids, mask)
+        pre.append(time.perf_counter() - t)
+        m = mask
+        for _ in range(steps):
+            nxt = np.array([[int(logits[0].argmax())]], np.int64)
+            m = np.concatenate([m, np.ones((1, 1), np.int64)], 1)
+            t = time.perf_counter()
+            logits, cache = be.decode(nxt, m, cache)
+            times.append(time.perf_counter() - t)
+    return {"step_ms_min": round(min(times) * 1e3, 3), "step_ms_median": round(float(np.median(times)) * 1e3, 3),
+            "prefill_ms_min": round(min(pre) * 1e3, 2)}
+
+
 def wikitext_ppl(path: str, backend: str, data: str, seq_len: int) -> float:
     from gpt_compress.eval.wikitext import evaluate_wikitext
     from gpt_compress.inference.runner import Generator
@@ -122,7 +149,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and exports here")
+    p.add_argument("--step-worker", nargs=2, metavar=("BACKEND", "PATH"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.step_worker:
+        print(json.dumps(step_worker(a.step_worker[0], a.step_worker[1], a.prompt)))
+        return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     work = a.workdir or tempfile.mkdtemp(prefix="bench-compress-")
     os.makedirs(work, exist_ok=True)
@@ -146,7 +177,12 @@ def main() -> None:
     runs = {(v, b): [] for v in variants for b in backends}
     for r in range(a.rounds):  # alternate the order: a busy neighbour should not favour one variant
         for key in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            runs[key].append(decode_run(key[1], paths[key[0]], a, env))
+            res = decode_run(key[1], paths[key[0]], a, env)
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--step-worker", key[1], paths[key[0]],
+                                   "--prompt", str(a.prompt)], env=env, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode == 0:
+                res.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+            runs[key].append(res)
     key_b = f"batch{a.batch}_decode_tokens_per_s"
     table = {}
     for v in variants:
@@ -158,7 +194,8 @@ def main() -> None:
                 continue
             row[b] = {"decode_tokens_per_s": max(x["decode_tokens_per_s"] for x in ok),
                       key_b: max(x[key_b] for x in ok), "prefill_ms": min(x["prefill_ms"] for x in ok),
-                      "rounds": [x["decode_tokens_per_s"] for x in ok]}
+                      "rounds": [x["decode_tokens_per_s"] for x in ok],
+                      "step_ms_min": min((x["step_ms_min"] for x in ok if "step_ms_min" in x), default=None)}
             if a.data:
                 row[b]["wikitext_ppl"] = wikitext_ppl(paths[v], b, a.data, a.seq_len)
         table[v] = row
@@ -169,6 +206,8 @@ def main() -> None:
                 cur["decode_vs_fp32"] = round(cur["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2)
                 cur[f"batch{a.batch}_vs_fp32"] = round(cur[key_b] / base[key_b], 2)
                 cur["prefill_vs_fp32"] = round(base["prefill_ms"] / cur["prefill_ms"], 2)
+                if base.get("step_ms_min") and cur.get("step_ms_min"):
+                    cur["step_min_vs_fp32"] = round(base["step_ms_min"] / cur["step_ms_min"], 2)
     print(json.dumps({"bench": "compress", "model": os.path.abspath(ckpt), "threads": int(env["OMP_NUM_THREADS"]),
                       "prompt_tokens": a.prompt, "new_tokens": a.new_tokens, "batch": a.batch,
                       "weight_only_inputs": "float" if a.float_inputs else "int8", "results": table}, indent=1))
