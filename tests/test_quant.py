@@ -176,6 +176,18 @@ def test_int8_dir_manifest_and_cli_eval_infer(qat_run, wiki):
     assert res["new_tokens"] == 4
 
 
+def test_gptc_export_of_a_quantized_checkpoint_exports_int8(qat_run, tmp_path):
+    """`gptc export` on OUT/quantized must not silently write the fp32 master weights."""
+    from gpt_compress.inference.manifest import read_manifest
+
+    _, report = qat_run
+    res = _gptc("export", "--model", report["quantized_checkpoint"], "--output", str(tmp_path / "x"),
+                "--format", "onnx")
+    assert read_manifest(res["output"]).data["weight_dtype"] == "int8"
+    ref = os.path.getsize(os.path.join(report["int8_export"]["path"], "model.onnx.data"))
+    assert os.path.getsize(os.path.join(res["output"], "model.onnx.data")) == ref
+
+
 # --------------------------------------------------------------------------------------
 # 2. Sensitivity ranking and its skip list
 # --------------------------------------------------------------------------------------

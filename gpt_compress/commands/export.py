@@ -25,8 +25,21 @@ def run(args) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.model):
         return fail("--output must differ from the checkpoint directory")
     t0 = time.perf_counter()
+    from ..qat.quantize import read_quant_state
+
     try:
-        path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset)
+        if read_quant_state(args.model) is not None:
+            # A quantized checkpoint (gptc qat/ptq OUT/quantized) holds fp32 master weights plus
+            # scales: exporting it as float would silently drop the quantization.
+            from ..export.int8 import export_quantized
+            from ..qat.quantize import load_quantized
+            from ._common import find_tokenizer
+
+            path = export_quantized(load_quantized(args.model), args.output, formats,
+                                    tokenizer=find_tokenizer(args.model), source=os.path.abspath(args.model),
+                                    validate=not args.no_validate, opset=args.opset)
+        else:
+            path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset)
     except ExportError as e:
         return fail(str(e))
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
