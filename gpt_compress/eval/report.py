@@ -142,10 +142,16 @@ def _pyplot():
 
 
 def _save(fig, path: str) -> str:
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
+    """Write ``fig`` atomically to ``path`` and release it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        tmp = path + ".tmp.png"
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+        return path
+    finally:
+        plt.close(fig)
 
 
 def plot_loss_curves(logs: Mapping[str, str], path: str) -> str:
@@ -164,10 +170,7 @@ def plot_loss_curves(logs: Mapping[str, str], path: str) -> str:
     ax.set_title("Training and validation loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 # x-axis attribute of a quality trade-off plot -> (label, title, file name)
@@ -199,10 +202,7 @@ def plot_tradeoff(rows: Sequence[ReportRow], x: str, path: str) -> Optional[str]
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def write_report(out_dir: str, rows: Sequence[ReportRow], logs: Optional[Mapping[str, str]] = None,

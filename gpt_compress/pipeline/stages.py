@@ -350,6 +350,12 @@ class Pipeline:
 
     # evaluation and report ----------------------------------------------------------
     def _ppl_text(self) -> Optional[str]:
+        """The perplexity text (sliced to ``eval_max_chars`` once per pipeline run)."""
+        if not hasattr(self, "_ppl_text_path"):
+            self._ppl_text_path = self._write_ppl_text()
+        return self._ppl_text_path
+
+    def _write_ppl_text(self) -> Optional[str]:
         src = self.p.eval_wikitext or self.outputs("data").get("heldout")
         if not src or not self.p.eval_max_chars:
             return src
@@ -434,7 +440,8 @@ class Pipeline:
         rows = load_rows(paths, names)
         logs = {}
         for stage, label in (("pretrain", "pretrain"), ("distill", "distill"), ("qat", "QAT")):
-            log = (self.stamps.read(stage).outputs.get("train_log") if self.stamps.read(stage) else None)
+            stamp = self.stamps.read(stage)
+            log = stamp.outputs.get("train_log") if stamp else None
             if log and os.path.isfile(log):
                 logs[label] = log
         files = write_report(self.path("report"), rows, logs or None, title="gpt-compress pipeline report",
@@ -469,9 +476,8 @@ class Pipeline:
         lines.append(f"- perplexity text: {text or 'none'}; LAMBADA: {self.p.eval_lambada or 'not evaluated'}; "
                      f"speed: batch 1, greedy, {self.p.speed_prompt_tokens}-token prompt, "
                      f"{self.p.speed_new_tokens} new tokens, median of {self.p.speed_reps}")
-        lines.append(f"- stage times (s): " + ", ".join(
-            f"{s.name} {self.stamps.read(s.name).seconds}" for s in self.stages()
-            if s.name != "report" and self.stamps.read(s.name)))
+        stamps = [self.stamps.read(s.name) for s in self.stages() if s.name != "report"]
+        lines.append("- stage times (s): " + ", ".join(f"{t.stage} {t.seconds}" for t in stamps if t))
         return "\n".join(lines)
 
     @staticmethod
