@@ -125,6 +125,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
     m = read_manifest(path)
     files = sorted(os.listdir(path))
     assert files == sorted(["manifest.json", "checksums.json", "prefill.json", "decode.json", "forward.json",
+                            "decode_hidden.json", "lm_head.json",
                             "model.pdiparams", "prefill.onnx", "decode.onnx", "forward.onnx", "model.onnx.data",
                             "tokenizer.json", "vocab.json", "merges.txt"])
     cfg = m.data["model"]
@@ -139,6 +140,9 @@ def test_directory_layout_and_weights_stored_once(dirs):
         assert os.path.getsize(os.path.join(path, f"{prog}.onnx")) < 0.2 * n_bytes
         assert m.program(prog)["paddle"]["params"] == "model.pdiparams"
         assert m.program(prog)["onnx"]["data"] == "model.onnx.data"
+    for prog in ("decode_hidden", "lm_head"):  # Paddle's split batch-1 decode: same params file
+        assert m.program(prog)["paddle"] == {"model": f"{prog}.json", "params": "model.pdiparams"}
+        assert "onnx" not in m.program(prog)
     # Manifest: config, vocab, dtypes, IO names and shapes, versions.
     assert m.data["format_version"] == 1 and m.data["dtype"] == "float32"
     assert m.vocab_size == 1024 and m.data["tokenizer"]
@@ -328,13 +332,35 @@ def test_untied_lm_head_exports_with_parity(tmp_path):
     from gpt_compress.model.gpt import GPTForCausalLM
 
     paddle.seed(3)
-    cfg = ModelConfig.from_preset("gpt-tiny", tie_word_embeddings=False, hidden_dropout_prob=0.0,
+    # vocab 1022: not a multiple of HEAD_BLOCKS, so the split LM head pads its column blocks.
+    cfg = ModelConfig.from_preset("gpt-tiny", vocab_size=1022, tie_word_embeddings=False, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0, initializer_range=0.2)
     ckpt = save_model(GPTForCausalLM(cfg), str(tmp_path / "ckpt"))
     out = export(ckpt, str(tmp_path / "exported"), formats=("paddle", "onnx"))  # validates vs dygraph
     gens = {b: Generator.from_dir(ckpt if b == "dygraph" else out, backend=b) for b in BACKENDS}
+    assert gens["paddle"].backend.split_head
     for g in gens.values():
         g.backend = Recorder(g.backend)
     outs = {b: g.generate([[5, 6, 7], [9]], max_new_tokens=9).sequences for b, g in gens.items()}
     assert outs["paddle"] == outs["dygraph"] and outs["onnx"] == outs["dygraph"]
     _assert_step_parity(gens)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_split_lm_head_decode_matches_single_decode_program(dirs, batch):
+    """Batch-1..3 decode runs ``decode_hidden`` (1 thread) + ``lm_head`` (all threads, blocked
+    columns): the same logits as the single ``decode`` program (within 1e-5) and the same tokens."""
+    from gpt_compress.inference.predictor import PaddleBackend
+
+    split, single = PaddleBackend(dirs["export"]), PaddleBackend(dirs["export"], split_head=False)
+    assert split.split_head and not single.split_head
+    outs, logits = {}, {}
+    for name, be in (("split", split), ("single", single)):
+        gen = Generator.from_dir(dirs["export"], backend="paddle")
+        gen.backend = Recorder(be)
+        outs[name] = gen.generate(PROMPTS[:batch], max_new_tokens=17).sequences
+        logits[name] = gen.backend.logits
+    assert outs["split"] == outs["single"]
+    assert {"decode_hidden", "lm_head"} <= set(split._predictors) and "decode" not in split._predictors
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(logits["split"], logits["single"])]
+    assert max(diffs) < 1e-5, diffs

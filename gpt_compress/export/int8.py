@@ -231,7 +231,7 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
     pdir, odir = os.path.join(work, "paddle"), os.path.join(work, "onnx")
     os.makedirs(pdir)
     os.makedirs(odir)
-    pfiles = save_paddle_programs(fake_quant_float_model(qmodel), pdir)
+    pfiles = save_paddle_programs(fake_quant_float_model(qmodel), pdir, split_decode=False)
     files = convert_programs(pdir, pfiles, odir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new")
     models, ops = {}, {}
     for name in PROGRAMS:

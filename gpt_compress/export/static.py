@@ -1,4 +1,5 @@
-"""Checkpoint -> deployable directory: ``prefill``/``decode``/``forward`` static programs.
+"""Checkpoint -> deployable directory: ``prefill``/``decode``/``forward`` static programs (and,
+for Paddle Inference, ``decode`` split into ``decode_hidden`` + ``lm_head``: ``SPLIT_PROGRAMS``).
 
 The three programs are ``paddle.jit.to_static`` methods of one wrapper around the one model
 (``ExportableLM``), saved by one ``paddle.jit.save``: they share parameter names, so a single
@@ -30,6 +31,11 @@ from ..config import ModelConfig
 from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS
 
 PARAMS = "model.pdiparams"
+# Paddle-only programs for batch-1 decode: ``decode`` as its body and its LM head, so that the
+# head, a GEMV over 64% of gpt-bench's weights, runs on all threads while the ~250 small ops of
+# the body stay on one (see inference/predictor.py). HEAD_BLOCKS: column blocks of the head.
+SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
+HEAD_BLOCKS = 4
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
 
 
@@ -77,6 +83,48 @@ class ExportableLM(nn.Layer):
         for k, v in presents:
             out += [k, v]
         return out
+
+    def head_weight(self):
+        """The LM head as a (hidden, vocab) parameter, or None when ``_logits`` is not a plain
+        matmul with one (int8 and tensor-parallel exports): then no split decode is exported."""
+        if type(self)._logits is not ExportableLM._logits:
+            return None
+        if self.tied:
+            wte = self.model.gpt.wte
+            return wte.weight_t if isinstance(wte, TransposedEmbedding) else None
+        head = self.model.lm_head
+        return head.weight if type(head) is nn.Linear and head.bias is None else None
+
+    def decode_hidden(self, input_ids, attention_mask, past):
+        """``decode`` without its LM head: [last hidden state (B, hidden), k_0, v_0, ...]."""
+        hidden, presents = self.model.gpt(input_ids, attention_mask=attention_mask, past_key_values=past,
+                                          use_cache=True)
+        out = [hidden[:, -1]]
+        for k, v in presents:
+            out += [k, v]
+        return out
+
+    def lm_head(self, hidden):
+        """hidden (B, hidden) -> logits (B, V) as ``HEAD_BLOCKS`` batched GEMVs over column blocks of
+        the head weight. The blocked (K, hidden, V/K) copy is computed from the parameter alone, so
+        Paddle Inference's constant folding makes it once at load time; MKL then spreads the K
+        GEMVs of one batched matmul over its threads, which it does not do for a single
+        (1, hidden) x (hidden, V) product (see the module docstring)."""
+        w = self.head_weight()
+        head, k, (h, v) = w, HEAD_BLOCKS, w.shape
+        n = -(-v // k)
+        if n * k != v:
+            w = paddle.concat([w, paddle.zeros([h, n * k - v], dtype=w.dtype)], axis=1)
+        blocks = paddle.transpose(w.reshape([h, k, n]), [1, 0, 2])  # (K, hidden, n)
+        # Read every other parameter too (a folded-away zero) so that this program's parameter
+        # file is the shared model.pdiparams: Paddle loads a combined file whole, in order.
+        others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
+                  if t is not head]
+        if others:
+            blocks = blocks + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(w.dtype).sum() for t in others])
+        x = paddle.expand(hidden.unsqueeze(0), [k, -1, h])  # (K, B, hidden)
+        y = paddle.transpose(paddle.matmul(x, blocks), [1, 0, 2])  # (B, K, n)
+        return y.reshape([-1, k * n])[:, :v]
 
     def forward(self, input_ids, attention_mask):
         """Scoring: (B, T) ids and mask -> logits (B, T, V)."""
@@ -130,21 +178,29 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None) -> dict[str, dict[str, str]]:
+def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None,
+                         split_decode: bool = True) -> dict[str, dict[str, str]]:
     """``paddle.jit.save`` the three programs of ``model`` into ``out_dir`` with one shared
     params file. Returns ``{program: {"model": file, "params": file}}`` (names relative to out_dir).
     ``model`` is mutated (see ``ExportableLM``); pass a model you will not train further.
-    ``wrapper``: an ``ExportableLM`` subclass instance around ``model`` (tensor-parallel shards)."""
+    ``wrapper``: an ``ExportableLM`` subclass instance around ``model`` (tensor-parallel shards).
+    ``split_decode``: also save ``SPLIT_PROGRAMS`` (Paddle Inference's batch-1 decode path) when
+    the wrapper's head is a plain matmul."""
     model.eval()
     wrapper = wrapper or ExportableLM(model)
     specs = _input_specs(model.config)
-    for name in PROGRAMS:
+    names = list(PROGRAMS)
+    if split_decode and wrapper.head_weight() is not None:
+        names += list(SPLIT_PROGRAMS)
+        specs["decode_hidden"] = specs["decode"]
+        specs["lm_head"] = [InputSpec([None, model.config.hidden_size], "float32", "hidden")]
+    for name in names:
         setattr(wrapper, name, paddle.jit.to_static(getattr(wrapper, name), input_spec=specs[name], full_graph=True))
     scratch = tempfile.mkdtemp(prefix=".jit-", dir=out_dir)
     try:
         paddle.jit.save(wrapper, os.path.join(scratch, "model"), combine_params=True)
-        # jit.save names the methods model.json (forward), model.prefill.json, model.decode.json.
-        stems = {"forward": "model", "prefill": "model.prefill", "decode": "model.decode"}
+        # jit.save names the methods model.json (forward), model.prefill.json, model.decode.json, ...
+        stems = {name: "model" if name == "forward" else f"model.{name}" for name in names}
         shared = os.path.join(scratch, "model.pdiparams")
         digest = _sha256(shared)
         files = {}
@@ -219,10 +275,16 @@ def build_manifest(cfg: ModelConfig, files: dict[str, dict[str, dict[str, str]]]
     """The ``manifest.json`` content (see ``inference/manifest.py``)."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
-    for name in PROGRAMS:
-        if "paddle" in formats:
+    if "paddle" in formats and all(name in files["paddle"] for name in SPLIT_PROGRAMS):
+        hidden = {"name": "hidden", "dtype": "float32", "shape": ["batch", cfg.hidden_size]}
+        decode = spec["decode"]
+        split = {"decode_hidden": {"inputs": decode["inputs"], "outputs": [hidden] + decode["outputs"][1:]},
+                 "lm_head": {"inputs": [hidden], "outputs": decode["outputs"][:1], "head_blocks": HEAD_BLOCKS}}
+        programs.update({name: {**split[name], "paddle": files["paddle"][name]} for name in SPLIT_PROGRAMS})
+    for name in programs:
+        if "paddle" in programs[name]:
             # Paddle names its outputs fetch_name_N in order; the runner maps them by position.
-            programs[name]["paddle_output_names"] = [f"fetch_name_{i}" for i in range(len(spec[name]["outputs"]))]
+            programs[name]["paddle_output_names"] = [f"fetch_name_{i}" for i in range(len(programs[name]["outputs"]))]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -262,7 +324,7 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
         files = {}
         # ONNX is converted from the Paddle programs; without --format paddle they live in scratch.
         pdir = tmp if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=tmp)
-        files["paddle"] = save_paddle_programs(model, pdir)
+        files["paddle"] = save_paddle_programs(model, pdir, split_decode="paddle" in formats)
         if "onnx" in formats:
             from .onnx import convert_programs
 

@@ -8,6 +8,7 @@ An export directory holds::
     manifest.json      what is in the directory (this module's ``MANIFEST``)
     checksums.json     sha256 of every file (written by ``checkpoint.write_checkpoint_dir``)
     prefill.json, decode.json, forward.json, model.pdiparams   Paddle Inference (--format paddle)
+    decode_hidden.json, lm_head.json                            (Paddle, same model.pdiparams)
     prefill.onnx, decode.onnx, forward.onnx, model.onnx.data   onnxruntime (--format onnx)
     tokenizer.json, vocab.json, merges.txt                      when the checkpoint had a tokenizer
 
@@ -17,6 +18,9 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
 * ``decode(input_ids (B,T), attention_mask (B,S+T), past_key_i/value_i (B,H_i,S,D))
   -> logits (B,V), present_key_i/value_i (B,H_i,S+T,D)``; ``logits`` are those of the last position
 * ``forward(input_ids (B,T), attention_mask (B,T)) -> logits (B,T,V)`` for scoring
+* Paddle only, optional (fp32 heads): ``decode_hidden`` (``decode`` with the last hidden state
+  (B,hidden) in place of the logits) and ``lm_head(hidden (B,hidden)) -> logits (B,V)``, which
+  Paddle Inference runs with different thread counts for batch-1 decode (``predictor.py``)
 
 ``H_i`` may differ per layer (structurally pruned models).
 """

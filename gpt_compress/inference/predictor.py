@@ -7,7 +7,10 @@ per *role*, each with its own ``ProgramOptions``:
 role                program     default on CPU (measured on 2 cores, ``bench/decode.py``)
 ==================  ==========  =====================================================
 ``prefill``         prefill     oneDNN, all threads
-``decode``          decode      batches < ``batched_from``: plain MKL, **1 thread**
+``decode``          decode      batches < ``batched_from``: plain MKL, **1 thread**; replaced by
+                                the next two when the export has them (``split_head``):
+``decode_hidden``   ..._hidden  the same body without its LM head: plain MKL, **1 thread**
+``lm_head``         lm_head     the LM head alone: plain MKL, all threads
 ``decode_batched``  decode      batches >= ``batched_from``: oneDNN, all threads
 ``forward``         forward     oneDNN, all threads
 ==================  ==========  =====================================================
@@ -15,6 +18,11 @@ role                program     default on CPU (measured on 2 cores, ``bench/dec
 Why: a batch-1 step is ~250 small ops around GEMVs that stream the weights. MKL's GEMV is
 near memory speed on one core, while a second thread costs a fork/join and cache traffic per
 op (10.5 vs 14 ms per ``gpt-bench`` step); oneDNN is ~30% slower than MKL on (1, K) x (K, N).
+But one core cannot read memory at the machine's full rate, and the LM head is 64% of
+``gpt-bench``'s weights: MKL does not spread a single (1, K) x (K, N) product over threads
+(4.4 ms on one or two), while the exported ``lm_head`` program's batched form (K column blocks,
+one batched matmul) runs on two in 2.4 ms. So the head gets its own predictor with all threads
+and the body keeps one.
 From a few rows on, MKL's small-M GEMM is ~2x slower than oneDNN's on this CPU, so batched
 decode uses oneDNN, whose per-shape kernel rebuilds the bucketed cache avoids (see below).
 
@@ -45,7 +53,9 @@ import paddle.inference as pi
 
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
-ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward"}
+ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward",
+         "decode_hidden": "decode_hidden", "lm_head": "lm_head"}
+SPLIT = ("decode_hidden", "lm_head")  # export/static.py's SPLIT_PROGRAMS (this module must not import it)
 
 
 @dataclass
@@ -63,7 +73,8 @@ def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
     if device == "gpu":
         return {role: ProgramOptions() for role in ROLES}
     return {"prefill": ProgramOptions(onednn=True), "decode": ProgramOptions(threads=1),
-            "decode_batched": ProgramOptions(onednn=True), "forward": ProgramOptions(onednn=True)}
+            "decode_batched": ProgramOptions(onednn=True), "forward": ProgramOptions(onednn=True),
+            "decode_hidden": ProgramOptions(threads=1), "lm_head": ProgramOptions()}
 
 
 def _threads(n: int) -> int:
@@ -119,7 +130,7 @@ class PaddleBackend:
 
     def __init__(self, model_dir: Union[str, Manifest], device: str = "cpu", gpu_id: int = 0,
                  options: Optional[dict[str, ProgramOptions]] = None, verify: bool = True,
-                 batched_from: int = 4, cache_bucket: int = 64):
+                 batched_from: int = 4, cache_bucket: int = 64, split_head: bool = True):
         self.manifest = model_dir if isinstance(model_dir, Manifest) else read_manifest(model_dir)
         self.device, self.gpu_id = device, gpu_id
         unknown = set(options or {}) - set(ROLES)
@@ -127,7 +138,11 @@ class PaddleBackend:
             raise ValueError(f"unknown predictor role(s) {sorted(unknown)}; roles: {', '.join(ROLES)}")
         self.options = {**default_options(device), **(options or {})}
         self.batched_from, self.cache_bucket = batched_from, cache_bucket
-        self._files = {name: self.manifest.files("paddle", name) for name in ("prefill", "decode", "forward")}
+        programs = ["prefill", "decode", "forward"]
+        # Exports from before the split (or int8 / tensor-parallel ones) lack these programs.
+        self.split_head = split_head and device != "gpu" and all(p in self.manifest.data["programs"] for p in SPLIT)
+        programs += list(SPLIT) if self.split_head else []
+        self._files = {name: self.manifest.files("paddle", name) for name in programs}
         if verify:
             names = sorted({os.path.basename(p) for f in self._files.values() for p in f.values()})
             verify_files(self.manifest.path, names)
@@ -220,7 +235,11 @@ class PaddleBackend:
         feeds = {"input_ids": self._tensor(input_ids), "attention_mask": self._tensor(mask)}
         for i in range(len(self.manifest.layers)):
             feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = tensors[2 * i], tensors[2 * i + 1]
-        outs = self._run(role, feeds)
+        if role == "decode" and self.split_head:
+            outs = self._run("decode_hidden", feeds)
+            outs[0] = self._run("lm_head", {"hidden": outs[0]})[0]
+        else:
+            outs = self._run(role, feeds)
         if not bucketed:
             return outs[0].numpy(), PaddleCache([t.clone() for t in outs[1:]], s + new)
         for t, present in zip(tensors, outs[1:]):  # (B, H, cap + new, D) -> slots s .. s + new
