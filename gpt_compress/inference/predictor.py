@@ -66,15 +66,18 @@ class ProgramOptions:
     onednn: bool = False  # oneDNN (MKL-DNN) kernels on CPU
     onednn_cache: int = 32  # oneDNN primitive cache capacity (distinct input shapes kept)
     ir_optim: bool = True  # Paddle's graph optimisation passes
+    passes: tuple[str, ...] = ()  # extra PIR passes on top of Paddle's CPU list (e.g. "add_norm_fuse_pass")
 
 
 def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
     """Options per role (see the module docstring for the measurements behind them)."""
     if device == "gpu":
         return {role: ProgramOptions() for role in ROLES}
-    return {"prefill": ProgramOptions(onednn=True), "decode": ProgramOptions(threads=1),
+    # Residual add + layer norm fused into one op: -0.3 ms of a ~6 ms batch-1 step, logits within 3e-6.
+    fused = ("add_norm_fuse_pass",)
+    return {"prefill": ProgramOptions(onednn=True), "decode": ProgramOptions(threads=1, passes=fused),
             "decode_batched": ProgramOptions(onednn=True), "forward": ProgramOptions(onednn=True),
-            "decode_hidden": ProgramOptions(threads=1), "lm_head": ProgramOptions()}
+            "decode_hidden": ProgramOptions(threads=1, passes=fused), "lm_head": ProgramOptions()}
 
 
 def _threads(n: int) -> int:
@@ -103,6 +106,8 @@ def make_config(files: dict[str, str], opts: ProgramOptions, device: str = "cpu"
     else:
         config.disable_gpu()
         config.set_cpu_math_library_num_threads(_threads(opts.threads))
+        if opts.passes and opts.ir_optim:
+            config.enable_custom_passes(list(opts.passes), False)  # False: Paddle's own passes run too
         if opts.onednn:
             config.enable_onednn()
             config.set_onednn_cache_capacity(opts.onednn_cache)
