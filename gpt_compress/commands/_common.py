@@ -11,13 +11,24 @@ import numpy as np
 from ..cli import add_config_arguments
 from ..config import Config, load_config
 
-__all__ = ["add_config_arguments", "config_from_args", "seed_everything", "find_tokenizer", "print_json",
-           "lm_batches"]
+__all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
+           "find_tokenizer", "print_json", "lm_batches"]
+
+
+def add_training_arguments(parser) -> None:
+    """`--resume` and `--no-progress` of the training commands (pretrain, distill)."""
+    parser.add_argument("--resume", default=None,
+                        help="'auto' (newest valid checkpoint in Global.output_dir) or a checkpoint dir; "
+                             "same as -o Engine.resume=...")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs still written)")
 
 
 def config_from_args(args) -> Config:
-    """Build the run's Config from `-c` and `-o` arguments."""
-    return load_config(getattr(args, "config", None), getattr(args, "override", []) or [])
+    """Build the run's Config from `-c` and `-o` arguments (and `--resume`, as Engine.resume)."""
+    overrides = list(getattr(args, "override", []) or [])
+    if getattr(args, "resume", None):
+        overrides.append(f"Engine.resume={args.resume}")
+    return load_config(getattr(args, "config", None), overrides)
 
 
 def seed_everything(seed: int) -> None:

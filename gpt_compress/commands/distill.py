@@ -6,15 +6,13 @@ from __future__ import annotations
 import itertools
 import math
 
-from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, lm_batches, print_json, seed_everything
+from ._common import (add_config_arguments, add_training_arguments, config_from_args, fail,
+                      find_tokenizer, lm_batches, print_json, seed_everything)
 
 
 def add_arguments(parser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--resume", default=None,
-                        help="'auto' (newest valid checkpoint in Global.output_dir) or a checkpoint dir; "
-                             "same as -o Engine.resume=...")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs still written)")
+    add_training_arguments(parser)
 
 
 def _ppl(loss: float) -> float:
@@ -28,8 +26,6 @@ def run(args) -> int:
     from ..train.loss import causal_lm_loss
     from ..train.trainer import TrainingDiverged, evaluate, fit
 
-    if args.resume:
-        args.override = [*args.override, f"Engine.resume={args.resume}"]
     cfg = config_from_args(args)
     dc, eng = cfg.distill, cfg.engine
     if not dc.teacher:
