@@ -40,7 +40,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "name": ("model", "{}"),
     "backend": ("backend", "{}"),
     "size_mb": ("weights (MB)", "{:.2f}"),
-    "wikitext_ppl": ("WikiText PPL", "{:.3f}"),
+    "wikitext_ppl": ("PPL", "{:.3f}"),  # WikiText protocol on the evaluated text (WikiText-2 or held-out)
     "wikitext_adjusted_ppl": ("word-level PPL", "{:.3f}"),
     "lambada_acc": ("LAMBADA acc", "{:.2%}"),
     "lambada_acc_harness": ("LAMBADA acc (harness)", "{:.2%}"),
@@ -196,7 +196,7 @@ def plot_tradeoff(rows: Sequence[ReportRow], x: str, path: str) -> Optional[str]
     for b in backends:
         ax.scatter([], [], color=f"C{backends.index(b)}", label=b)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("WikiText perplexity (lower is better)")
+    ax.set_ylabel("perplexity (lower is better)")
     if max(r.wikitext_ppl for r in pts) / min(r.wikitext_ppl for r in pts) > 20:
         ax.set_yscale("log")
     ax.set_title(title)
