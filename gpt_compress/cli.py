@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"gptc {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    from . import runtime
+
+    if runtime.enabled():  # before any matmul: see runtime.py (GPTC_TUNE_CPU=0 turns it off)
+        runtime.tune_cpu()
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data.errors import DataError

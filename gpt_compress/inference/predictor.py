@@ -48,10 +48,15 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
-import paddle
-import paddle.inference as pi
 
-from .manifest import Manifest, ModelDirError, read_manifest, verify_files
+from ..runtime import prefer_mkl_avx2
+
+prefer_mkl_avx2()  # before Paddle's first matmul (MKL reads it once): AVX2 kernels on AMD CPUs
+
+import paddle  # noqa: E402
+import paddle.inference as pi  # noqa: E402
+
+from .manifest import Manifest, ModelDirError, read_manifest, verify_files  # noqa: E402
 
 ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward",
          "decode_hidden": "decode_hidden", "lm_head": "lm_head"}
