@@ -15,10 +15,8 @@ Phases (each reuses what an earlier run left in ``--workdir``):
    (``--tokenizer``); ``gptc pretrain -c configs/pretrain_gpt_bench.yaml`` trains gpt-bench
    (6 x 384, 6 heads, vocab 50,304) for ``--pretrain-steps`` steps of batch 8 x seq 256
    (dropout off, LR 1.5e-3 -> 1.5e-4 cosine; 180 steps: ~10 min at 3.1 s/step on 2 quiet cores,
-   28 min on cores shared with other jobs; validation perplexity ~337). Training
-   commands get ``runtime.tune_cpu``'s settings through the environment (MKL AVX2 path on AMD,
-   no strided views, heap-only malloc), which halves the step time and leaves the math
-   unchanged (same losses). ``--model CKPT`` skips pretraining. Then, from that checkpoint:
+   28 min on cores shared with other jobs; validation perplexity ~337; `gptc` applies
+   ``runtime.tune_cpu``, which halves the step time). ``--model CKPT`` skips pretraining. Then, from that checkpoint:
    ``gptc ptq`` (W8A8 block Linears calibrated on 16 batches of the training data, token
    embedding = tied LM head and positions weight-only int8), ``gptc qat`` (same layers,
    ``--qat-steps`` of FleetX-style finetuning: small LR, dropout off, embeddings frozen),
@@ -97,28 +95,6 @@ def _read_json(path: str):
 # --------------------------------------------------------------------------------------
 # Phase 1: data, pretraining, variants, exports (all through `gptc`)
 # --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def tuned_training_env():
-    """``runtime.tune_cpu``'s settings as environment variables for the `gptc` training
-    subprocesses (the commands do not call it): MKL's AVX2 kernels on AMD, views materialised,
-    glibc malloc without mmap. The math is unchanged."""
-    from gpt_compress.runtime import cpu_vendor
-
-    env = {"FLAGS_use_stride_kernel": "0", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-    if cpu_vendor() == "AuthenticAMD":
-        env["MKL_DEBUG_CPU_TYPE"] = "5"
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def corpus_jsonl(files: list[str], out: str, chunk_chars: int = 4000) -> int:
     """Cut plain-text files into documents of >= ``chunk_chars`` characters at paragraph breaks,
     shuffle them (seed 0) and write JSONL; returns the document count. (`gptc preprocess` takes
@@ -185,36 +161,35 @@ def build(a, work: str, timings: dict) -> dict:
     wanted, ev = set(a.variants), ["Engine.eval_iters=8"]
     qat = ev + W8A8_QUANT + QAT_OPT + [f"Engine.max_steps={a.qat_steps}", "Engine.eval_freq=0", "Engine.save_steps=0",
                                        "Engine.logging_freq=10", "Quant.calib_batches=8"]
-    with tuned_training_env():
-        teacher = os.path.abspath(a.model) if a.model else run("pretrain", "pretrain", [
-            f"Engine.max_steps={a.pretrain_steps}", "Engine.logging_freq=10", "Engine.eval_freq=60",
-            "Engine.eval_iters=8", "Engine.save_steps=60", "Engine.keep_checkpoint_max=1", "Engine.resume=auto",
-            "Model.hidden_dropout_prob=0.0", "Model.attention_probs_dropout_prob=0.0", "Optimizer.lr.max_lr=1.5e-3",
-            "Optimizer.lr.min_lr=1.5e-4", "Optimizer.lr.warmup_rate=0.05"], "checkpoint")
-        ckpts = {"fp32": teacher}
-        quant = "quantized_checkpoint"
-        if "ptq-w8a8" in wanted:
-            calib = ["Quant.calib_batches=16", "Engine.max_steps=16"]  # 16 x 8 training samples
-            ckpts["ptq-w8a8"] = run("ptq-w8a8", "ptq", ev + W8A8_QUANT + calib, quant, "--model", teacher,
-                                    "--format", "none")
-        for v, bits in (("woq8", 8), ("woq4", 4)):
-            if v in wanted:
-                ckpts[v] = run(v, "ptq", ev + WOQ_QUANT + [f"Quant.weight_bits={bits}", "Engine.max_steps=1"], quant,
-                               "--model", teacher, "--format", "none")
-        if "qat-w8a8" in wanted:
-            ckpts["qat-w8a8"] = run("qat-w8a8", "qat", qat, quant, "--model", teacher, "--format", "none")
-        if wanted & {"pruned-distilled", "pruned-distilled-qat"}:
-            pruned = run("prune", "prune", ev + ["Prune.head_ratio=0.25", "Prune.ffn_ratio=0.25",
-                                                 "Prune.criterion=taylor", "Prune.calib_batches=8"], "output",
-                         "--model", teacher, "--output", out("prune/model"))
-            ckpts["pruned-distilled"] = run("distill", "distill", ev + [
-                f"Distill.teacher={teacher}", f"Distill.student={pruned}", "Distill.temperature=2.0",
-                "Distill.alpha=0.5", f"Engine.max_steps={a.distill_steps}", "Engine.eval_freq=0",
-                "Engine.save_steps=0", "Engine.logging_freq=10", "Optimizer.lr.max_lr=5.0e-4",
-                "Optimizer.lr.min_lr=5.0e-5", "Optimizer.lr.warmup_rate=0.05"], "checkpoint")
-            if "pruned-distilled-qat" in wanted:
-                ckpts["pruned-distilled-qat"] = run("pruned-distilled-qat", "qat", qat, quant,
-                                                    "--model", ckpts["pruned-distilled"], "--format", "none")
+    teacher = os.path.abspath(a.model) if a.model else run("pretrain", "pretrain", [
+        f"Engine.max_steps={a.pretrain_steps}", "Engine.logging_freq=10", "Engine.eval_freq=60",
+        "Engine.eval_iters=8", "Engine.save_steps=60", "Engine.keep_checkpoint_max=1", "Engine.resume=auto",
+        "Model.hidden_dropout_prob=0.0", "Model.attention_probs_dropout_prob=0.0", "Optimizer.lr.max_lr=1.5e-3",
+        "Optimizer.lr.min_lr=1.5e-4", "Optimizer.lr.warmup_rate=0.05"], "checkpoint")
+    ckpts = {"fp32": teacher}
+    quant = "quantized_checkpoint"
+    if "ptq-w8a8" in wanted:
+        calib = ["Quant.calib_batches=16", "Engine.max_steps=16"]  # 16 x 8 training samples
+        ckpts["ptq-w8a8"] = run("ptq-w8a8", "ptq", ev + W8A8_QUANT + calib, quant, "--model", teacher,
+                                "--format", "none")
+    for v, bits in (("woq8", 8), ("woq4", 4)):
+        if v in wanted:
+            ckpts[v] = run(v, "ptq", ev + WOQ_QUANT + [f"Quant.weight_bits={bits}", "Engine.max_steps=1"], quant,
+                           "--model", teacher, "--format", "none")
+    if "qat-w8a8" in wanted:
+        ckpts["qat-w8a8"] = run("qat-w8a8", "qat", qat, quant, "--model", teacher, "--format", "none")
+    if wanted & {"pruned-distilled", "pruned-distilled-qat"}:
+        pruned = run("prune", "prune", ev + ["Prune.head_ratio=0.25", "Prune.ffn_ratio=0.25",
+                                             "Prune.criterion=taylor", "Prune.calib_batches=8"], "output",
+                     "--model", teacher, "--output", out("prune/model"))
+        ckpts["pruned-distilled"] = run("distill", "distill", ev + [
+            f"Distill.teacher={teacher}", f"Distill.student={pruned}", "Distill.temperature=2.0",
+            "Distill.alpha=0.5", f"Engine.max_steps={a.distill_steps}", "Engine.eval_freq=0",
+            "Engine.save_steps=0", "Engine.logging_freq=10", "Optimizer.lr.max_lr=5.0e-4",
+            "Optimizer.lr.min_lr=5.0e-5", "Optimizer.lr.warmup_rate=0.05"], "checkpoint")
+        if "pruned-distilled-qat" in wanted:
+            ckpts["pruned-distilled-qat"] = run("pruned-distilled-qat", "qat", qat, quant,
+                                                "--model", ckpts["pruned-distilled"], "--format", "none")
     paths = {}
     for v in a.variants:
         res = step(work, f"exports/{v}", ["export", "--model", ckpts[v], "--output", out(f"exports/{v}/model"),

@@ -1,8 +1,11 @@
 """Every benchmark in one go: training, decode, compression and parallel training, each with its
 peer and the machine's limits, written to ``bench/results.json`` and ``bench/results.md``.
 
-    OMP_NUM_THREADS=2 python bench/run_all.py                 # all four, ~25 min on 2 cores
-    OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode
+    OMP_NUM_THREADS=2 python bench/run_all.py                 # all four
+    OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode   # ~12 min on 2 cores
+
+The compression benchmark pretrains and compresses its own model on first use (about an hour
+on 2 cores; ``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
 
 Each benchmark runs as its own subprocess, one after another (never two at once: they would
 share the cores), and prints one JSON object, kept whole under its name in results.json.
