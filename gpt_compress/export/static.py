@@ -28,13 +28,12 @@ from paddle.static import InputSpec
 
 from ..checkpoint import CheckpointError, load_model, read_config, write_checkpoint_dir, write_json_atomic
 from ..config import ModelConfig
-from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS
+from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS, SPLIT_PROGRAMS
 
 PARAMS = "model.pdiparams"
-# Paddle-only programs for batch-1 decode: ``decode`` as its body and its LM head, so that the
-# head, a GEMV over 64% of gpt-bench's weights, runs on all threads while the ~250 small ops of
-# the body stay on one (see inference/predictor.py). HEAD_BLOCKS: column blocks of the head.
-SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
+# Column blocks of the split ``lm_head`` (``SPLIT_PROGRAMS``: Paddle's batch-1 decode runs the head,
+# a GEMV over 64% of gpt-bench's weights, on all threads and the ~250 small ops of the body on one;
+# see inference/predictor.py).
 HEAD_BLOCKS = 4
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
 
@@ -110,18 +109,17 @@ class ExportableLM(nn.Layer):
         Paddle Inference's constant folding makes it once at load time; MKL then spreads the K
         GEMVs of one batched matmul over its threads, which it does not do for a single
         (1, hidden) x (hidden, V) product (see the module docstring)."""
-        w = self.head_weight()
-        head, k, (h, v) = w, HEAD_BLOCKS, w.shape
+        head = self.head_weight()
+        k, (h, v) = HEAD_BLOCKS, head.shape
         n = -(-v // k)
-        if n * k != v:
-            w = paddle.concat([w, paddle.zeros([h, n * k - v], dtype=w.dtype)], axis=1)
+        w = paddle.concat([head, paddle.zeros([h, n * k - v], dtype=head.dtype)], axis=1) if n * k != v else head
         blocks = paddle.transpose(w.reshape([h, k, n]), [1, 0, 2])  # (K, hidden, n)
         # Read every other parameter too (a folded-away zero) so that this program's parameter
         # file is the shared model.pdiparams: Paddle loads a combined file whole, in order.
         others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
                   if t is not head]
         if others:
-            blocks = blocks + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(w.dtype).sum() for t in others])
+            blocks = blocks + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(head.dtype).sum() for t in others])
         x = paddle.expand(hidden.unsqueeze(0), [k, -1, h])  # (K, B, hidden)
         y = paddle.transpose(paddle.matmul(x, blocks), [1, 0, 2])  # (B, K, n)
         return y.reshape([-1, k * n])[:, :v]
@@ -153,9 +151,12 @@ def io_spec(cfg: ModelConfig) -> dict[str, dict]:
     mask = {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"]}
     full_mask = {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past+seq"]}
     last = {"name": "logits", "dtype": "float32", "shape": ["batch", "vocab"]}
+    hidden = {"name": "hidden", "dtype": "float32", "shape": ["batch", cfg.hidden_size]}
     return {
         "prefill": {"inputs": [ids, mask], "outputs": [last] + cache_out},
         "decode": {"inputs": [ids, full_mask] + cache_in, "outputs": [last] + past_out},
+        "decode_hidden": {"inputs": [ids, full_mask] + cache_in, "outputs": [hidden] + past_out},
+        "lm_head": {"inputs": [hidden], "outputs": [last]},
         "forward": {"inputs": [ids, mask],
                     "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", "vocab"]}]},
     }
@@ -167,7 +168,8 @@ def _input_specs(cfg: ModelConfig):
     past = [(InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"past_key_{i}"),
              InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"past_value_{i}"))
             for i in range(cfg.num_layers)]
-    return {"forward": [ids, mask], "prefill": [ids, mask], "decode": [ids, mask, past]}
+    return {"forward": [ids, mask], "prefill": [ids, mask], "decode": [ids, mask, past],
+            "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")]}
 
 
 def _sha256(path: str) -> str:
@@ -189,11 +191,7 @@ def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None
     model.eval()
     wrapper = wrapper or ExportableLM(model)
     specs = _input_specs(model.config)
-    names = list(PROGRAMS)
-    if split_decode and wrapper.head_weight() is not None:
-        names += list(SPLIT_PROGRAMS)
-        specs["decode_hidden"] = specs["decode"]
-        specs["lm_head"] = [InputSpec([None, model.config.hidden_size], "float32", "hidden")]
+    names = list(PROGRAMS) + (list(SPLIT_PROGRAMS) if split_decode and wrapper.head_weight() is not None else [])
     for name in names:
         setattr(wrapper, name, paddle.jit.to_static(getattr(wrapper, name), input_spec=specs[name], full_graph=True))
     scratch = tempfile.mkdtemp(prefix=".jit-", dir=out_dir)
@@ -275,12 +273,9 @@ def build_manifest(cfg: ModelConfig, files: dict[str, dict[str, dict[str, str]]]
     """The ``manifest.json`` content (see ``inference/manifest.py``)."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
-    if "paddle" in formats and all(name in files["paddle"] for name in SPLIT_PROGRAMS):
-        hidden = {"name": "hidden", "dtype": "float32", "shape": ["batch", cfg.hidden_size]}
-        decode = spec["decode"]
-        split = {"decode_hidden": {"inputs": decode["inputs"], "outputs": [hidden] + decode["outputs"][1:]},
-                 "lm_head": {"inputs": [hidden], "outputs": decode["outputs"][:1], "head_blocks": HEAD_BLOCKS}}
-        programs.update({name: {**split[name], "paddle": files["paddle"][name]} for name in SPLIT_PROGRAMS})
+    if "paddle" in formats:  # the split decode, when saved (Paddle only)
+        programs.update({name: {**spec[name], "paddle": files["paddle"][name]}
+                         for name in SPLIT_PROGRAMS if name in files["paddle"]})
     for name in programs:
         if "paddle" in programs[name]:
             # Paddle names its outputs fetch_name_N in order; the runner maps them by position.

@@ -36,6 +36,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CHECKSUMS = "checksums.json"
 PROGRAMS = ("prefill", "decode", "forward")
+# Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
+SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
 BACKENDS = ("paddle", "onnx")
 
 

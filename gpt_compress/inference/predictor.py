@@ -56,11 +56,10 @@ prefer_mkl_avx2()  # before Paddle's first matmul (MKL reads it once): AVX2 kern
 import paddle  # noqa: E402
 import paddle.inference as pi  # noqa: E402
 
-from .manifest import Manifest, ModelDirError, read_manifest, verify_files  # noqa: E402
+from .manifest import SPLIT_PROGRAMS, Manifest, ModelDirError, read_manifest, verify_files  # noqa: E402
 
 ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward",
          "decode_hidden": "decode_hidden", "lm_head": "lm_head"}
-SPLIT = ("decode_hidden", "lm_head")  # export/static.py's SPLIT_PROGRAMS (this module must not import it)
 
 
 @dataclass
@@ -150,8 +149,8 @@ class PaddleBackend:
         self.batched_from, self.cache_bucket = batched_from, cache_bucket
         programs = ["prefill", "decode", "forward"]
         # Exports from before the split (or int8 / tensor-parallel ones) lack these programs.
-        self.split_head = split_head and device != "gpu" and all(p in self.manifest.data["programs"] for p in SPLIT)
-        programs += list(SPLIT) if self.split_head else []
+        self.split_head = split_head and device != "gpu" and all(p in self.manifest.data["programs"] for p in SPLIT_PROGRAMS)
+        programs += list(SPLIT_PROGRAMS) if self.split_head else []
         self._files = {name: self.manifest.files("paddle", name) for name in programs}
         if verify:
             names = sorted({os.path.basename(p) for f in self._files.values() for p in f.values()})
