@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 
 # mallopt parameter numbers from <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -70,9 +71,10 @@ def tune_cpu(mkl_amd: bool = True, strided_views: bool = False, malloc: bool = T
     state = {"cpu_vendor": cpu_vendor()}
     state["MKL_DEBUG_CPU_TYPE"] = prefer_mkl_avx2() if mkl_amd else os.environ.get("MKL_DEBUG_CPU_TYPE", "")
 
-    import paddle
-
-    paddle.set_flags({"FLAGS_use_stride_kernel": strided_views})
+    if "paddle" in sys.modules:
+        sys.modules["paddle"].set_flags({"FLAGS_use_stride_kernel": strided_views})
+    else:  # Paddle reads FLAGS_* from the environment at import: a command that never uses it never loads it
+        os.environ["FLAGS_use_stride_kernel"] = str(int(strided_views))
     state["FLAGS_use_stride_kernel"] = strided_views
 
     state["malloc_heap_only"] = False
