@@ -79,10 +79,10 @@ def _say(msg: str) -> None:
 
 
 def _write_json(path: str, obj) -> None:
+    from gpt_compress.checkpoint import write_json_atomic
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(path, obj)
 
 
 def _read_json(path: str):
@@ -214,15 +214,9 @@ def exported_paths(a, work: str) -> dict:
 # --------------------------------------------------------------------------------------
 def wikitext_prefix(src: str, chars: int, work: str) -> str:
     """The first ``chars`` characters of ``src`` cut at a line end (the whole file for 0)."""
-    if not chars:
-        return src
-    with open(src, encoding="utf-8", newline="") as f:
-        text = f.read(chars)
-    path = os.path.join(work, "eval", f"wikitext_first_{chars}_chars.txt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(text[: text.rfind("\n") + 1] or text)
-    return path
+    from gpt_compress.eval.wikitext import write_text_prefix
+
+    return write_text_prefix(src, chars, os.path.join(work, "eval", f"wikitext_first_{chars}_chars.txt"))
 
 
 def heldout_text(work: str) -> str:

@@ -115,17 +115,11 @@ def without_dropout(model):
 
 
 def _wikitext_path(args, work: str) -> Optional[str]:
+    from ..eval.wikitext import write_text_prefix
+
     if not args.eval_wikitext:
         return None
-    if not args.eval_max_chars:
-        return args.eval_wikitext
-    with open(args.eval_wikitext, encoding="utf-8", newline="") as f:
-        text = f.read(args.eval_max_chars)
-    cut = text.rfind("\n")
-    path = os.path.join(work, "wikitext_slice.txt")
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(text[:cut + 1] if cut > 0 else text)
-    return path
+    return write_text_prefix(args.eval_wikitext, args.eval_max_chars, os.path.join(work, "wikitext_slice.txt"))
 
 
 def backend_loss(backend, batches) -> float:

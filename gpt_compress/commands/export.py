@@ -25,14 +25,13 @@ def run(args) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.model):
         return fail("--output must differ from the checkpoint directory")
     t0 = time.perf_counter()
-    from ..qat.quantize import read_quant_state
+    from ..qat.quantize import load_quantized, read_quant_state
 
     try:
         if read_quant_state(args.model) is not None:
             # A quantized checkpoint (gptc qat/ptq OUT/quantized) holds fp32 master weights plus
             # scales: exporting it as float would silently drop the quantization.
             from ..export.int8 import export_quantized
-            from ..qat.quantize import load_quantized
             from ._common import find_tokenizer
 
             path = export_quantized(load_quantized(args.model), args.output, formats,

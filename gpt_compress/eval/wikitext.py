@@ -8,6 +8,7 @@ adjusted by the token/word ratio, as FleetX does.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 
@@ -35,6 +36,21 @@ def wikitext_detokenize(s: str) -> str:
     s = s.replace(" \n", "\n").replace("\n ", "\n")
     s = s.replace(" N ", " 1 ").replace(" 's", "'s")
     return s
+
+
+def write_text_prefix(src: str, max_chars: int, path: str) -> str:
+    """The first ``max_chars`` characters of ``src``, cut after its last full line, written
+    atomically to ``path`` (returned). ``max_chars`` 0: ``src`` itself, nothing written."""
+    if not max_chars:
+        return src
+    with open(src, encoding="utf-8", newline="") as f:
+        text = f.read(max_chars)
+    cut = text.rfind("\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8", newline="") as f:
+        f.write(text[: cut + 1] if cut > 0 else text)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def read_wikitext(path: str, input_format: str) -> tuple[str, int]:

@@ -19,6 +19,7 @@ with the same settings; with changed settings its directory is cleared first.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -349,25 +350,13 @@ class Pipeline:
         return {"export": res["output"], "checkpoint": self.outputs(src_stage)["checkpoint"], "summary": res}
 
     # evaluation and report ----------------------------------------------------------
+    @functools.cached_property
     def _ppl_text(self) -> Optional[str]:
         """The perplexity text (sliced to ``eval_max_chars`` once per pipeline run)."""
-        if not hasattr(self, "_ppl_text_path"):
-            self._ppl_text_path = self._write_ppl_text()
-        return self._ppl_text_path
+        from ..eval.wikitext import write_text_prefix
 
-    def _write_ppl_text(self) -> Optional[str]:
         src = self.p.eval_wikitext or self.outputs("data").get("heldout")
-        if not src or not self.p.eval_max_chars:
-            return src
-        with open(src, encoding="utf-8", newline="") as f:
-            text = f.read(self.p.eval_max_chars)
-        cut = text.rfind("\n")
-        path = self.path("eval", "ppl_text.txt")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8", newline="") as f:
-            f.write(text[: cut + 1] if cut > 0 else text)
-        os.replace(path + ".tmp", path)
-        return path
+        return write_text_prefix(src, self.p.eval_max_chars, self.path("eval", "ppl_text.txt")) if src else src
 
     def _run_eval(self, name: str, src_stage: str) -> dict:
         from ..eval.lambada import evaluate_lambada
@@ -376,7 +365,7 @@ class Pipeline:
         from ..inference.runner import Generator
 
         model_dir = self.outputs(src_stage)["export"]
-        text = self._ppl_text()
+        text = self._ppl_text
         fmt = self.p.eval_input_format if self.p.eval_wikitext else "raw"
         results = []
         for backend in self.p.formats:
@@ -407,7 +396,7 @@ class Pipeline:
 
     def _speed_prompt(self, gen) -> list[int]:
         """The first ``speed_prompt_tokens`` tokens of the perplexity text (or of the corpus)."""
-        text = self._ppl_text()
+        text = self._ppl_text
         if text:
             with open(text, encoding="utf-8") as f:
                 ids = gen.tokenizer.encode(f.read(20_000))
@@ -472,7 +461,7 @@ class Pipeline:
                              f"(teacher {s.get('teacher_valid_ppl')})")
             else:
                 lines.append(f"- qat: {s.get('steps')} steps; int8 export {stamp.outputs.get('export')}")
-        text = self._ppl_text()
+        text = self._ppl_text
         lines.append(f"- perplexity text: {text or 'none'}; LAMBADA: {self.p.eval_lambada or 'not evaluated'}; "
                      f"speed: batch 1, greedy, {self.p.speed_prompt_tokens}-token prompt, "
                      f"{self.p.speed_new_tokens} new tokens, median of {self.p.speed_reps}")
