@@ -33,7 +33,9 @@ def test_string_prompts_sampling_and_penalties_agree_across_backends(gens):
         assert outs[b].sequences == outs["dygraph"].sequences, b
         assert outs[b].texts == outs["dygraph"].texts
     assert all(len(s) == 20 for s in outs["dygraph"].sequences)
-    assert outs["paddle"].tokens_per_s > 0 and outs["paddle"].prompt_tokens[0] > 0
+    # Prompt lengths are reported as encoded (no timing is checked here: speed lives in bench/).
+    assert outs["paddle"].prompt_tokens == [len(p) for p in gens["paddle"].encode(["KING HENRY:", "O Romeo,"])] \
+        and min(outs["paddle"].prompt_tokens) > 0
 
 
 @pytest.mark.parametrize("backend", ["paddle", "onnx"])
@@ -167,7 +169,7 @@ def test_cli_infer(dirs, tmp_path):
                   "-o", "Generation.max_new_tokens=8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["backend"] == "onnx" and summary["new_tokens"] == 16 and summary["tokens_per_s"] > 0
+    assert summary["backend"] == "onnx" and summary["new_tokens"] == 16 and "tokens_per_s" in summary  # reported, not timed here
     assert [r["prompt_tokens"] > 0 for r in summary["results"]] == [True, True]
     # Streaming a single prompt, Paddle backend, beam search via -o.
     proc = _infer("--model-dir", dirs["export"], "--prompt", "ROMEO:", "-o", "Generation.max_new_tokens=8")
