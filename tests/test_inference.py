@@ -169,7 +169,8 @@ def test_cli_infer(dirs, tmp_path):
                   "-o", "Generation.max_new_tokens=8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["backend"] == "onnx" and summary["new_tokens"] == 16 and "tokens_per_s" in summary  # reported, not timed here
+    # tokens_per_s is reported, not timed here (speed lives in bench/)
+    assert summary["backend"] == "onnx" and summary["new_tokens"] == 16 and "tokens_per_s" in summary
     assert [r["prompt_tokens"] > 0 for r in summary["results"]] == [True, True]
     # Streaming a single prompt, Paddle backend, beam search via -o.
     proc = _infer("--model-dir", dirs["export"], "--prompt", "ROMEO:", "-o", "Generation.max_new_tokens=8")
