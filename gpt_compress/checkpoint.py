@@ -6,6 +6,8 @@ Training state (optimizer, RNG, data position) is layered on top by ``train/chec
 """
 from __future__ import annotations
 
+from .errors import CheckpointError  # noqa: F401  (re-exported)
+
 import hashlib
 import json
 import os
@@ -24,8 +26,6 @@ CONFIG = "config.json"
 CHECKSUMS = "checksums.json"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt or does not match the model."""
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:

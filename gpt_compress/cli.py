@@ -70,18 +70,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if runtime.enabled():  # before any matmul: see runtime.py (GPTC_TUNE_CPU=0 turns it off)
         runtime.tune_cpu()
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .data.errors import DataError
+    from .errors import ConfigError, GptcError
 
     try:
         code = module.run(args)
-    except ConfigError as e:
-        print(f"gptc {name}: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (DataError, CheckpointError) as e:
-        print(f"gptc {name}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    except GptcError as e:
+        kind = "config error" if isinstance(e, ConfigError) else "error"
+        print(f"gptc {name}: {kind}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     sys.exit(code or 0)
 
 

@@ -8,6 +8,8 @@ first; explicit ``Model`` keys then override it.
 """
 from __future__ import annotations
 
+from .errors import ConfigError  # noqa: F401  (re-exported)
+
 import dataclasses
 import difflib
 import os
@@ -18,8 +20,6 @@ from typing import Any, Optional
 import yaml
 
 
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the user (which file, section and key)."""
 
 
 # --------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ anything else. torch is not needed.
 """
 from __future__ import annotations
 
+from ..errors import UnsafePickleError  # noqa: F401  (re-exported)
+
 import pickle
 import zipfile
 
@@ -18,8 +20,6 @@ _STORAGE_DTYPES = {
 }
 
 
-class UnsafePickleError(ValueError):
-    """The file asks the unpickler for something a plain state dict never needs."""
 
 
 class _StorageType:

@@ -1,6 +1,6 @@
 """The one exception type of the data layer."""
 from __future__ import annotations
 
+from ..errors import DataError  # noqa: F401  (re-exported)
 
-class DataError(ValueError):
-    """Bad input data or a bad data file, phrased for the user: which file, which line, what to do."""
+

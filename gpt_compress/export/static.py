@@ -15,6 +15,8 @@ column gather, ``gather(W_t, ids, axis=1)``: free for decode, ~14 ms for 2048 to
 """
 from __future__ import annotations
 
+from ..errors import ExportError  # noqa: F401  (re-exported)
+
 import hashlib
 import os
 import shutil
@@ -38,8 +40,6 @@ HEAD_BLOCKS = 4
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
 
 
-class ExportError(CheckpointError):
-    """Export failed: bad checkpoint, unsupported model, or outputs that do not match dygraph."""
 
 
 class TransposedEmbedding(nn.Layer):

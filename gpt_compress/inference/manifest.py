@@ -26,6 +26,8 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
 """
 from __future__ import annotations
 
+from ..errors import ModelDirError, InputError  # noqa: F401  (re-exported)
+
 import json
 import os
 from dataclasses import dataclass
@@ -41,12 +43,6 @@ SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
 BACKENDS = ("paddle", "onnx")
 
 
-class ModelDirError(RuntimeError):
-    """An exported model directory is missing, incomplete, corrupt or from a newer exporter."""
-
-
-class InputError(ValueError):
-    """A request the model cannot serve (empty prompt, unknown token ids, too long)."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ with the same settings; with changed settings its directory is cleared first.
 """
 from __future__ import annotations
 
+from ..errors import PipelineError  # noqa: F401  (re-exported)
+
 import functools
 import json
 import os
@@ -45,8 +47,6 @@ DISTILL_SECTIONS = ("Global", "Data", "Engine", "Optimizer", "Distill")
 QAT_SECTIONS = ("Global", "Data", "Engine", "Optimizer", "Quant")
 
 
-class PipelineError(RuntimeError):
-    """A stage failed or cannot run; the message names the stage and what to do."""
 
 
 @dataclass

@@ -7,6 +7,8 @@ VisualDL when installed), atomic checkpoints and exact resume.
 """
 from __future__ import annotations
 
+from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
+
 import json
 import math
 import os
@@ -27,8 +29,6 @@ Batch = dict  # name -> numpy array, e.g. {"input_ids": (B, T), "labels": (B, T)
 LossFn = Callable[[paddle.nn.Layer, Batch], paddle.Tensor]
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN/inf or spiked; the last good checkpoint is kept."""
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
