@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from .scoring import token_logprobs
+from .scoring import score_positions
 
 INPUT_FORMATS = ("tokens", "raw", "raw-hf-rows")
 
@@ -127,9 +127,10 @@ def evaluate_wikitext(backend, tokenizer, path: str, input_format: str = "raw", 
         ids = np.stack([w[0] for w in group])
         labels = np.stack([w[1] for w in group])
         mask = np.stack([w[2] for w in group])
-        lp, _ = token_logprobs(backend, ids, labels)
-        total += float(-(lp * mask).sum())
-        scored += int(mask.sum())
+        # Logits only at the scored positions: strided windows skip the masked context.
+        lp, _ = score_positions(backend, ids, labels, mask > 0)
+        total += float(-lp.sum())
+        scored += len(lp)
     avg = total / (len(tokens) - 1)
     ratio = (len(tokens) - 1) / max(n_words - 1, 1)
     return WikitextResult(

@@ -30,7 +30,8 @@ from paddle.static import InputSpec
 
 from ..checkpoint import CheckpointError, load_model, read_config, write_checkpoint_dir, write_json_atomic
 from ..config import ModelConfig
-from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS, SPLIT_PROGRAMS
+from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS, SCORE_PROGRAMS, SPLIT_PROGRAMS
+from ..model.gpt import label_logprobs
 
 PARAMS = "model.pdiparams"
 # Column blocks of the split ``lm_head`` (``SPLIT_PROGRAMS``: Paddle's batch-1 decode runs the head,
@@ -128,6 +129,15 @@ class ExportableLM(nn.Layer):
         """Scoring: (B, T) ids and mask -> logits (B, T, V)."""
         return self._logits(self.model.gpt(input_ids, attention_mask=attention_mask))
 
+    def forward_hidden(self, input_ids, attention_mask):
+        """Scoring, body only: (B, T) ids and mask -> final hidden states (B, T, hidden)."""
+        return self.model.gpt(input_ids, attention_mask=attention_mask)
+
+    def score_head(self, hidden, labels):
+        """Scoring, head only, at the scored positions: hidden (N, hidden), labels (N,) ->
+        [log p(label) (N,) float64, argmax (N,) int64] (``model.gpt.label_logprobs``)."""
+        return label_logprobs(self._logits(hidden), labels)
+
     def prefill(self, input_ids, attention_mask):
         """Prompt (B, T) -> [last logits (B, V), k_0, v_0, k_1, ...], each cache (B, H_i, T, D)."""
         return self._step(input_ids, attention_mask, None)
@@ -159,6 +169,12 @@ def io_spec(cfg: ModelConfig) -> dict[str, dict]:
         "lm_head": {"inputs": [hidden], "outputs": [last]},
         "forward": {"inputs": [ids, mask],
                     "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", "vocab"]}]},
+        "forward_hidden": {"inputs": [ids, mask],
+                           "outputs": [{"name": "hidden", "dtype": "float32", "shape": ["batch", "seq", cfg.hidden_size]}]},
+        "score_head": {"inputs": [{"name": "hidden", "dtype": "float32", "shape": ["rows", cfg.hidden_size]},
+                                  {"name": "labels", "dtype": "int64", "shape": ["rows"]}],
+                       "outputs": [{"name": "logprob", "dtype": "float64", "shape": ["rows"]},
+                                   {"name": "argmax", "dtype": "int64", "shape": ["rows"]}]},
     }
 
 
@@ -169,7 +185,9 @@ def _input_specs(cfg: ModelConfig):
              InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"past_value_{i}"))
             for i in range(cfg.num_layers)]
     return {"forward": [ids, mask], "prefill": [ids, mask], "decode": [ids, mask, past],
-            "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")]}
+            "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")],
+            "forward_hidden": [ids, mask],
+            "score_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden"), InputSpec([None], "int64", "labels")]}
 
 
 def _sha256(path: str) -> str:
@@ -181,17 +199,19 @@ def _sha256(path: str) -> str:
 
 
 def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None,
-                         split_decode: bool = True) -> dict[str, dict[str, str]]:
+                         split_decode: bool = True, score: bool = False) -> dict[str, dict[str, str]]:
     """``paddle.jit.save`` the three programs of ``model`` into ``out_dir`` with one shared
     params file. Returns ``{program: {"model": file, "params": file}}`` (names relative to out_dir).
     ``model`` is mutated (see ``ExportableLM``); pass a model you will not train further.
     ``wrapper``: an ``ExportableLM`` subclass instance around ``model`` (tensor-parallel shards).
     ``split_decode``: also save ``SPLIT_PROGRAMS`` (Paddle Inference's batch-1 decode path) when
-    the wrapper's head is a plain matmul."""
+    the wrapper's head is a plain matmul. ``score``: also save ``SCORE_PROGRAMS`` (evaluation
+    computes logits only at the positions it scores)."""
     model.eval()
     wrapper = wrapper or ExportableLM(model)
     specs = _input_specs(model.config)
     names = list(PROGRAMS) + (list(SPLIT_PROGRAMS) if split_decode and wrapper.head_weight() is not None else [])
+    names += list(SCORE_PROGRAMS) if score else []
     for name in names:
         setattr(wrapper, name, paddle.jit.to_static(getattr(wrapper, name), input_spec=specs[name], full_graph=True))
     scratch = tempfile.mkdtemp(prefix=".jit-", dir=out_dir)
@@ -245,13 +265,21 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     got = [(logits, full[:, -1]), (backend.score(ids, mask), full)]
     logits, _ = backend.decode(nxt, np.concatenate([mask, np.ones_like(nxt)], 1), cache)
     got.append((logits, step))
+    if getattr(backend, "scores_positions", False):  # the scoring programs, at the real positions
+        real, labels = mask > 0, np.roll(ids, -1, axis=1)
+        lp, _ = backend.head_scores(backend.hidden_states(ids, mask)[real], labels[real])
+        top = full.max(axis=-1, keepdims=True)
+        ref_lp = np.take_along_axis(full, labels[..., None], -1)[..., 0] - top[..., 0] - np.log(
+            np.exp(full - top).sum(-1, dtype=np.float64))
+        got.append((lp, ref_lp[real]))
     # Padded query rows attend to nothing real; their logits are meaningless, compare real rows.
     diffs = [float(np.max(np.abs(np.where(mask[..., None] > 0, a - b, 0) if a.ndim == 3 else a - b)))
              for a, b in got]
     scale = max(1.0, float(np.max(np.abs(full))))
     if max(diffs) > atol * scale:
         raise ExportError(f"{where}: exported logits differ from dygraph by {max(diffs):.3g} "
-                          f"(prefill, score, decode: {', '.join(f'{d:.3g}' for d in diffs)}; "
+                          f"(prefill, score, decode[, scoring programs' log-probabilities]: "
+                          f"{', '.join(f'{d:.3g}' for d in diffs)}; "
                           f"tolerance {atol * scale:.3g})")
     return max(diffs)
 
@@ -273,6 +301,10 @@ def build_manifest(cfg: ModelConfig, files: dict[str, dict[str, dict[str, str]]]
     """The ``manifest.json`` content (see ``inference/manifest.py``)."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
+    # The scoring programs, when every format has them (older exports and int8 / tensor-parallel
+    # ones do not: evaluation then falls back to ``forward``).
+    programs.update({name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}}
+                     for name in SCORE_PROGRAMS if all(name in files[fmt] for fmt in formats)})
     if "paddle" in formats:  # the split decode, when saved (Paddle only)
         programs.update({name: {**spec[name], "paddle": files["paddle"][name]}
                          for name in SPLIT_PROGRAMS if name in files["paddle"]})
@@ -319,7 +351,7 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
         files = {}
         # ONNX is converted from the Paddle programs; without --format paddle they live in scratch.
         pdir = tmp if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=tmp)
-        files["paddle"] = save_paddle_programs(model, pdir, split_decode="paddle" in formats)
+        files["paddle"] = save_paddle_programs(model, pdir, split_decode="paddle" in formats, score=True)
         if "onnx" in formats:
             from .onnx import convert_programs
 

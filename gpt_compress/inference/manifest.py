@@ -21,6 +21,11 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
 * Paddle only, optional (fp32 heads): ``decode_hidden`` (``decode`` with the last hidden state
   (B,hidden) in place of the logits) and ``lm_head(hidden (B,hidden)) -> logits (B,V)``, which
   Paddle Inference runs with different thread counts for batch-1 decode (``predictor.py``)
+* Optional, float exports (``SCORE_PROGRAMS``): ``forward_hidden(input_ids, attention_mask) ->
+  hidden (B,T,hidden)`` and ``score_head(hidden (N,hidden), labels (N,)) -> logprob (N,) float64,
+  argmax (N,) int64``: evaluation takes logits only where it scores. Without them (exports from
+  before, int8, tensor-parallel) it uses ``forward``; the format version is unchanged because
+  readers of either age ignore or do without them.
 
 ``H_i`` may differ per layer (structurally pruned models).
 """
@@ -40,6 +45,9 @@ CHECKSUMS = "checksums.json"
 PROGRAMS = ("prefill", "decode", "forward")
 # Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
 SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
+# Optional scoring programs (every format; float exports from this version on): evaluation runs
+# the body, then the head only at the positions it scores (see the list above).
+SCORE_PROGRAMS = ("forward_hidden", "score_head")
 BACKENDS = ("paddle", "onnx")
 
 
