@@ -169,8 +169,8 @@ def io_spec(cfg: ModelConfig) -> dict[str, dict]:
         "lm_head": {"inputs": [hidden], "outputs": [last]},
         "forward": {"inputs": [ids, mask],
                     "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", "vocab"]}]},
-        "forward_hidden": {"inputs": [ids, mask],
-                           "outputs": [{"name": "hidden", "dtype": "float32", "shape": ["batch", "seq", cfg.hidden_size]}]},
+        "forward_hidden": {"inputs": [ids, mask], "outputs": [
+            {"name": "hidden", "dtype": "float32", "shape": ["batch", "seq", cfg.hidden_size]}]},
         "score_head": {"inputs": [{"name": "hidden", "dtype": "float32", "shape": ["rows", cfg.hidden_size]},
                                   {"name": "labels", "dtype": "int64", "shape": ["rows"]}],
                        "outputs": [{"name": "logprob", "dtype": "float64", "shape": ["rows"]},
@@ -187,7 +187,8 @@ def _input_specs(cfg: ModelConfig):
     return {"forward": [ids, mask], "prefill": [ids, mask], "decode": [ids, mask, past],
             "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")],
             "forward_hidden": [ids, mask],
-            "score_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden"), InputSpec([None], "int64", "labels")]}
+            "score_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden"),
+                           InputSpec([None], "int64", "labels")]}
 
 
 def _sha256(path: str) -> str:
