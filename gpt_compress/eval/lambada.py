@@ -6,6 +6,10 @@ the text before the last occurrence of that word (stripped), target = the tokens
 token at every target position. Also reported: FleetX's non-strict variant (only the last BPE
 token of the whole text is the target), lm-evaluation-harness's split (``text.rsplit(" ", 1)``)
 and the target perplexity (exp of the mean NLL of the target tokens).
+
+All three are scored in one pass: every target ends its token sequence and the splits mostly
+give the same sequence, so each distinct sequence runs once and the LM head is applied only at
+the positions of its longest target (``scoring.score_positions``).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Windows of ``seq_len`` inputs start every ``stride`` tokens; every window but the first scores
 only its last ``stride`` positions (overlapping evaluation: each token scored once, with as
 much context as the window allows). Reports token-level perplexity and word-level perplexity
-adjusted by the token/word ratio, as FleetX does.
+adjusted by the token/word ratio, as FleetX does. Logits are taken only at the scored positions
+(``scoring.score_positions``): an overlapping window's context costs the body, not the head.
 """
 from __future__ import annotations
 
