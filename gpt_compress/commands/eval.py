@@ -2,10 +2,10 @@
 through the one runner API (dygraph, Paddle Inference or onnxruntime). Writes a JSON result."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
+from ..fileio import write_json_atomic
 from ._common import fail, print_json
 
 
@@ -52,9 +52,6 @@ def run(args) -> int:
                backend=backend, seconds=round(time.perf_counter() - t0, 2))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        tmp = args.output + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, args.output)
+        write_json_atomic(args.output, out, sort_keys=False)
     print_json(out)
     return 0

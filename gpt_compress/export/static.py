@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from ..errors import ExportError  # noqa: F401  (re-exported)
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from paddle.static import InputSpec
 
 from ..checkpoint import CheckpointError, load_model, read_config, write_checkpoint_dir, write_json_atomic
 from ..config import ModelConfig
+from ..fileio import sha256_file
 from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS, SPLIT_PROGRAMS
 
 PARAMS = "model.pdiparams"
@@ -172,14 +172,6 @@ def _input_specs(cfg: ModelConfig):
             "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")]}
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None,
                          split_decode: bool = True) -> dict[str, dict[str, str]]:
     """``paddle.jit.save`` the three programs of ``model`` into ``out_dir`` with one shared
@@ -200,7 +192,7 @@ def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None
         # jit.save names the methods model.json (forward), model.prefill.json, model.decode.json, ...
         stems = {name: "model" if name == "forward" else f"model.{name}" for name in names}
         shared = os.path.join(scratch, "model.pdiparams")
-        digest = _sha256(shared)
+        digest = sha256_file(shared)
         files = {}
         for name, stem in stems.items():
             src = os.path.join(scratch, stem + ".json")
@@ -208,7 +200,7 @@ def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None
                 raise ExportError(f"paddle.jit.save did not write {stem}.json for the {name} program")
             os.replace(src, os.path.join(out_dir, f"{name}.json"))
             params = os.path.join(scratch, stem + ".pdiparams")
-            if stem != "model" and os.path.isfile(params) and _sha256(params) != digest:
+            if stem != "model" and os.path.isfile(params) and sha256_file(params) != digest:
                 # Never seen: every program reads the same parameters. Keep the copy rather than guess.
                 os.replace(params, os.path.join(out_dir, f"{name}.pdiparams"))
                 files[name] = {"model": f"{name}.json", "params": f"{name}.pdiparams"}

@@ -33,10 +33,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ..fileio import CHECKSUMS, sha256_file
+
 FORMAT = "gpt-compress-inference"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-CHECKSUMS = "checksums.json"
 PROGRAMS = ("prefill", "decode", "forward")
 # Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
 SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
@@ -100,18 +101,6 @@ class Manifest:
         return {k: self.file(v) for k, v in self.program(program)[backend].items()}
 
 
-def _sha256(path: str, chunk: int = 1 << 22) -> str:
-    # Same as checkpoint.sha256_file, kept here so a serving process never imports checkpoint.py
-    # (tests/test_inference.py checks the modules a fresh serving process loads).
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_files(path: str, names: Optional[list[str]] = None) -> None:
     """Check sizes/sha256 of ``names`` (default: all) against ``checksums.json``; the error names the file."""
     sums_path = os.path.join(path, CHECKSUMS)
@@ -128,7 +117,7 @@ def verify_files(path: str, names: Optional[list[str]] = None) -> None:
             raise ModelDirError(f"{fp} is not listed in {sums_path}; re-export the model")
         if not os.path.isfile(fp):
             raise ModelDirError(f"{fp} is missing (listed in {sums_path}); re-export the model")
-        if _sha256(fp) != sums[name]:
+        if sha256_file(fp) != sums[name]:
             raise ModelDirError(f"{fp} is corrupt: its sha256 does not match {sums_path}; re-export the model")
 
 

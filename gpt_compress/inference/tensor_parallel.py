@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..fileio import write_json_atomic
+
 
 class TensorParallelBackend:
     """``prefill``/``decode``/``score``/``reorder_cache`` of rank ``rank``'s programs with the
@@ -86,11 +88,8 @@ def run_rank(model_dir: str, request: str, output: str) -> None:
                     tokenizer=tokenizer, name=f"tensor-parallel:{model_dir}")
     out = gen.generate(req["prompts"], config=GenerationConfig(**req["generation"]))
     if rank == 0:
-        tmp = output + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"sequences": out.sequences, "texts": out.texts, "prompt_tokens": out.prompt_tokens,
-                       "seconds": out.seconds, "mp_degree": top["mp_degree"]}, f)
-        os.replace(tmp, output)
+        write_json_atomic(output, {"sequences": out.sequences, "texts": out.texts, "prompt_tokens": out.prompt_tokens,
+                                   "seconds": out.seconds, "mp_degree": top["mp_degree"]}, indent=None, sort_keys=False)
 
 
 def generate_tensor_parallel(model_dir: str, prompts, generation: Optional[dict] = None,
