@@ -31,9 +31,10 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..eval.lambada import evaluate_lambada
     from ..eval.wikitext import evaluate_wikitext
+    from ..inference.manifest import MANIFEST
     from ..inference.runner import Generator
 
-    backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, "manifest.json")) else "dygraph")
+    backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, MANIFEST)) else "dygraph")
     gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
     if gen.tokenizer is None:
         return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir")

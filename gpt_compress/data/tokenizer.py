@@ -275,3 +275,12 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+
+
+def find_tokenizer(*dirs: str):
+    """The tokenizer stored in the first of ``dirs`` that has one, or None."""
+    for d in dirs:
+        if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, f))
+                                         for f in ("tokenizer.json", "vocab.json", "encoder.json")):
+            return Tokenizer.load(d)
+    return None

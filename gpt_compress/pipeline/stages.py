@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from ..config import Config, build_config
-from ..fileio import atomic_file, write_json_atomic, write_text_atomic
+from ..fileio import CHECKSUMS, atomic_file, write_json_atomic, write_text_atomic
 from .stamps import StampStore, fingerprint
 
 
@@ -126,9 +126,9 @@ def verify_checkpoint(path: str) -> None:
 
 def verify_export(path: str) -> None:
     """An exported inference directory with a readable manifest and intact files."""
-    from ..inference.manifest import read_manifest, verify_files
+    from ..inference.manifest import MANIFEST, read_manifest, verify_files
 
-    if not path or not os.path.isfile(os.path.join(path, "manifest.json")):
+    if not path or not os.path.isfile(os.path.join(path, MANIFEST)):
         raise PipelineError(f"exported model {path} is missing")
     read_manifest(path)
     verify_files(path)
@@ -299,7 +299,7 @@ class Pipeline:
         d = self.path("pretrain")
         if self.p.init_from:
             src = os.path.abspath(self.p.init_from)
-            if os.path.isfile(os.path.join(src, "checksums.json")):
+            if os.path.isfile(os.path.join(src, CHECKSUMS)):
                 return {"checkpoint": src, "train_log": None}
             conv = gptc(["convert", "--from-hf", src, "--output", os.path.join(d, "model")], "pretrain")
             return {"checkpoint": conv.get("output", os.path.join(d, "model")), "train_log": None}
