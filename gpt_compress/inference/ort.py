@@ -76,7 +76,8 @@ class OrtBackend:
         sess = self.session(name)
         binding = sess.io_binding()
         for k, a in arrays.items():
-            binding.bind_cpu_input(k, np.ascontiguousarray(a, dtype=np.float32 if a.dtype == np.float32 else np.int64))
+            dtype = np.float32 if a.dtype == np.float32 else np.int64  # hidden states, else ids / masks / labels
+            binding.bind_cpu_input(k, np.ascontiguousarray(a, dtype=dtype))
         for k, v in (values or {}).items():
             binding.bind_ortvalue_input(k, v)
         for out in self.manifest.program(name)["outputs"]:
@@ -104,7 +105,8 @@ class OrtBackend:
 
     def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None,
               program: str = "forward") -> np.ndarray:
-        """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
+        """Full-sequence logits (B, T, V) float32 from the ``forward`` program (``program``: another
+        whole-sequence program, ``forward_hidden``)."""
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
         return self._run(program, {"input_ids": input_ids, "attention_mask": attention_mask})[0].numpy()
