@@ -102,6 +102,16 @@ class ExportableLM(nn.Layer):
             out += [k, v]
         return out
 
+    def _reads_all_parameters(self, x, used):
+        """``x`` plus a zero read from every parameter other than ``used`` (folded away at load) so
+        that a program using only the head has the shared model.pdiparams as its parameter file:
+        Paddle loads a combined file whole, in order."""
+        others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
+                  if t is not used]
+        if others:
+            x = x + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(x.dtype).sum() for t in others])
+        return x
+
     def lm_head(self, hidden):
         """hidden (B, hidden) -> logits (B, V) as ``HEAD_BLOCKS`` batched GEMVs over column blocks of
         the head weight. The blocked (K, hidden, V/K) copy is computed from the parameter alone, so
@@ -112,13 +122,7 @@ class ExportableLM(nn.Layer):
         k, (h, v) = HEAD_BLOCKS, head.shape
         n = -(-v // k)
         w = paddle.concat([head, paddle.zeros([h, n * k - v], dtype=head.dtype)], axis=1) if n * k != v else head
-        blocks = paddle.transpose(w.reshape([h, k, n]), [1, 0, 2])  # (K, hidden, n)
-        # Read every other parameter too (a folded-away zero) so that this program's parameter
-        # file is the shared model.pdiparams: Paddle loads a combined file whole, in order.
-        others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
-                  if t is not head]
-        if others:
-            blocks = blocks + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(head.dtype).sum() for t in others])
+        blocks = self._reads_all_parameters(paddle.transpose(w.reshape([h, k, n]), [1, 0, 2]), head)  # (K, hidden, n)
         x = paddle.expand(hidden.unsqueeze(0), [k, -1, h])  # (K, B, hidden)
         y = paddle.transpose(paddle.matmul(x, blocks), [1, 0, 2])  # (B, K, n)
         return y.reshape([-1, k * n])[:, :v]
@@ -134,6 +138,7 @@ class ExportableLM(nn.Layer):
     def score_head(self, hidden, labels):
         """Scoring, head only, at the scored positions: hidden (N, hidden), labels (N,) ->
         [log p(label) (N,) float64, argmax (N,) int64] (``model.gpt.label_logprobs``)."""
+        hidden = self._reads_all_parameters(hidden, self.head_weight())  # (N, hidden): the zero costs nothing
         return label_logprobs(self._logits(hidden), labels)
 
     def prefill(self, input_ids, attention_mask):
