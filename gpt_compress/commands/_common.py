@@ -9,7 +9,6 @@ import numpy as np
 
 from ..cli import add_config_arguments
 from ..config import Config, load_config
-from ..data.tokenizer import find_tokenizer  # noqa: F401  (re-exported for the commands)
 
 __all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
            "find_tokenizer", "print_json", "lm_batches"]
@@ -38,6 +37,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     paddle.seed(seed)
+
+
+def find_tokenizer(*dirs: str):
+    """``data.tokenizer.find_tokenizer``, imported when a command asks (the `tokenizers` library
+    stays out of commands that never tokenize)."""
+    from ..data.tokenizer import find_tokenizer as find
+
+    return find(*dirs)
 
 
 def print_json(obj) -> None:

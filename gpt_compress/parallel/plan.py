@@ -17,7 +17,10 @@ unchanged:
   split along the vocabulary and ``vocab_parallel_cross_entropy`` never gathers them.
 
 Pipeline parallelism uses fleet's ``PipelineLayer`` instead (``parallel/pipeline.py``): auto-parallel
-pipelining crashes on CPU (see ``docs/PARALLEL.md``).
+pipelining crashes on CPU (``docs/PADDLE_CPU.md``). Pipeline stages with ``mp > 1`` and
+tensor-parallel inference exports use fleet's layers, swapped in by ``fleet.shard_model`` from
+the same ``TP_PLAN``, with each rank's block of the weights cut by ``shard_weights`` and its
+shard's config given by ``rank_config``.
 """
 from __future__ import annotations
 
@@ -54,6 +57,31 @@ def tp_split_of(param_name: str) -> Optional[tuple[str, int]]:
                 return (kind, 0) if attr == "weight" else None
             return kind, 0  # vocab embedding rows
     return None
+
+
+def shard_weights(weights: dict[str, np.ndarray], rank: int, mp: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s block of every public parameter in ``weights``, following ``TP_PLAN``."""
+    out = {}
+    for name, arr in weights.items():
+        split = tp_split_of(name)
+        if split is None:
+            out[name] = arr
+            continue
+        _, axis = split
+        n = arr.shape[axis] // mp
+        idx = [slice(None)] * arr.ndim
+        idx[axis] = slice(rank * n, (rank + 1) * n)
+        out[name] = np.ascontiguousarray(arr[tuple(idx)])
+    return out
+
+
+def rank_config(cfg: ModelConfig, mp: int) -> ModelConfig:
+    """The ``ModelConfig`` of one rank's shard: heads, FFN width and vocabulary divided by ``mp``."""
+    data = cfg.to_dict()
+    data["layer_num_heads"] = [cfg.heads(i) // mp for i in range(cfg.num_layers)]
+    data["layer_ffn_sizes"] = [cfg.ffn(i) // mp for i in range(cfg.num_layers)]
+    data["vocab_size"] = cfg.vocab_size // mp
+    return ModelConfig.from_dict(data, source=f"rank shard (mp {mp})")
 
 
 def check_divisible(model_cfg: ModelConfig, par: ParallelConfig) -> None:
