@@ -47,16 +47,16 @@ def cpu_vendor() -> str:
     return ""
 
 
-def cpu_flags() -> set[str]:
-    """The ``flags`` of the first CPU in /proc/cpuinfo (``avx2``, ``avx512f``, ...), or an empty set."""
+def cpu_flags() -> frozenset:
+    """The ``flags`` of the first CPU in /proc/cpuinfo (avx2, avx512f, ...), empty if unknown."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _glibc_mallopt():
