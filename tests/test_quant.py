@@ -199,7 +199,7 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
     more than skipping the 2 layers ranked best."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.inference.dygraph import DygraphBackend
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.ptq import calibrate
     from gpt_compress.qat.quantize import quantize_model
     from gpt_compress.qat.sensitivity import least_sensitive
@@ -236,7 +236,7 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
 def test_ptq_observers_clip_differently_and_keep_perplexity(dirs, shakespeare, wiki):
     from gpt_compress.checkpoint import load_model
     from gpt_compress.inference.dygraph import DygraphBackend
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.ptq import calibrate
     from gpt_compress.qat.quantize import quantize_model
 
@@ -283,7 +283,7 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.export import export_model
     from gpt_compress.inference.dygraph import DygraphBackend
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.quantize import quant_layers, quantize_model
 
     tok = Tokenizer.load(dirs["ckpt"])
@@ -339,7 +339,8 @@ def test_quant_config_section(tmp_path):
     for bad, needle in ((["Quant.obsrever=mse"], "did you mean 'observer'"),
                         (["Quant.observer=kl"], "abs_max, percentile, mse"),
                         (["Quant.weight_block_size=24"], "power of two"),
-                        (["Quant.weight_bits=1"], "between 2 and 8")):
+                        (["Quant.weight_bits=1"], "one of 8, 4"),
+                        (["Quant.weight_bits=6"], "one of 8, 4")):
         with pytest.raises(ConfigError, match=needle):
             build_config({}, bad)
     with pytest.raises(ConfigError, match="does not exist"):

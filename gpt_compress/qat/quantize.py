@@ -40,8 +40,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from ..config import ConfigError
-from .config import W8A8, WEIGHT_ONLY, QuantConfig
+from ..config import W8A8, WEIGHT_ONLY, ConfigError, QuantConfig
 
 
 def qmax(bits: int) -> int:
