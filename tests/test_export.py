@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, PRUNED_FFN, PRUNED_HEADS, ROOT, model_dirs
-from gpt_compress.checkpoint import CheckpointError, sha256_file, write_json_atomic
+from gpt_compress.checkpoint import CheckpointError
+from gpt_compress.fileio import sha256_file, write_json_atomic
 from gpt_compress.errors import ExportError
 from gpt_compress.export import export
 from gpt_compress.inference.manifest import ModelDirError, read_manifest

@@ -13,7 +13,8 @@ import re
 
 import numpy as np
 
-from ..checkpoint import CheckpointError, write_checkpoint_dir, write_json_atomic
+from ..checkpoint import CheckpointError, assign_weights, build_model, state_dict_numpy
+from ..fileio import write_dir_atomic, write_json_atomic
 from ..config import ModelConfig
 
 # ours (per layer, "{i}") -> HF name under "transformer."
@@ -145,8 +146,6 @@ def ours_to_hf(ours: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.nd
 
 def load_hf_gpt2(hf_dir: str):
     """Build our ``GPTForCausalLM`` from a local Hugging Face GPT-2 directory."""
-    from ..checkpoint import assign_weights, build_model
-
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} not found: not a Hugging Face model directory")
@@ -162,8 +161,6 @@ def save_hf_gpt2(model, out_dir: str, tokenizer=None) -> str:
     """Write ``model`` as a Hugging Face GPT-2 directory (config.json + model.safetensors)."""
     from safetensors.numpy import save_file
 
-    from ..checkpoint import state_dict_numpy
-
     cfg = model.config
     hf_cfg = config_to_hf(cfg)
     tensors = ours_to_hf(state_dict_numpy(model), cfg)
@@ -176,4 +173,4 @@ def save_hf_gpt2(model, out_dir: str, tokenizer=None) -> str:
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    return write_checkpoint_dir(out_dir, write)
+    return write_dir_atomic(out_dir, write)

@@ -8,7 +8,7 @@ onnxruntime nor the model code, so a serving process stays free of the training 
 An export directory holds::
 
     manifest.json      what is in the directory (this module's ``MANIFEST``)
-    checksums.json     sha256 of every file (written by ``checkpoint.write_checkpoint_dir``)
+    checksums.json     sha256 of every file (written by ``fileio.write_dir_atomic``)
     prefill.json, decode.json, forward.json, model.pdiparams   Paddle Inference (--format paddle)
     decode_hidden.json, lm_head.json                            (Paddle, same model.pdiparams)
     prefill.onnx, decode.onnx, forward.onnx, model.onnx.data   onnxruntime (--format onnx)

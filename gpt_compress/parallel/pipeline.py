@@ -15,6 +15,8 @@ vocab-parallel cross-entropy of ``loss.py``. Fleet start-up and its CPU/gloo set
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Iterator
 
 import numpy as np
@@ -23,6 +25,8 @@ import paddle.nn as nn
 
 from ..checkpoint import assign_weights, load_weights, verify_checksums
 from ..config import Config, ConfigError
+from ..train.checkpoint import (OPTIMIZER, STATE, _load_optimizer, _optimizer_tensors, load_training_checkpoint,
+                                set_rng_state)
 from ..train.loss import _masked_mean_ce
 from .fleet import init_hybrid, mp_group, shard_model
 from .loss import vocab_parallel_cross_entropy
@@ -271,8 +275,6 @@ class Pipeline:
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         """Optimizer moments of all stages, whole, keyed like a single-process checkpoint."""
-        from ..train.checkpoint import _optimizer_tensors  # noqa: PLC0415 (one owner of the key mapping)
-
         shapes = {n: p.shape for n, p in model.named_parameters()}
         tensors, extra = _optimizer_tensors(model, optimizer, to_numpy=lambda t: t)
         whole = {k: self._whole(k.split("::", 1)[0], t, shapes[k.split("::", 1)[0]])
@@ -282,12 +284,7 @@ class Pipeline:
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
         """Every stage holds the whole model: load it all (this rank's blocks under mp); the
         stage's optimizer keeps the moments of its own parameters."""
-        import json
-        import os
-
         from safetensors.numpy import load_file
-
-        from ..train.checkpoint import OPTIMIZER, STATE, _load_optimizer, load_training_checkpoint, set_rng_state
 
         mp = self.cfg.parallel.mp_degree
         if mp == 1:

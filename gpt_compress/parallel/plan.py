@@ -24,13 +24,18 @@ shard's config given by ``rank_config``.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 from typing import Optional
 
 import numpy as np
 import paddle
 
+from ..checkpoint import WEIGHTS, check_state_dict, load_weights, verify_checksums
 from ..config import ConfigError, ModelConfig, ParallelConfig
+from ..train.checkpoint import OPTIMIZER, STATE, _optimizer_tensors, set_rng_state
+from .loss import vocab_parallel_lm_loss
 
 # Tensor-parallel plan: regex fully matching a ``named_sublayers()`` name of GPTForCausalLM -> split.
 #   "column": Linear weight (in, out) split on out (and its bias);  "row": split on in (bias kept whole)
@@ -190,8 +195,6 @@ class AutoParallel:
 
     def loss_fn(self, model, batch: dict) -> paddle.Tensor:
         """Mean next-token cross-entropy over the global micro-batch, replicated on every rank."""
-        from .loss import vocab_parallel_lm_loss
-
         mask = batch.get("loss_mask")
         loss = vocab_parallel_lm_loss(model, self.to_dist(batch["input_ids"]),
                                       self.to_dist(batch["labels"].astype(np.int64)),
@@ -213,20 +216,12 @@ class AutoParallel:
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         """Optimizer moments gathered to whole tensors, keyed like a single-process checkpoint."""
-        from ..train.checkpoint import _optimizer_tensors
-
         return _optimizer_tensors(model, optimizer, self.gather_numpy)
 
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
         """Resume: every rank reads the single-process-layout checkpoint and keeps its blocks of the
         weights and optimizer moments; scheduler, RNG and data position as in one process."""
-        import json
-        import os
-
         from safetensors.numpy import load_file
-
-        from ..checkpoint import WEIGHTS, check_state_dict, load_weights, verify_checksums
-        from ..train.checkpoint import OPTIMIZER, STATE, set_rng_state
 
         verify_checksums(path)
         weights = load_weights(path)
