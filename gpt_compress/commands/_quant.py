@@ -91,7 +91,8 @@ def finish(run: QuantRun, args, extra: Optional[dict] = None) -> int:
     model, report = run.model, run.report
     model.eval()
     path = save_quantized(model, os.path.join(run.cfg.global_.output_dir, "quantized"), tokenizer=run.tokenizer,
-                          extra={"source_checkpoint": os.path.abspath(run.src), **(extra or {})})
+                          extra={"source_checkpoint": os.path.abspath(run.src), **(extra or {})},
+                          overwrite=True)  # this run's own artifact in Global.output_dir
     report.update(quantized_checkpoint=path, layers={n: m.mode for n, m in quant_layers(model).items()})
     report["fake_quant"] = run.evaluator.model(model)
     report["fake_quant"].update(deltas(report["input"], report["fake_quant"]))
@@ -222,7 +223,7 @@ def export_and_report(qmodel, args, cfg, src: str, tokenizer, evaluator: Evaluat
     if args.format != "none":
         formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
         path = export_quantized(qmodel, os.path.join(out_dir, "int8"), formats, tokenizer=tokenizer,
-                                source=os.path.abspath(src), validate=not args.no_validate)
+                                source=os.path.abspath(src), validate=not args.no_validate, overwrite=True)
         with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
             manifest = json.load(f)
         report["int8_export"] = {"path": path, "validation": manifest["quant"].get("validation"),

@@ -257,7 +257,8 @@ def _scheme(table: list[dict]) -> dict:
 
 
 def export_quantized(qmodel, output: str, formats: Sequence[str] = ("paddle", "onnx"), tokenizer=None,
-                     source: str = "", validate: bool = True, opset: int = 17, atol: float = W8A8_ATOL) -> str:
+                     source: str = "", validate: bool = True, opset: int = 17, atol: float = W8A8_ATOL,
+                     overwrite: bool = False) -> str:
     """Export fake-quant ``qmodel`` (``qat.quantize``; W8A8 scales set) to model directory
     ``output`` (atomic). Weight-only layers with ``dynamic_inputs`` become MatMulNBits with
     ``accuracy_level=4`` (int8 compute), others ``0``. Returns the directory; the manifest's
@@ -303,7 +304,7 @@ def export_quantized(qmodel, output: str, formats: Sequence[str] = ("paddle", "o
             manifest["quant"] = info
             write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
 
-    return write_checkpoint_dir(output, write)
+    return write_checkpoint_dir(output, write, overwrite=overwrite)
 
 
 def validate_quantized_dir(path: str, ref, formats: Sequence[str], atol: float = W8A8_ATOL) -> dict:

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..checkpoint import CheckpointError, write_checkpoint_dir, write_json_atomic
+from ..checkpoint import CheckpointError, check_output, sha256_file, write_checkpoint_dir, write_json_atomic
 
 TP_FORMAT = "gpt-compress-tp-inference"
 TP_FORMAT_VERSION = 1
@@ -179,7 +179,12 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
            "pad_token_id": cfg.pad_token_id, "tokenizer": tok or None, "model": cfg.to_dict(),
            "source_checkpoint": os.path.abspath(checkpoint)}
     write_json_atomic(os.path.join(partial, MANIFEST), top)
+    # Top-level checksums mark the directory as ours (checkpoint.is_own_output) for --overwrite.
+    write_json_atomic(os.path.join(partial, "checksums.json"),
+                      {n: sha256_file(os.path.join(partial, n)) for n in sorted(os.listdir(partial))
+                       if os.path.isfile(os.path.join(partial, n))})
     if os.path.exists(output):
+        check_output(output, overwrite=True)  # partition() checked --overwrite; never a foreign directory
         shutil.rmtree(output)
     os.rename(partial, output)
     return output
@@ -200,7 +205,7 @@ def read_tp_manifest(path: str) -> dict:
 
 
 def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = True,
-              log_dir: Optional[str] = None, timeout: float = 1800) -> str:
+              log_dir: Optional[str] = None, timeout: float = 1800, overwrite: bool = False) -> str:
     """Export ``checkpoint`` into ``mp_degree`` tensor-parallel rank directories under ``output``
     by launching ``mp_degree`` processes with ``paddle.distributed.launch``."""
     from ..checkpoint import read_config
@@ -208,6 +213,7 @@ def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = Tru
     from ..parallel.launch import launch_command
     from ..parallel.plan import check_divisible
 
+    check_output(output, overwrite)
     cfg, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
         raise CheckpointError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models export")

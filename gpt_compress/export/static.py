@@ -28,7 +28,7 @@ import paddle
 import paddle.nn as nn
 from paddle.static import InputSpec
 
-from ..checkpoint import CheckpointError, load_model, read_config, write_checkpoint_dir, write_json_atomic
+from ..checkpoint import CheckpointError, check_output, load_model, read_config, write_checkpoint_dir, write_json_atomic
 from ..config import ModelConfig
 from ..inference.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAMS, SPLIT_PROGRAMS
 
@@ -300,12 +300,13 @@ def build_manifest(cfg: ModelConfig, files: dict[str, dict[str, dict[str, str]]]
 
 
 def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
-           opset: int = 17) -> str:
+           opset: int = 17, overwrite: bool = False) -> str:
     """Export checkpoint directory ``checkpoint`` to model directory ``output`` (written atomically:
     built in a temporary sibling, then renamed). ``formats``: "paddle" and/or "onnx"."""
     formats = [f for f in ("paddle", "onnx") if f in formats]
     if not formats:
         raise ExportError("choose at least one format: paddle, onnx")
+    check_output(output, overwrite)  # before the (slow) export: see checkpoint.check_output
     _, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
         raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models "
@@ -337,7 +338,7 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
         if validate:
             validate_dir(tmp, ref, formats)
 
-    return write_checkpoint_dir(output, write)
+    return write_checkpoint_dir(output, write, overwrite=overwrite)
 
 
 def validate_dir(path: str, ref, formats: Sequence[str]) -> dict[str, float]:
