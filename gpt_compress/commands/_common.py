@@ -94,6 +94,26 @@ def fail(message: str, code: int = 1) -> int:
     raise InputError(message)
 
 
+def check_text_file(path: str, flag: str) -> None:
+    """Refuse a text input given as ``flag``: missing, empty, or not UTF-8 text (checked on its
+    first MiB)."""
+    from ..errors import InputError
+
+    if not os.path.isfile(path):
+        raise InputError(f"{flag} {path}: file not found")
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+    if not head.strip():
+        raise InputError(f"{flag} {path} is empty")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a character cut at the 1 MiB boundary
+            raise InputError(f"{flag} {path} is not UTF-8 text (invalid byte at offset {e.start})") from None
+    if b"\x00" in head:
+        raise InputError(f"{flag} {path} is not UTF-8 text (it holds NUL bytes)")
+
+
 def lm_batches(cfg: Config, num_train_samples: int, model_configs=()):
     """(``train_batches(consumed)``, ``eval_batches()`` or None) over ``Data.data_prefix`` as
     `gptc pretrain` reads it: train/valid splits of ``Data.split``, ``Engine.micro_batch_size``
