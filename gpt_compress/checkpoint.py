@@ -6,181 +6,24 @@ Training state (optimizer, RNG, data position) is layered on top by ``train/chec
 """
 from __future__ import annotations
 
-from .errors import CheckpointError, OutputError  # noqa: F401  (re-exported)
+from .errors import CheckpointError  # noqa: F401  (re-exported)
 
-import hashlib
 import json
 import os
-import shutil
-import re
-import tempfile
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from .config import ConfigError, ModelConfig
+# Re-exported: older call sites write checkpoints and exports through these names.
+from .fileio import CHECKSUMS, sha256_file, write_json_atomic  # noqa: F401
+from .fileio import write_dir_atomic
+from .fileio import write_dir_atomic as write_checkpoint_dir  # noqa: F401
 
 FORMAT = "gpt-compress-checkpoint"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-CHECKSUMS = "checksums.json"
-
-
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _normal_mode(path: str, directory: bool) -> None:
-    """mkstemp/mkdtemp create 0600/0700: give the file or directory the mode the umask gives
-    anything else the user creates."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
-
-
-def write_json_atomic(path: str, obj) -> None:
-    """Write JSON to ``path`` through a temp file + rename."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _normal_mode(tmp, directory=False)
-    os.replace(tmp, path)
-
-
-def is_own_output(path: str) -> bool:
-    """True if directory ``path`` is one gpt-compress wrote and nobody added to: its
-    ``checksums.json`` lists every file in it (subdirectories must be such outputs too)."""
-    try:
-        with open(os.path.join(path, CHECKSUMS), encoding="utf-8") as f:
-            sums = json.load(f)
-        entries = list(os.scandir(path))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(sums, dict) or not all(isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
-                                             for v in sums.values()):
-        return False
-    for e in entries:
-        if e.name == CHECKSUMS:
-            continue
-        if e.is_symlink():
-            return False
-        if e.is_dir() and not is_own_output(e.path):
-            return False
-        if not e.is_dir() and e.name not in sums:
-            return False
-    return True
-
-
-def check_output(path: str, overwrite: bool = False, flag: str = "--output") -> None:
-    """Raise ``OutputError`` unless directory ``path`` may be written: it does not exist, is an
-    empty directory, or is a gpt-compress output (``is_own_output``) and ``overwrite`` is set.
-    Files, symlinks and foreign non-empty directories are never replaced."""
-    path = os.path.abspath(path)
-    if not os.path.lexists(path):
-        return
-    if os.path.islink(path) or not os.path.isdir(path):
-        raise OutputError(f"{flag} {path} is an existing file; refusing to replace it with a directory "
-                          "(choose a new directory name)")
-    cwd = os.path.abspath(os.getcwd())
-    if cwd == path or cwd.startswith(path.rstrip(os.sep) + os.sep):
-        raise OutputError(f"{flag} {path} is the current directory or contains it; choose a new directory name")
-    if not os.listdir(path):
-        return
-    if not is_own_output(path):
-        raise OutputError(f"{flag} {path} is a non-empty directory gpt-compress did not write (or files were "
-                          "added to it); refusing to replace it: choose a new or empty directory")
-    if not overwrite:
-        raise OutputError(f"{flag} {path} already holds a gpt-compress output; pass --overwrite to replace it")
-
-
-_TMP_RE = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?:(?P<pid>\d+)-)?[^/]*$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_temps(path: str, max_age: float = 3600.0) -> list[str]:
-    """Remove ``.NAME.tmp-*``/``.NAME.old-*`` siblings of ``path`` left by an interrupted write:
-    those naming a process that is gone, or (older layout without a pid) older than ``max_age`` s."""
-    parent, base = os.path.split(os.path.abspath(path))
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for n in names:
-        m = _TMP_RE.match(n)
-        if not m or m.group("name") != base:
-            continue
-        fp = os.path.join(parent, n)
-        pid = m.group("pid")
-        try:
-            stale = (not _pid_alive(int(pid))) if pid else time.time() - os.path.getmtime(fp) > max_age
-        except OSError:
-            continue
-        if stale and os.path.isdir(fp) and not os.path.islink(fp):
-            shutil.rmtree(fp, ignore_errors=True)
-            removed.append(fp)
-    return removed
-
-
-def write_checkpoint_dir(path: str, write_files: Callable[[str], None], overwrite: bool = False) -> str:
-    """Create directory ``path`` atomically: ``write_files(tmpdir)`` fills it, checksums are
-    added, then it is renamed into place. An existing ``path`` is replaced only if it is a
-    gpt-compress output and ``overwrite`` is set (``check_output``); otherwise ``OutputError``
-    is raised before anything is written."""
-    path = os.path.abspath(path)
-    check_output(path, overwrite)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    clean_stale_temps(path)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-", dir=parent)
-    _normal_mode(tmp, directory=True)
-    try:
-        write_files(tmp)
-        for root, dirs, files in os.walk(tmp):  # safetensors and mkstemp write 0600
-            for n in dirs:
-                _normal_mode(os.path.join(root, n), directory=True)
-            for n in files:
-                _normal_mode(os.path.join(root, n), directory=False)
-        sums = {name: sha256_file(os.path.join(tmp, name))
-                for name in sorted(os.listdir(tmp)) if os.path.isfile(os.path.join(tmp, name))}
-        write_json_atomic(os.path.join(tmp, CHECKSUMS), sums)
-        check_output(path, overwrite)  # again: something may have appeared there meanwhile
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-{os.getpid()}-", dir=parent)
-            os.rename(path, os.path.join(old, "x"))
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
 
 
 def verify_checksums(path: str) -> None:
@@ -230,7 +73,7 @@ def state_dict_numpy(model) -> dict[str, np.ndarray]:
 
 def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None, overwrite: bool = False) -> str:
     """Save weights + config (+ tokenizer files) to checkpoint directory ``path`` (an existing
-    one is replaced only with ``overwrite``: see ``check_output``)."""
+    one is replaced only with ``overwrite``: see ``fileio.check_output``)."""
     from safetensors.numpy import save_file
 
     head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
@@ -244,7 +87,7 @@ def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None, o
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    return write_checkpoint_dir(path, write, overwrite=overwrite)
+    return write_dir_atomic(path, write, overwrite=overwrite)
 
 
 def load_weights(path: str) -> dict[str, np.ndarray]:

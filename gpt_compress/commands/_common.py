@@ -10,6 +10,7 @@ import numpy as np
 
 from ..cli import add_config_arguments
 from ..config import Config, load_config
+from ..data.tokenizer import find_tokenizer  # noqa: F401  (re-exported for the commands)
 
 __all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
            "find_tokenizer", "print_json", "lm_batches", "add_overwrite_argument", "check_output_arg"]
@@ -40,17 +41,6 @@ def seed_everything(seed: int) -> None:
     paddle.seed(seed)
 
 
-def find_tokenizer(*dirs: str):
-    """The tokenizer stored in the first of ``dirs`` that has one, or None."""
-    from ..data.tokenizer import Tokenizer
-
-    for d in dirs:
-        if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, f))
-                                         for f in ("tokenizer.json", "vocab.json", "encoder.json")):
-            return Tokenizer.load(d)
-    return None
-
-
 def _finite(obj):
     """``obj`` with NaN/inf floats as None (JSON has no NaN)."""
     if isinstance(obj, float):
@@ -77,7 +67,7 @@ def add_overwrite_argument(parser) -> None:
 def check_output_arg(args, *inputs: str) -> None:
     """Refuse ``args.output`` before any work: it may not be one of ``inputs``, a file, a foreign
     directory, or an earlier output without --overwrite (``checkpoint.check_output``)."""
-    from ..checkpoint import check_output
+    from ..fileio import check_output
     from ..errors import OutputError
 
     out = os.path.abspath(args.output)

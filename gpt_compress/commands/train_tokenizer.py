@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train, save, and print a JSON summary."""
-    from ..checkpoint import check_output
+    from ..fileio import check_output
     from ..data.tokenizer import Tokenizer
 
     for p in args.input:
