@@ -240,7 +240,11 @@ def _nbytes(obj) -> int:
     if isinstance(obj, dict):
         return sum(_nbytes(o) for o in obj.values())
     shape = getattr(obj, "shape", None)
-    return int(np.prod(shape)) * 4 if shape is not None else 0
+    try:
+        shape = shape() if callable(shape) else shape  # onnxruntime's OrtValue.shape() is a method
+        return int(np.prod(shape)) * 4 if shape is not None else 0
+    except (TypeError, ValueError):
+        return 0  # a cache type we cannot size: the vocabulary term of the estimate still applies
 
 
 def memory_limit() -> int:
