@@ -553,8 +553,9 @@ def _build(cls, data: dict, where: str, origins: Optional[dict] = None):
     for key, value in data.items():
         at = f"-o {origins[key]}: {section}" if key in origins else where
         if key not in names:
-            raise ConfigError(f"unknown key {at}.{key}{_suggest(key, names)}; "
-                              f"valid keys: {', '.join(names)}")
+            where_key = f"-o {origins[key]}: unknown key {section}.{key}" if key in origins else \
+                f"unknown key {where}.{key}"
+            raise ConfigError(f"{where_key}{_suggest(key, names)}; valid keys: {', '.join(names)}")
         kwargs[key] = _coerce(hints[key], value, f"{at}.{key}")
     try:
         return cls(**kwargs)

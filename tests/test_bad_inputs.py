@@ -38,11 +38,18 @@ def gptc(*argv: str) -> tuple[int, str, str]:
     """Run `gptc argv` in this process: (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     code = 0
+    old = os.environ.get("GPTC_TUNE_CPU")
+    os.environ["GPTC_TUNE_CPU"] = "0"  # runtime.tune_cpu changes process-wide settings later tests see
     with redirect_stdout(out), redirect_stderr(err):
         try:
             main([str(a) for a in argv])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
+        finally:
+            if old is None:
+                del os.environ["GPTC_TUNE_CPU"]
+            else:
+                os.environ["GPTC_TUNE_CPU"] = old
     return code, out.getvalue(), err.getvalue()
 
 

@@ -247,7 +247,8 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
                 ckpt = save_training_checkpoint(out, step, model, optimizer, scheduler, consumed, run_config,
                                                 tokenizer, keep=eng.keep_checkpoint_max, parallel=parallel)
     except KeyboardInterrupt:
-        saved = (f"the last checkpoint is {ckpt}; continue with --resume auto (same config and output_dir)"
+        saved = (f"the last checkpoint is {ckpt}; continue with --resume auto (-o Engine.resume=auto; "
+                 "same config and output_dir)"
                  if ckpt else "no checkpoint was saved yet (Engine.save_steps sets how often)")
         raise Interrupted(f"interrupted at step {step} of {eng.max_steps}: {saved}") from None
     finally:
