@@ -11,6 +11,7 @@ from __future__ import annotations
 from .errors import ConfigError  # noqa: F401  (re-exported)
 
 import dataclasses
+import math
 import difflib
 import fnmatch
 import os
@@ -169,6 +170,12 @@ class DataConfig:
     tokenizer_dir: str = ""  # directory holding tokenizer files; "" uses the checkpoint's
     num_workers: int = 0  # DataLoader worker processes
 
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise ConfigError(f"Data.seq_length must be >= 1, got {self.seq_length}")
+        if len(self.split) != 3 or any(not (math.isfinite(x) and x >= 0) for x in self.split) or not sum(self.split):
+            raise ConfigError(f"Data.split must be three non-negative weights (train, valid, test), got {self.split}")
+
 
 @dataclass
 class LRConfig:
@@ -179,6 +186,18 @@ class LRConfig:
     min_lr: float = 3e-5
     warmup_rate: float = 0.01  # warmup steps = warmup_rate * decay_steps
     decay_steps: int = 0  # 0: Engine.max_steps
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"Optimizer.lr.decay_style must be cosine, linear or constant, got {self.decay_style!r}")
+        if not (math.isfinite(self.max_lr) and self.max_lr > 0):
+            raise ConfigError(f"Optimizer.lr.max_lr must be > 0, got {self.max_lr}")
+        if not (math.isfinite(self.min_lr) and self.min_lr >= 0):
+            raise ConfigError(f"Optimizer.lr.min_lr must be >= 0, got {self.min_lr}")
+        if not 0 <= self.warmup_rate <= 1:
+            raise ConfigError(f"Optimizer.lr.warmup_rate must be in [0, 1], got {self.warmup_rate}")
+        if self.decay_steps < 0:
+            raise ConfigError(f"Optimizer.lr.decay_steps must be >= 0 (0: Engine.max_steps), got {self.decay_steps}")
 
 
 @dataclass
@@ -213,6 +232,17 @@ class EngineConfig:
     max_loss_spike: float = 0.0  # stop if loss > spike * running mean; 0 disables (NaN always stops)
     to_static: bool = False  # run the transformer body as a static program (paddle.jit.to_static)
 
+    def __post_init__(self) -> None:
+        for key, low in (("max_steps", 1), ("global_batch_size", 1), ("micro_batch_size", 1), ("eval_freq", 0),
+                         ("eval_iters", 0), ("logging_freq", 0), ("save_steps", 0), ("keep_checkpoint_max", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"Engine.{key} must be >= {low}, got {getattr(self, key)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"Engine.global_batch_size {self.global_batch_size} is not a multiple of "
+                              f"Engine.micro_batch_size {self.micro_batch_size}")
+        if self.mix_precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"Engine.mix_precision must be fp32, bf16 or fp16, got {self.mix_precision!r}")
+
 
 @dataclass
 class GenerationConfig:
@@ -236,6 +266,20 @@ class GenerationConfig:
         if self.decode_strategy not in ("greedy", "sampling", "beam_search"):
             raise ConfigError("Generation.decode_strategy must be greedy, sampling or beam_search, "
                               f"got {self.decode_strategy!r}")
+        checks = [("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                  ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
+                   f"in [0, max_new_tokens={self.max_new_tokens}]"),
+                  ("temperature", math.isfinite(self.temperature) and self.temperature > 0,
+                   "> 0 (use decode_strategy=greedy for deterministic output)"),
+                  ("top_k", self.top_k >= 0, ">= 0 (0 disables)"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 disables; use greedy for top-1)"),
+                  ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                   "> 0 (1 disables)"),
+                  ("num_beams", self.num_beams >= 1, ">= 1"),
+                  ("length_penalty", math.isfinite(self.length_penalty), "a finite number")]
+        for key, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"Generation.{key} must be {rule}, got {getattr(self, key)}")
 
 
 @dataclass
@@ -586,20 +630,27 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def _build(cls, data: dict, where: str):
-    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys by name."""
+def _build(cls, data: dict, where: str, origins: Optional[dict] = None):
+    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys by name. ``origins``
+    maps keys set by `-o` to their override text, so an error blames the override, not the file."""
+    origins = origins or {}
+    source, _, section = where.rpartition(": ")
+    source = "" if source == "<defaults>" else source
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for key, value in data.items():
+        at = f"-o {origins[key]}: {section}" if key in origins else where
         if key not in names:
-            raise ConfigError(f"unknown key {where}.{key}{_suggest(key, names)}; "
-                              f"valid keys: {', '.join(names)}")
-        kwargs[key] = _coerce(hints[key], value, f"{where}.{key}")
+            where_key = f"-o {origins[key]}: unknown key {section}.{key}" if key in origins else \
+                f"unknown key {where}.{key}"
+            raise ConfigError(f"{where_key}{_suggest(key, names)}; valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, f"{at}.{key}")
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        blamed = [text for key, text in origins.items() if f"{section}.{key} " in f"{e} "]
+        raise ConfigError(f"-o {blamed[0]}: {e}" if blamed else f"{source}: {e}" if source else str(e)) from None
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -646,8 +697,10 @@ def load_yaml(path: str) -> dict:
 def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>") -> Config:
     """Apply ``overrides`` to raw YAML sections and build a checked ``Config``."""
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
+    origins: dict[str, dict[str, str]] = {}  # section -> key -> the override that set it
     for text in overrides:
         keys, value = _parse_override(text)
+        origins.setdefault(keys[0], {})[keys[1]] = text
         node = raw.setdefault(keys[0], {})
         for k in keys[1:-1]:
             node = node.setdefault(k, {})
@@ -657,6 +710,10 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
     kwargs = {}
     for section, body in raw.items():
         if section not in SECTIONS:
+            if section in origins:
+                text = next(iter(origins[section].values()))
+                raise ConfigError(f"-o {text}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
+                                  f"valid sections: {', '.join(SECTIONS)}")
             raise ConfigError(f"unknown section {section!r} in {source}{_suggest(section, SECTIONS)}; "
                               f"valid sections: {', '.join(SECTIONS)}")
         if body is None:
@@ -673,7 +730,7 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
                                       f"{_suggest(str(preset), PRESETS)}; choose one of {', '.join(PRESETS)}")
                 body = {**PRESETS[str(preset)], "name": str(preset), **body}
         cls = typing.get_type_hints(Config)[attr]
-        kwargs[attr] = _build(cls, body, f"{source}: {section}")
+        kwargs[attr] = _build(cls, body, f"{source}: {section}", origins.get(section))
     return Config(**kwargs)
 
 

@@ -38,7 +38,7 @@ import paddle.nn as nn
 from ..checkpoint import load_model, read_config
 from ..config import ParallelConfig
 from ..errors import ExportError
-from ..fileio import write_dir_atomic
+from ..fileio import check_output, write_checksums, write_dir_atomic
 from ..inference.manifest import (MANIFEST, TOKENIZER_FILES, build_manifest, build_tp_manifest, tp_rank_entries,
                                   write_manifest)
 from ..inference.tensor_parallel import TensorParallelBackend
@@ -98,16 +98,19 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
     for name in tok:
         shutil.copyfile(os.path.join(checkpoint, name), os.path.join(partial, name))
     write_manifest(partial, build_tp_manifest(cfg, mp, tok, os.path.abspath(checkpoint)))
+    write_checksums(partial)  # marks the directory as ours (fileio.is_own_output) for --overwrite
     if os.path.exists(output):
+        check_output(output, overwrite=True)  # partition() checked --overwrite; never a foreign directory
         shutil.rmtree(output)
     os.rename(partial, output)
     return output
 
 
 def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = True,
-              log_dir: Optional[str] = None, timeout: float = 1800) -> str:
+              log_dir: Optional[str] = None, timeout: float = 1800, overwrite: bool = False) -> str:
     """Export ``checkpoint`` into ``mp_degree`` tensor-parallel rank directories under ``output``
     by launching ``mp_degree`` processes with ``paddle.distributed.launch``."""
+    check_output(output, overwrite)
     cfg, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
         raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models export")

@@ -325,9 +325,10 @@ def quant_state(model) -> dict:
     return {"config": dataclasses.asdict(model.quant_config), "layers": layers}
 
 
-def save_quantized(model, path: str, tokenizer=None, extra: Optional[dict] = None) -> str:
+def save_quantized(model, path: str, tokenizer=None, extra: Optional[dict] = None, overwrite: bool = False) -> str:
     """A checkpoint directory of a fake-quant model (see above); returns its path."""
-    return save_model(model, path, tokenizer=tokenizer, extra={"quant": quant_state(model), **(extra or {})})
+    return save_model(model, path, tokenizer=tokenizer, extra={"quant": quant_state(model), **(extra or {})},
+                      overwrite=overwrite)
 
 
 def read_quant_state(path: str) -> Optional[dict]:

@@ -119,7 +119,7 @@ def save_training_checkpoint(output_dir: str, step: int, model, optimizer, sched
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    path = write_dir_atomic(os.path.join(root, f"step_{step:08d}"), write)
+    path = write_dir_atomic(os.path.join(root, f"step_{step:08d}"), write, overwrite=True)
     for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
