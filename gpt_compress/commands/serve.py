@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 
 from ._common import add_config_arguments, config_from_args
@@ -36,6 +37,20 @@ def add_arguments(parser) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $GPTC_API_KEY, see Serve.api_key_env)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (the process then dies of it);
+        a drained server exits 0 instead."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    return Server
 
 
 def run(args) -> int:
@@ -72,7 +87,7 @@ def run(args) -> int:
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
                             timeout_graceful_shutdown=cfg.grace_period, lifespan="on")
-    server.append(uvicorn.Server(config))
+    server.append(_server_class()(config))
     print(json.dumps({"event": "listening", "url": f"http://{cfg.host}:{port}", "port": port, "model": name,
                       "backend": cfg.backend, "max_batch": cfg.max_batch, "api_key": bool(api_key)}), flush=True)
     server[0].run(sockets=[sock])

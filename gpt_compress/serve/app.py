@@ -143,7 +143,7 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
                 gcfg = request_config(max_tokens, req.temperature, req.top_p, max(req.top_k, 0),
                                       req.repetition_penalty, seed, req.min_tokens)
                 index = i * req.n + j
-                reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop,
+                reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop or [],
                                     timeout=cfg.request_timeout))
         try:
             for r in reqs:
@@ -156,11 +156,12 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             raise ApiError(503, str(e)) from None
         echo = [engine.gen.tokenizer.decode(p) if req.echo and engine.tokenizer is not None else ""
                 for p in prompts for _ in range(req.n)]
+        prompt_tokens = sum(len(p) for p in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(reqs, events, echo, model_name, include_usage),
+            return StreamingResponse(_stream(reqs, events, echo, model_name, prompt_tokens if include_usage else None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, reqs, events, echo, model_name)
+        return await _collect(request, reqs, events, echo, model_name, prompt_tokens)
 
     return app
 
@@ -237,9 +238,11 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(reqs, events: asyncio.Queue, echo, model: str, include_usage: bool):
+async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: Optional[int]):
+    """Server-sent events: a chunk per token, one with each choice's finish_reason, the usage
+    when ``prompt_tokens`` is given (``stream_options.include_usage``), then ``[DONE]``."""
     cid = completion_id()
-    open_, prompt_tokens, completion_tokens = len(reqs), 0, 0
+    open_, completion_tokens = len(reqs), 0
     try:
         for index, text in enumerate(echo):
             if text:
@@ -252,7 +255,6 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, include_usage: 
                           "token_ids": [ev.token_id]}
             elif isinstance(ev, Finished):
                 open_ -= 1
-                prompt_tokens += ev.prompt_tokens
                 completion_tokens += ev.completion_tokens
                 choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason,
                           "token_ids": []}
@@ -262,18 +264,19 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, include_usage: 
                 break
             yield _sse(completion_body(cid, model, [choice], None))
         else:
-            if include_usage:
+            if prompt_tokens is not None:
                 yield _sse(completion_body(cid, model, [], usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         _cancel(reqs)  # client gone (or an error): the engine drops what is still running
 
 
-async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str):
+async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: int):
+    """The whole response once every choice has finished (or the first failure)."""
     texts = list(echo)
     token_ids: list[list[int]] = [[] for _ in reqs]
     reasons: list[Optional[str]] = [None] * len(reqs)
-    prompt_tokens = completion_tokens = 0
+    completion_tokens = 0
     open_ = len(reqs)
     try:
         while open_:
@@ -289,7 +292,6 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
             elif isinstance(ev, Finished):
                 texts[index] += ev.text
                 reasons[index] = ev.reason
-                prompt_tokens += ev.prompt_tokens
                 completion_tokens += ev.completion_tokens
                 open_ -= 1
             elif isinstance(ev, Failed):

@@ -66,6 +66,8 @@ class BatchDecoder:
     def __init__(self, backend, pad_token_id: int = 0):
         self.backend = backend
         self.pad_token_id = pad_token_id
+        # Paddle tensors must be touched on the backend's own worker thread (predictor.py).
+        self._on_backend = getattr(backend, "_call", lambda fn, *args: fn(*args))
         self.keys: list[Hashable] = []
         self._cache: Any = None
         self._mask: Optional[np.ndarray] = None  # (B, S) int64: 1 where a row has a real position
@@ -88,18 +90,22 @@ class BatchDecoder:
         if not self.keys:
             self._cache, self._mask = cache, mask
         else:
-            old, new = _to_arrays(self._cache), _to_arrays(cache)
-            old_mask = self._mask
-            used = np.flatnonzero(old_mask.any(axis=0))  # trim columns no row uses any more
-            first = int(used[0]) if used.size else old_mask.shape[1]
-            old, old_mask = [a[:, :, first:] for a in old], old_mask[:, first:]
-            width = max(old_mask.shape[1], mask.shape[1])
-            old, old_mask = _left_pad(old, old_mask, width)
-            new, mask = _left_pad(new, mask, width)
-            self._cache = _from_arrays([np.concatenate([a, b], axis=0) for a, b in zip(old, new)], cache)
-            self._mask = np.concatenate([old_mask, mask], axis=0)
+            self._cache, self._mask = self._on_backend(self._merge, cache, mask)
         self.keys.append(key)
         return logits[0]
+
+    def _merge(self, cache: Any, mask: np.ndarray) -> tuple[Any, np.ndarray]:
+        """The batch's cache and mask with one more row (``cache``, ``mask`` of one sequence)."""
+        old, new = _to_arrays(self._cache), _to_arrays(cache)
+        old_mask = self._mask
+        used = np.flatnonzero(old_mask.any(axis=0))  # trim columns no row uses any more
+        first = int(used[0]) if used.size else old_mask.shape[1]
+        old, old_mask = [a[:, :, first:] for a in old], old_mask[:, first:]
+        width = max(old_mask.shape[1], mask.shape[1])
+        old, old_mask = _left_pad(old, old_mask, width)
+        new, mask = _left_pad(new, mask, width)
+        merged = _from_arrays([np.concatenate([a, b], axis=0) for a, b in zip(old, new)], cache)
+        return merged, np.concatenate([old_mask, mask], axis=0)
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         """Decode one token for every row (``tokens[key]`` its last chosen token); returns each

@@ -60,7 +60,6 @@ class Finished:
 
     reason: str
     text: str  # text not yet sent in a Token event (the tail held back for stop strings)
-    prompt_tokens: int
     completion_tokens: int
 
 
@@ -261,15 +260,15 @@ class Engine:
         req.last_token_at = now
         if self.eos is not None and tok == self.eos:
             req.emit(Token(tok, ""))
-            self._finish(req, Finished("stop", self._rest(req, req.tokens[:-1]), len(req.prompt), len(req.tokens)))
+            self._finish(req, Finished("stop", self._rest(req, req.tokens[:-1]), len(req.tokens)))
             return True
         piece, stopped = self._text(req)
         req.emit(Token(tok, piece))
         if stopped:
-            self._finish(req, Finished("stop", "", len(req.prompt), len(req.tokens)))
+            self._finish(req, Finished("stop", "", len(req.tokens)))
             return True
         if len(req.tokens) >= req.cfg.max_new_tokens:
-            self._finish(req, Finished("length", self._rest(req, req.tokens), len(req.prompt), len(req.tokens)))
+            self._finish(req, Finished("length", self._rest(req, req.tokens), len(req.tokens)))
             return True
         return False
 
