@@ -7,15 +7,17 @@ skips masked keys and positions are ``cumsum(mask) - 1``, so a row padded with e
 its left (or anywhere) computes exactly what it computes alone, up to float rounding of the
 batched kernels.
 
-* ``add``: the new sequence is prefilled **alone** (batch 1, as ``Generator.generate`` does for
-  one prompt), then its cache is merged into the batch's: the shorter side is left-padded with
+* ``prefill`` + ``join`` (or ``add``, both at once): a new sequence is prefilled **alone**
+  (batch 1, as ``Generator.generate`` does for one prompt), then the caches of all sequences
+  joining at this step are merged into the batch's in one go: every part is left-padded with
   masked zeros to the common length and the rows are concatenated.
 * ``step``: one ``decode`` call for every row (each row's next token, the mask grown by one).
 * ``remove``: the rows are dropped (``reorder_cache`` with the kept rows) at once; masked columns
   that no row uses any more are trimmed away at the next merge.
 
 Merging goes through numpy (``_to_arrays``/``_from_arrays`` know each backend's cache type), so
-it costs a copy of the batch's cache per join; steps never copy it. A preallocated in-place
+it costs a few copies of the batch's cache per step at which sequences join; steps without a
+join never copy it here. A preallocated in-place
 cache with one slot per sequence (issue 15) can replace this class behind the same three
 methods.
 """
@@ -60,8 +62,8 @@ def _left_pad(arrays: list[np.ndarray], mask: np.ndarray, width: int) -> tuple[l
 
 
 class BatchDecoder:
-    """Rows keyed by caller-chosen keys; ``add`` -> first logits, ``step`` -> next logits,
-    ``remove`` drops rows. Not thread-safe: one engine loop owns it (and the backend)."""
+    """Rows keyed by caller-chosen keys; ``prefill``/``join`` (or ``add``) -> first logits,
+    ``step`` -> next logits, ``remove`` drops rows. Not thread-safe: one engine loop owns it (and the backend)."""
 
     def __init__(self, backend, pad_token_id: int = 0):
         self.backend = backend
@@ -80,32 +82,50 @@ class BatchDecoder:
         """S: cached positions of the batch (its longest row plus padding not yet trimmed)."""
         return 0 if self._mask is None else int(self._mask.shape[1])
 
-    def add(self, key: Hashable, prompt: list[int]) -> np.ndarray:
-        """Prefill ``prompt`` alone and join the batch as a new row; returns its logits (V,)."""
-        if key in self.keys:
-            raise ValueError(f"key {key!r} is already in the batch")
+    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, tuple]:
+        """Run ``prompt`` alone (batch 1, as ``Generator.generate`` does for one prompt);
+        returns its logits (V,) and the state ``join`` takes."""
         ids = np.asarray([prompt], dtype=np.int64)
         mask = np.ones_like(ids)
         logits, cache = self.backend.prefill(ids, mask)
-        if not self.keys:
-            self._cache, self._mask = cache, mask
-        else:
-            self._cache, self._mask = self._on_backend(self._merge, cache, mask)
-        self.keys.append(key)
-        return logits[0]
+        return logits[0], (cache, mask)
 
-    def _merge(self, cache: Any, mask: np.ndarray) -> tuple[Any, np.ndarray]:
-        """The batch's cache and mask with one more row (``cache``, ``mask`` of one sequence)."""
-        old, new = _to_arrays(self._cache), _to_arrays(cache)
-        old_mask = self._mask
-        used = np.flatnonzero(old_mask.any(axis=0))  # trim columns no row uses any more
-        first = int(used[0]) if used.size else old_mask.shape[1]
-        old, old_mask = [a[:, :, first:] for a in old], old_mask[:, first:]
-        width = max(old_mask.shape[1], mask.shape[1])
-        old, old_mask = _left_pad(old, old_mask, width)
-        new, mask = _left_pad(new, mask, width)
-        merged = _from_arrays([np.concatenate([a, b], axis=0) for a, b in zip(old, new)], cache)
-        return merged, np.concatenate([old_mask, mask], axis=0)
+    def join(self, entries: list[tuple[Hashable, tuple]]) -> None:
+        """Add prefilled sequences ``[(key, state from prefill), ...]`` as new rows, with one
+        merge of the caches for all of them."""
+        keys = [k for k, _ in entries]
+        if len(set(keys)) != len(keys) or set(keys) & set(self.keys):
+            raise ValueError(f"duplicate keys in {keys}")
+        if not entries:
+            return
+        states = [st for _, st in entries]
+        if not self.keys and len(states) == 1:
+            self._cache, self._mask = states[0]
+        else:
+            if self.keys:
+                states = [(self._cache, self._mask)] + states
+            self._cache, self._mask = self._on_backend(self._merge, states)
+        self.keys.extend(keys)
+
+    def add(self, key: Hashable, prompt: list[int]) -> np.ndarray:
+        """Prefill ``prompt`` alone and join the batch as a new row; returns its logits (V,)."""
+        logits, state = self.prefill(prompt)
+        self.join([(key, state)])
+        return logits
+
+    def _merge(self, states: list[tuple[Any, np.ndarray]]) -> tuple[Any, np.ndarray]:
+        """One cache and mask from several ``(cache, mask)``: columns no row uses are trimmed,
+        then every part is left-padded to the longest and the rows are concatenated."""
+        parts = []
+        for cache, mask in states:
+            arrays = _to_arrays(cache)
+            used = np.flatnonzero(mask.any(axis=0))
+            first = int(used[0]) if used.size else mask.shape[1]
+            parts.append(([a[:, :, first:] for a in arrays], mask[:, first:]))
+        width = max(m.shape[1] for _, m in parts)
+        parts = [_left_pad(a, m, width) for a, m in parts]
+        merged = [np.concatenate([p[0][i] for p in parts], axis=0) for i in range(len(parts[0][0]))]
+        return _from_arrays(merged, states[-1][0]), np.concatenate([m for _, m in parts], axis=0)
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         """Decode one token for every row (``tokens[key]`` its last chosen token); returns each

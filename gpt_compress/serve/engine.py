@@ -3,9 +3,9 @@
 Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 
 1. drops requests that were cancelled (client gone) or ran past their deadline,
-2. admits waiting requests while the batch has room: each is prefilled alone and joins the
-   running batch (``BatchDecoder.add``), its first token is chosen at once (time to first token
-   is one prefill plus the wait for the current step, not for the batch to drain),
+2. admits waiting requests while the batch has room: each is prefilled alone, then they join
+   the running batch together (``BatchDecoder.join``); their first tokens are chosen at once
+   (time to first token is the prefills plus the current step, not the batch draining),
 3. chooses every running request's next token from its logits with the decoding code of
    ``model/generation.py`` (``next_tokens``: greedy, sampling, top-k/top-p, repetition penalty;
    each request has its own seeded generator, so a seeded request samples what
@@ -224,17 +224,31 @@ class Engine:
             self._pending = keep
 
     def _admit(self) -> None:
-        while len(self._running) < self.max_batch:
+        """Prefill waiting requests (alone, one by one) while the batch has room, then join them
+        to the running batch together."""
+        joining: list[tuple[Request, tuple]] = []
+        while len(self._running) + len(joining) < self.max_batch:
             with self._cond:
                 if not self._pending:
-                    return
+                    break
                 req = self._pending.popleft()
             try:
-                req.logits = self.batch.add(req.id, req.prompt)
+                req.logits, state = self.batch.prefill(req.prompt)
             except Exception as e:
                 log.exception("prefill of request %d failed", req.id)
                 self._finish(req, Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
                 continue
+            joining.append((req, state))
+        if not joining:
+            return
+        try:
+            self.batch.join([(req.id, state) for req, state in joining])
+        except Exception as e:
+            log.exception("joining the batch failed")
+            for req, _ in joining:
+                self._finish(req, Failed(500, f"joining the batch failed: {type(e).__name__}: {e}"))
+            return
+        for req, _ in joining:
             req.rng = np.random.default_rng(req.cfg.seed)
             req.seen = np.zeros((1, req.logits.shape[-1]), dtype=bool)
             if req.cfg.repetition_penalty != 1.0:
