@@ -52,15 +52,6 @@ def _from_arrays(arrays: list[np.ndarray], like: Any) -> Any:
     return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
-def _left_pad(arrays: list[np.ndarray], mask: np.ndarray, width: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Pad cache arrays (axis 2) and mask (axis 1) on the left to ``width`` with masked zeros."""
-    extra = width - mask.shape[1]
-    if extra <= 0:
-        return arrays, mask
-    arrays = [np.concatenate([np.zeros(a.shape[:2] + (extra,) + a.shape[3:], a.dtype), a], axis=2) for a in arrays]
-    return arrays, np.concatenate([np.zeros((mask.shape[0], extra), mask.dtype), mask], axis=1)
-
-
 class BatchDecoder:
     """Rows keyed by caller-chosen keys; ``prefill``/``join`` (or ``add``) -> first logits,
     ``step`` -> next logits, ``remove`` drops rows. Not thread-safe: one engine loop owns it (and the backend)."""
@@ -115,17 +106,25 @@ class BatchDecoder:
 
     def _merge(self, states: list[tuple[Any, np.ndarray]]) -> tuple[Any, np.ndarray]:
         """One cache and mask from several ``(cache, mask)``: columns no row uses are trimmed,
-        then every part is left-padded to the longest and the rows are concatenated."""
+        every part is right-aligned (left-padded with masked zeros) to the longest; each part is
+        read once and written once into the merged arrays."""
         parts = []
         for cache, mask in states:
-            arrays = _to_arrays(cache)
             used = np.flatnonzero(mask.any(axis=0))
             first = int(used[0]) if used.size else mask.shape[1]
-            parts.append(([a[:, :, first:] for a in arrays], mask[:, first:]))
-        width = max(m.shape[1] for _, m in parts)
-        parts = [_left_pad(a, m, width) for a, m in parts]
-        merged = [np.concatenate([p[0][i] for p in parts], axis=0) for i in range(len(parts[0][0]))]
-        return _from_arrays(merged, states[-1][0]), np.concatenate([m for _, m in parts], axis=0)
+            parts.append((_to_arrays(cache), first, mask[:, first:]))
+        width = max(m.shape[1] for _, _, m in parts)
+        rows = sum(m.shape[0] for _, _, m in parts)
+        merged = [np.zeros((rows,) + a.shape[1:2] + (width,) + a.shape[3:], a.dtype) for a in parts[0][0]]
+        out_mask = np.zeros((rows, width), np.int64)
+        r = 0
+        for arrays, first, mask in parts:
+            b, w = mask.shape
+            for dst, src in zip(merged, arrays):
+                dst[r:r + b, :, width - w:] = src[:, :, first:]
+            out_mask[r:r + b, width - w:] = mask
+            r += b
+        return _from_arrays(merged, states[-1][0]), out_mask
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         """Decode one token for every row (``tokens[key]`` its last chosen token); returns each
