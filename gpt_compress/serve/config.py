@@ -18,6 +18,7 @@ class ServeConfig:
     model_name: str = ""  # the id /v1/models reports and requests may name; "": the directory's name
     max_batch: int = 16  # sequences decoded together (continuous batching); 1 serves one at a time
     max_queue: int = 64  # requests waiting for a batch slot; more get 429 with Retry-After
+    prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request)
     request_timeout: float = 300.0  # seconds a request may take (queued + generating); 0: no limit
     max_tokens_default: int = 16  # max_tokens of a request that gives none (as OpenAI)
     max_n: int = 8  # most choices (n) per prompt
@@ -29,7 +30,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("paddle", "onnx"):
             raise ConfigError(f"Serve.backend must be paddle or onnx, got {self.backend!r}")
-        for key in ("max_batch", "max_n", "max_tokens_default"):
+        for key in ("max_batch", "max_n", "max_tokens_default", "prefill_budget"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"Serve.{key} must be >= 1, got {getattr(self, key)}")
         if self.max_queue < 0:

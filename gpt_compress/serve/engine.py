@@ -3,9 +3,10 @@
 Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 
 1. drops requests that were cancelled (client gone) or ran past their deadline,
-2. admits waiting requests while the batch has room: each is prefilled alone, then they join
-   the running batch together (``BatchDecoder.join``); their first tokens are chosen at once
-   (time to first token is the prefills plus the current step, not the batch draining),
+2. admits waiting requests while the batch has room and the iteration's prompt tokens stay
+   within ``prefill_budget`` (so that running sequences are not stalled by a burst of
+   arrivals): each is prefilled alone, then they join the running batch together
+   (``BatchDecoder.join``); their first tokens are chosen at once,
 3. chooses every running request's next token from its logits with the decoding code of
    ``model/generation.py`` (``next_tokens``: greedy, sampling, top-k/top-p, repetition penalty;
    each request has its own seeded generator, so a seeded request samples what
@@ -96,7 +97,7 @@ class Engine:
     """Continuous batching over a ``Generator``'s backend (see the module docstring)."""
 
     def __init__(self, generator, max_batch: int = 16, max_queue: int = 64, metrics=None,
-                 step_delay: float = 0.0):
+                 step_delay: float = 0.0, prefill_budget: int = 256):
         self.gen = generator
         self.tokenizer = generator.tokenizer
         vocab = generator.vocab_size
@@ -107,6 +108,7 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics
         self.step_delay = step_delay
+        self.prefill_budget = prefill_budget
         self.batch = BatchDecoder(generator.backend, self.pad)
         self._pending: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
@@ -224,10 +226,12 @@ class Engine:
             self._pending = keep
 
     def _admit(self) -> None:
-        """Prefill waiting requests (alone, one by one) while the batch has room, then join them
-        to the running batch together."""
+        """Prefill waiting requests (alone, one by one) while the batch has room and this
+        iteration's prompt tokens stay within ``prefill_budget`` (at least one request is
+        admitted: the running sequences wait for these prefills), then join them together."""
         joining: list[tuple[Request, tuple]] = []
-        while len(self._running) + len(joining) < self.max_batch:
+        budget = self.prefill_budget
+        while len(self._running) + len(joining) < self.max_batch and (budget > 0 or not joining):
             with self._cond:
                 if not self._pending:
                     break
@@ -239,6 +243,7 @@ class Engine:
                 self._finish(req, Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
                 continue
             joining.append((req, state))
+            budget -= len(req.prompt)
         if not joining:
             return
         try:
