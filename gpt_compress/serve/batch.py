@@ -56,9 +56,8 @@ class BatchDecoder:
     """Rows keyed by caller-chosen keys; ``prefill``/``join`` (or ``add``) -> first logits,
     ``step`` -> next logits, ``remove`` drops rows. Not thread-safe: one engine loop owns it (and the backend)."""
 
-    def __init__(self, backend, pad_token_id: int = 0):
+    def __init__(self, backend):
         self.backend = backend
-        self.pad_token_id = pad_token_id
         # Paddle tensors must be touched on the backend's own worker thread (predictor.py).
         self._on_backend = getattr(backend, "_call", lambda fn, *args: fn(*args))
         self.keys: list[Hashable] = []

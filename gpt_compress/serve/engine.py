@@ -103,13 +103,11 @@ class Engine:
         vocab = generator.vocab_size
         eos = generator.eos_token_id
         self.eos = eos if eos is not None and 0 <= eos < vocab else None  # as Generator._prepare
-        pad = generator.pad_token_id
-        self.pad = pad if 0 <= pad < vocab else (self.eos if self.eos is not None else 0)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics
         self.step_delay = step_delay
         self.prefill_budget = prefill_budget
-        self.batch = BatchDecoder(generator.backend, self.pad)
+        self.batch = BatchDecoder(generator.backend)
         self._pending: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._cond = threading.Condition()
