@@ -90,9 +90,11 @@ def slow(export_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gen(export_dir):
+    """The server's backend as `gptc serve` configures it, in this process."""
+    from gpt_compress.commands.serve import _paddle_serving_options
     from gpt_compress.inference.runner import Generator
 
-    return Generator.from_dir(export_dir, backend="paddle")
+    return Generator.from_dir(export_dir, backend="paddle", **_paddle_serving_options(None))
 
 
 def _complete(url, headers=None, **body):

@@ -19,6 +19,7 @@ class ServeConfig:
     max_batch: int = 16  # sequences decoded together (continuous batching); 1 serves one at a time
     max_queue: int = 64  # requests waiting for a batch slot; more get 429 with Retry-After
     prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request)
+    admit_wait_steps: int = 4  # decode steps a lone arrival may wait for others to join a large batch with it
     request_timeout: float = 300.0  # seconds a request may take (queued + generating); 0: no limit
     max_tokens_default: int = 16  # max_tokens of a request that gives none (as OpenAI)
     max_n: int = 8  # most choices (n) per prompt
@@ -33,8 +34,9 @@ class ServeConfig:
         for key in ("max_batch", "max_n", "max_tokens_default", "prefill_budget"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"Serve.{key} must be >= 1, got {getattr(self, key)}")
-        if self.max_queue < 0:
-            raise ConfigError(f"Serve.max_queue must be >= 0, got {self.max_queue}")
+        for key in ("max_queue", "admit_wait_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"Serve.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"Serve.port must be in [0, 65535], got {self.port}")
         for key in ("request_timeout", "grace_period", "step_delay"):

@@ -6,7 +6,9 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 2. admits waiting requests while the batch has room and the iteration's prompt tokens stay
    within ``prefill_budget`` (so that running sequences are not stalled by a burst of
    arrivals): each is prefilled alone, then they join the running batch together
-   (``BatchDecoder.join``); their first tokens are chosen at once,
+   (``BatchDecoder.join``); their first tokens are chosen at once. While a large batch runs,
+   a lone arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the
+   running count is waiting), because every join copies the batch's cache,
 3. chooses every running request's next token from its logits with the decoding code of
    ``model/generation.py`` (``next_tokens``: greedy, sampling, top-k/top-p, repetition penalty;
    each request has its own seeded generator, so a seeded request samples what
@@ -85,6 +87,7 @@ class Request:
     # engine state
     id: int = 0
     submitted: float = 0.0
+    submitted_step: int = 0  # the engine's decode step count at submission
     tokens: list[int] = field(default_factory=list)
     logits: Optional[np.ndarray] = None
     seen: Optional[np.ndarray] = None
@@ -97,7 +100,7 @@ class Engine:
     """Continuous batching over a ``Generator``'s backend (see the module docstring)."""
 
     def __init__(self, generator, max_batch: int = 16, max_queue: int = 64, metrics=None,
-                 step_delay: float = 0.0, prefill_budget: int = 256):
+                 step_delay: float = 0.0, prefill_budget: int = 256, admit_wait_steps: int = 4):
         self.gen = generator
         self.tokenizer = generator.tokenizer
         vocab = generator.vocab_size
@@ -107,6 +110,7 @@ class Engine:
         self.metrics = metrics
         self.step_delay = step_delay
         self.prefill_budget = prefill_budget
+        self.admit_wait_steps = admit_wait_steps
         self.batch = BatchDecoder(generator.backend)
         self._pending: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
@@ -136,7 +140,7 @@ class Engine:
             free = self.max_batch - len(self._running)
             if len(self._pending) >= self.max_queue + max(free, 0):
                 raise QueueFull(f"{len(self._pending)} requests are waiting (Serve.max_queue={self.max_queue})")
-            req.id, req.submitted = next(self._ids), time.monotonic()
+            req.id, req.submitted, req.submitted_step = next(self._ids), time.monotonic(), self.steps
             self._pending.append(req)
             self._cond.notify_all()
         self._gauges()
@@ -227,6 +231,10 @@ class Engine:
         """Prefill waiting requests (alone, one by one) while the batch has room and this
         iteration's prompt tokens stay within ``prefill_budget`` (at least one request is
         admitted: the running sequences wait for these prefills), then join them together."""
+        with self._cond:
+            if (self._running and self._pending and len(self._pending) < max(1, len(self._running) // 4)
+                    and self.steps - self._pending[0].submitted_step < self.admit_wait_steps):
+                return  # a join copies the batch's cache: let a few arrivals gather (a few steps at most)
         joining: list[tuple[Request, tuple]] = []
         budget = self.prefill_budget
         while len(self._running) + len(joining) < self.max_batch and (budget > 0 or not joining):
