@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..errors import GptcError
+from ..errors import ConfigError, GptcError
 from .config import ServeConfig
 from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
 from .metrics import Metrics
@@ -141,8 +141,11 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
         for i, ids in enumerate(prompts):
             for j in range(req.n):
                 seed = None if req.seed is None else req.seed + j
-                gcfg = request_config(max_tokens, req.temperature, req.top_p, max(req.top_k, 0),
-                                      req.repetition_penalty, seed, req.min_tokens)
+                try:
+                    gcfg = request_config(max_tokens, req.temperature, req.top_p, max(req.top_k, 0),
+                                          req.repetition_penalty, seed, req.min_tokens)
+                except ConfigError as e:  # what the field constraints let through (e.g. infinity)
+                    raise ApiError(400, str(e)) from None
                 index = i * req.n + j
                 reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop or [],
                                     timeout=cfg.request_timeout))
