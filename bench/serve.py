@@ -16,7 +16,8 @@ p50/p99 time to first token (request sent -> first token received; requests that
 token before the level ended are counted in ``unserved``, not in the percentiles) and
 inter-token latency (gaps between a request's tokens), errors (non-200 answers, error events,
 transport errors). The soak runs ``--soak-clients`` clients for ``--soak`` seconds against the
-batched server and reports the server's RSS (``/proc/PID/status``) after warm-up and at the end.
+batched server after ``--soak-warmup`` seconds of the same load, and reports the server's RSS
+(``/proc/PID/status``) then, every 60 s and at the end.
 
 The model is a random-init ``--preset`` exported like bench/decode.py does (``prepare``).
 """
@@ -145,6 +146,21 @@ async def run_level(url: str, clients: int, seconds: float, vocab: int, seed: in
     return stats
 
 
+async def soak(url: str, pid: int, clients: int, seconds: float, vocab: int) -> tuple[Stats, list[float]]:
+    """``run_level`` for ``seconds``, sampling the server's RSS every 60 s."""
+    samples: list[float] = []
+
+    async def sample():
+        while True:
+            await asyncio.sleep(60)
+            samples.append(round(rss_mb(pid), 1))
+
+    sampler = asyncio.create_task(sample())
+    stats = await run_level(url, clients, seconds, vocab, seed=7)
+    sampler.cancel()
+    return stats, samples
+
+
 def wait_idle(url: str, timeout: float = 120) -> None:
     """Until the server has no running or waiting sequence (cancelled streams have left)."""
     end = time.monotonic() + timeout
@@ -179,6 +195,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=20.0, help="seconds per level and server")
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds against the batched server (0: none)")
     p.add_argument("--soak-clients", type=int, default=8)
+    p.add_argument("--soak-warmup", type=float, default=60.0, help="seconds of soak load before the first RSS")
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     a = p.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
@@ -203,13 +220,16 @@ def main() -> None:
                 print(json.dumps({"server": name, "clients": entry["clients"], **entry[name]}), file=sys.stderr)
                 wait_idle(url)
             if name == "batched" and a.soak > 0:
+                asyncio.run(run_level(url, a.soak_clients, a.soak_warmup, vocab, seed=6))  # to a steady state
+                wait_idle(url)
                 rss0 = rss_mb(proc.pid)
-                stats = asyncio.run(run_level(url, a.soak_clients, a.soak, vocab, seed=7))
+                stats, samples = asyncio.run(soak(url, proc.pid, a.soak_clients, a.soak, vocab))
                 wait_idle(url)
                 rss1 = rss_mb(proc.pid)
-                results["soak"] = {"seconds": a.soak, "clients": a.soak_clients, **stats.summary(a.soak),
-                                   "rss_start_mb": round(rss0, 1), "rss_end_mb": round(rss1, 1),
-                                   "rss_growth_pct": round(100 * (rss1 - rss0) / rss0, 2)}
+                results["soak"] = {"seconds": a.soak, "clients": a.soak_clients, "warmup_s": a.soak_warmup,
+                                   **stats.summary(a.soak), "rss_start_mb": round(rss0, 1),
+                                   "rss_end_mb": round(rss1, 1), "rss_growth_pct": round(100 * (rss1 - rss0) / rss0, 2),
+                                   "rss_every_60s_mb": samples}
         finally:
             proc.terminate()
             proc.wait(60)
