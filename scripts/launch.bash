@@ -18,7 +18,7 @@ case " $* " in *" --help "*|*" -h "*) exec "$PYTHON" -m gpt_compress pretrain --
 launch_pretrain() {
     local config=$1 launcher=()
     shift
-    [ -f "$config" ] || config="$CONFIGS/$config"
+    [ -f "$config" ] || config="$CONFIGS/${config#configs/}"
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do launcher+=("$1"); shift; done
     [ $# -gt 0 ] && shift
     exec "$PYTHON" -m paddle.distributed.launch "${launcher[@]}" "$GPTC" pretrain -c "$config" "$@"
