@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quant-sensitivity": ("quant_sensitivity", "rank layers by their quantization loss; write a skip list"),
     "export": ("export", "export a checkpoint to a static inference model (Paddle Inference / ONNX)"),
     "infer": ("infer", "generate with an exported model (Paddle Inference, onnxruntime or dygraph)"),
+    "serve": ("serve", "serve an exported model over an OpenAI-compatible HTTP API (continuous batching)"),
     "partition": ("partition", "export a checkpoint as tensor-parallel rank programs (mp_degree directories)"),
     "infer-tp": ("infer_tp", "generate with a tensor-parallel export, one process per rank"),
     "prune": ("prune", "remove the least important attention heads and FFN channels (smaller checkpoint)"),

@@ -559,6 +559,10 @@ def _matches(name: str, globs: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
+# The Serve section is defined beside the server (gpt_compress/serve/); pure Python, no FastAPI.
+from .serve.config import ServeConfig  # noqa: E402
+
+
 @dataclass
 class Config:
     """The whole configuration of a run: one dataclass per YAML section."""
@@ -574,6 +578,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict:
         """Sections keyed by their YAML names."""
@@ -593,6 +598,7 @@ SECTIONS: dict[str, str] = {
     "Parallel": "parallel",
     "Quant": "quant",
     "Pipeline": "pipeline",
+    "Serve": "serve",
 }
 
 

@@ -126,6 +126,18 @@ def _processed(logits, seen, step, cfg, eos):
     return scores
 
 
+def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: GenerationConfig,
+                eos_token_id: Optional[int], rng: np.random.Generator) -> np.ndarray:
+    """The token (B,) chosen from each row of ``logits`` (B, V) at generation step ``step``
+    (greedy or sampling, after the logits processors); ``seen`` (B, V) marks tokens already in
+    each row (repetition penalty). Sampling draws one number per row from ``rng``."""
+    scores = _processed(logits, seen, step, cfg, eos_token_id)
+    if cfg.decode_strategy == "greedy":
+        return np.argmax(scores, axis=-1)
+    scores = apply_top_p(apply_top_k(scores / cfg.temperature, cfg.top_k), cfg.top_p)
+    return _sample(_softmax(scores), rng)
+
+
 def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                   eos_token_id: Optional[int], pad_token_id: int) -> Iterator[np.ndarray]:
     """Greedy or sampling decode; yields the new token of every row at each step (B,).
@@ -143,12 +155,7 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
     for step in range(cfg.max_new_tokens):
-        scores = _processed(logits, seen, step, cfg, eos_token_id)
-        if cfg.decode_strategy == "greedy":
-            nxt = np.argmax(scores, axis=-1)
-        else:
-            scores = apply_top_p(apply_top_k(scores / cfg.temperature, cfg.top_k), cfg.top_p)
-            nxt = _sample(_softmax(scores), rng)
+        nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng)
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
         seen[np.arange(batch), nxt] |= unfinished
         yield nxt
