@@ -325,6 +325,46 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     assert abs(gap) * 100 < (PPL_MARGIN_PCT if bits == 8 else 15.0), gap
 
 
+def test_w8a8_qdq_matmul_is_exact():
+    """One rewritten W8A8 MatMul in onnxruntime (fused into MatMulIntegerToFloat) equals the
+    fake-quant math to float32 rounding, on inputs where the u8s8 kernel of x86 CPUs without
+    VNNI saturates (pairs of 255 x 127 overflow its int16 sums; int8 weights gave 1e2 here)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from gpt_compress.config import W8A8
+    from gpt_compress.export.int8 import rewrite_onnx
+
+    rng = np.random.default_rng(0)
+    k, n, sx = 64, 16, 0.02
+    codes = np.tile(np.where(np.arange(n) % 2, -127, 127), (k, 1)).astype(np.int8)
+    codes[:, 1] = rng.integers(-127, 128, k)
+    scale = ((rng.random(n) + 0.5) / 127).astype(np.float32)
+    w = (codes * scale).astype(np.float32)
+    x = np.full((4, k), 127 * sx, np.float32)  # input code 255: every pair saturates without the fix
+    x[1] = -128 * sx
+    x[2:] = rng.standard_normal((2, k)) * 2
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, n])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    entry = {"name": "fc", "kind": "linear", "mode": W8A8, "bits": 8, "block": None, "weight": w,
+             "codes": codes, "scale": scale.reshape(1, n), "act_scale": sx, "act_bits": 8,
+             "dynamic_inputs": False}
+    assert rewrite_onnx(model, [entry]) == {"QDQ MatMul": 1}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x})[0]
+    xq = np.clip(np.round(x.astype(np.float64) / np.float32(sx)), -128, 127)
+    ref = (xq @ codes.astype(np.float64)) * np.float32(sx) * scale
+    assert np.abs(ref).max() > 100
+    assert np.max(np.abs(got - ref)) < 1e-5 * np.abs(ref).max(), np.max(np.abs(got - ref))
+
+
 # --------------------------------------------------------------------------------------
 # 5. Checkpoints and config
 # --------------------------------------------------------------------------------------

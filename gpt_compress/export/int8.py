@@ -13,8 +13,10 @@ unchanged; the manifest adds ``weight_dtype`` and a ``quant`` entry.
   through the normal ONNX export; then every quantized weight is found in each graph *by its
   exact bytes* and rewritten:
 
-  - W8A8 ``MatMul(x, W)`` -> ``MatMul(DQ(Q(x, s_x, 128)), DQ(W_int8, s_w, axis=1))``: the QDQ form
-    onnxruntime fuses into integer kernels (uint8 activations, int8 per-channel weights);
+  - W8A8 ``MatMul(x, W)`` -> ``MatMul(DQ(Q(x, s_x, 128)), DQ(W_code + 128, s_w, 128, axis=1))``:
+    the QDQ form onnxruntime fuses into integer kernels (uint8 activations, per-channel weights
+    stored as uint8 with zero point 128 so the u8u8 kernel runs: exact on AVX2 without VNNI,
+    where the u8s8 one saturates; see ``W8A8_WEIGHT_ZERO_POINT``);
   - weight-only ``MatMul(x, W)`` (block Linears, the LM head) -> ``com.microsoft.MatMulNBits``
     (4 or 8 bits, blocks along K), the decode-path kernel that reads 1/4 (1/8) of the bytes;
   - the tied embedding lookup ``Gather(W^T, ids, axis=1)`` -> ``com.microsoft.GatherBlockQuantized``
@@ -45,6 +47,14 @@ from .onnx import convert_programs, externalize
 from .static import ExportableLM, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
+# W8A8 weights are stored as uint8 with zero point 128, so onnxruntime runs its u8u8 integer GEMM.
+# Its u8s8 GEMM (int8 weights) is inexact on x86 CPUs without VNNI (AVX2-only, e.g. AMD EPYC Zen 2/3,
+# or AVX-512 without VNNI): vpmaddubsw adds pairs of u8*s8 products into int16 with saturation, so a
+# pair above 32767 (255 * 127 * 2 = 64770 is possible) is clipped -- logits off by 0.2-0.3 where the
+# fake-quant math agrees to 1e-5. u8u8 widens both operands to int16 before vpmaddwd (int32 sums):
+# exact on every x86 kernel (AVX2, AVX-512, VNNI) and on ARM. Same codes, same numbers; measured in
+# tests/test_quant.py::test_w8a8_qdq_matmul_is_exact. The price: on VNNI CPUs u8s8 would be faster.
+W8A8_WEIGHT_ZERO_POINT = 128
 W8A8_ATOL = 2e-3  # fake-quant dygraph vs int8 backends, x max(1, max |logit|): see tests/test_quant.py
 VALIDATION_HINT = ("An int8 model may legitimately differ where an input lands on a rounding boundary and "
                    "float32 summation order (which differs between runtimes) tips it to the other code; an "
@@ -135,9 +145,10 @@ class _Rewriter:
         n = e["codes"].shape[1]
         sx = self._const(p + "x_scale", np.asarray(e["act_scale"], np.float32))
         zx = self._const(p + "x_zero_point", np.asarray(128, np.uint8))
-        wq = self._const(p + "weight_int8", e["codes"].astype(np.int8))
+        # uint8 weights (code + 128, zero point 128), not int8: see W8A8_WEIGHT_ZERO_POINT.
+        wq = self._const(p + "weight_uint8", (e["codes"].astype(np.int16) + W8A8_WEIGHT_ZERO_POINT).astype(np.uint8))
         sw = self._const(p + "weight_scale", e["scale"].reshape(n).astype(np.float32))
-        zw = self._const(p + "weight_zero_point", np.zeros(n, np.int8))
+        zw = self._const(p + "weight_zero_point", np.full(n, W8A8_WEIGHT_ZERO_POINT, np.uint8))
         self.ops["QDQ MatMul"] += 1
         return [helper.make_node("QuantizeLinear", [node.input[0], sx, zx], [p + "x_q"]),
                 helper.make_node("DequantizeLinear", [p + "x_q", sx, zx], [p + "x_dq"]),
@@ -267,7 +278,8 @@ def quant_info(table: list[dict], source: str) -> dict:
     info.update(source_checkpoint=source,
                 paddle="int8 weight buffers + float32 scales dequantized in the graph (float32 compute); "
                        "W8A8 inputs fake-quantized with round/clip",
-                onnx="W8A8: QuantizeLinear/DequantizeLinear (uint8 inputs, int8 per-channel weights) around MatMul; "
+                onnx="W8A8: QuantizeLinear/DequantizeLinear (uint8 inputs, per-channel weights as uint8 codes + 128) "
+                     "around MatMul; "
                      "weight-only: com.microsoft MatMulNBits and GatherBlockQuantized")
     bits = info["weight_bits"]
     return {"weight_dtype": f"int{bits}" if isinstance(bits, int) else "int" + "/int".join(map(str, bits)),
