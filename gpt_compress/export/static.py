@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..errors import ExportError  # noqa: F401  (re-exported)
 
+import gc
 import hashlib
 import os
 import shutil
@@ -241,9 +242,14 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     """Compare a runner's prefill/decode/score with dygraph ``ref``; raise ``ExportError`` beyond
     ``atol`` (relative to the logits' magnitude). Returns the max abs diff."""
     ids, mask, full, nxt, step = ref
+    # One program's runtime at a time: each predictor/session holds its own copy of the weights.
+    release = getattr(backend, "release", lambda: None)
     logits, cache = backend.prefill(ids, mask)
+    release()
     got = [(logits, full[:, -1]), (backend.score(ids, mask), full)]
+    release()
     logits, _ = backend.decode(nxt, np.concatenate([mask, np.ones_like(nxt)], 1), cache)
+    release()
     got.append((logits, step))
     # Padded query rows attend to nothing real; their logits are meaningless, compare real rows.
     diffs = [float(np.max(np.abs(np.where(mask[..., None] > 0, a - b, 0) if a.ndim == 3 else a - b)))
@@ -316,10 +322,13 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     tokenizer_src = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
 
     def write(tmp: str) -> None:
+        nonlocal model
         files = {}
         # ONNX is converted from the Paddle programs; without --format paddle they live in scratch.
         pdir = tmp if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=tmp)
         files["paddle"] = save_paddle_programs(model, pdir, split_decode="paddle" in formats)
+        model = None  # the parameters are on disk now: free the dygraph copy before converting
+        gc.collect()
         if "onnx" in formats:
             from .onnx import convert_programs
 
@@ -351,5 +360,8 @@ def validate_dir(path: str, ref, formats: Sequence[str]) -> dict[str, float]:
             from ..inference.predictor import PaddleBackend as Backend
         else:
             from ..inference.ort import OrtBackend as Backend
-        out[fmt] = validate_backend(Backend(manifest, verify=False), ref, f"{path} ({fmt})")
+        backend = Backend(manifest, verify=False)
+        out[fmt] = validate_backend(backend, ref, f"{path} ({fmt})")
+        del backend  # one runtime at a time
+        gc.collect()
     return out
