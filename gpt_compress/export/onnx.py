@@ -1,5 +1,8 @@
 """Paddle programs -> ONNX (paddle2onnx, opset 17), weights stored once for all programs.
 
+A leaf of the exporter: ``convert_programs`` turns the programs ``export/static.py`` saved into
+``.onnx`` files plus one data file; ``export/api.py`` (float) and ``export/int8.py`` call it.
+
 paddle2onnx is called *without* a ``save_file``: it then returns the model bytes and skips its
 post-export optimizer. Its default optimizer path (``optimize_tool="polygraphy"``) sets
 ``POLYGRAPHY_AUTOINSTALL_DEPS=1``, which pip-installs packages at run time (it once upgraded
@@ -34,6 +37,7 @@ import os
 import sys
 from typing import Callable, Optional
 
+from ..errors import ExportError
 from ..inference.manifest import PROGRAMS
 
 DATA_FILE = "model.onnx.data"
@@ -46,8 +50,6 @@ def _onnx():
         import onnx
         import paddle2onnx
     except ImportError as e:
-        from .static import ExportError
-
         raise ExportError(f"ONNX export needs paddle2onnx and onnx ({e}); "
                           "install them with `pip install -e .[onnx]`") from None
     return onnx, paddle2onnx
@@ -73,8 +75,6 @@ def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17, external_
     beyond paddle2onnx's own C++ passes). ``external_file``: where paddle2onnx writes the weights
     when the model is past 2 GB (then its tensors are external, see ``tensor_bytes``)."""
     onnx, paddle2onnx = _onnx()
-    from .static import ExportError
-
     try:
         with _stdout_to_stderr():
             raw = paddle2onnx.export(model_file, params_file, save_file=None, opset_version=opset,
@@ -213,8 +213,6 @@ def rename_io(model, io: dict) -> None:
     rename = {}
     for values, specs in ((graph.input, io["inputs"]), (graph.output, io["outputs"])):
         if len(values) != len(specs):
-            from .static import ExportError
-
             raise ExportError(f"ONNX graph has {len(values)} {'inputs' if values is graph.input else 'outputs'}, "
                               f"the manifest expects {len(specs)}")
         for value, spec in zip(values, specs):
@@ -352,16 +350,14 @@ def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict
                      tanh_gelu: bool = False, transform: Optional[Callable] = None) -> dict:
     """Convert the exported Paddle programs in ``paddle_dir`` to ``{name}.onnx`` files plus one
     shared ``model.onnx.data`` in ``out_dir``, one program at a time (its weights streamed into
-    the data file before the next is converted); ``io`` is ``static.io_spec(cfg)``; ``tanh_gelu``:
-    the model uses ``gelu_new`` (see ``fix_tanh_gelu``); ``transform(name, model, base_dir)``
-    rewrites each converted graph before it is written (the int8 export).
+    the data file before the next is converted); ``io`` is ``inference.manifest.io_spec(cfg)``;
+    ``tanh_gelu``: the model uses ``gelu_new`` (see ``fix_tanh_gelu``); ``transform(name, model,
+    base_dir)`` rewrites each converted graph before it is written (the int8 export).
     Returns ``{program: {"model": file, "data": shared data file}}``."""
     import shutil
     import tempfile
 
     onnx, _ = _onnx()
-    from .static import ExportError
-
     data = DataFile(out_dir)
     out = {}
     try:
