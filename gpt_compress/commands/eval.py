@@ -34,6 +34,11 @@ def run(args) -> int:
     from ..inference.manifest import MANIFEST
     from ..inference.runner import Generator
 
+    from ..memory import check_fits, model_config_of
+
+    sized = model_config_of(args.model)
+    if sized is not None:
+        check_fits("eval", sized, batch=args.batch_size, seq=args.seq_len or None, what=args.model)
     backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, MANIFEST)) else "dygraph")
     gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
     if gen.tokenizer is None:

@@ -21,7 +21,11 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..export import export
+    from ..memory import check_fits, model_config_of
 
+    model = model_config_of(args.model)
+    if model is not None:
+        check_fits("export", model, what=args.model)
     formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
     t0 = time.perf_counter()
     path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset)
