@@ -93,8 +93,23 @@ def _read_int(path: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+def _stat(path: str) -> dict[str, int]:
+    out = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if value.strip().isdigit():
+                    out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
 def _cgroup_room() -> Optional[int]:
-    """Limit minus usage of this process's memory cgroup (v2 or v1), None without a limit."""
+    """Limit minus the memory in use in this process's memory cgroup (v2 or v1), None without a
+    limit. In use: anonymous memory plus mapped files; the page cache of files written earlier is
+    charged to the cgroup too but is reclaimed under pressure, so it does not count."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -105,14 +120,18 @@ def _cgroup_room() -> Optional[int]:
         if controllers == "":  # v2 unified hierarchy
             base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
             limit, usage = _read_int(os.path.join(base, "memory.max")), _read_int(os.path.join(base, "memory.current"))
+            stat = _stat(os.path.join(base, "memory.stat"))
+            used = stat["anon"] + stat.get("file_mapped", 0) if "anon" in stat else usage
         elif "memory" in controllers.split(","):
             base = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
             limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
             usage = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+            stat = _stat(os.path.join(base, "memory.stat"))
+            used = stat["total_rss"] + stat.get("total_mapped_file", 0) if "total_rss" in stat else usage
         else:
             continue
-        if limit is not None and usage is not None and limit < (1 << 60):  # v1 "no limit" is ~2^63
-            return max(0, limit - usage)
+        if limit is not None and used is not None and limit < (1 << 60):  # v1 "no limit" is ~2^63
+            return max(0, limit - used)
     return None
 
 

@@ -34,7 +34,7 @@ from ..qat.quantize import load_quantized, read_quant_state
 from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
 from .partition import partition
-from .static import save_paddle_programs
+from .static import program_weights, save_paddle_programs
 from .validate import reference, validate_dir
 
 FORMATS = ("paddle", "onnx")
@@ -117,13 +117,13 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int, fre
     # ONNX is converted from the Paddle programs; without "paddle" they live in scratch.
     pdir = out_dir if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=out_dir)
     files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats)}
-    if free_weights:  # the programs read model.pdiparams from now on
+    if "onnx" in formats:  # weights attached from the model, one tensor at a time
+        files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
+                                         tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model))
+    if free_weights:  # the programs read model.pdiparams / model.onnx.data from now on
         for p in model.parameters():
             p._clear_data()
         gc.collect()
-    if "onnx" in formats:
-        files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
-                                         tanh_gelu=cfg.hidden_act == "gelu_new")
     if pdir != out_dir:
         shutil.rmtree(pdir)
     return files

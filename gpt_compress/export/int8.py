@@ -42,7 +42,7 @@ from ..inference.manifest import io_spec
 from ..qat.config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
 from .onnx import convert_programs
-from .static import ExportableLM, save_paddle_programs
+from .static import ExportableLM, program_weights, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
 W8A8_ATOL = 2e-3  # fake-quant dygraph vs int8 backends, x max(1, max |logit|): see tests/test_quant.py
@@ -235,7 +235,8 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
     cfg = qmodel.config
     pdir = os.path.join(work, "paddle")
     os.makedirs(pdir)
-    pfiles = save_paddle_programs(fake_quant_float_model(qmodel), pdir, split_decode=False)
+    fmodel = fake_quant_float_model(qmodel)
+    pfiles = save_paddle_programs(fmodel, pdir, split_decode=False)
     ops = {}
 
     def rewrite(name, model, base_dir):
@@ -243,7 +244,7 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
         ops[name] = rewrite_onnx(model, table, base_dir)
 
     files = convert_programs(pdir, pfiles, out_dir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new",
-                             transform=rewrite)
+                             transform=rewrite, weights=program_weights(fmodel))
     return files, ops
 
 
