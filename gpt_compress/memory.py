@@ -6,18 +6,20 @@ memory this process may still use (``available_bytes``: ``MemAvailable`` of the 
 limit of the memory cgroup it runs in, v1 or v2, whichever is smaller) and raises
 ``InsufficientMemory`` naming the command, the model, the estimate and what to change.
 
-The multiples of the float32 weight bytes ``W`` are the peaks measured for each command at
-gpt-345M and gpt-1.3B (``bench/scale.py``, README "Scale"), rounded up:
+The multiples of the float32 weight bytes ``W`` come from the peaks ``bench/scale.py``
+measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
 
-* ``init``: the model plus the copy being written (2 W);
-* ``pretrain``: weights, gradients and the two AdamW moments (4 W) plus activations: with
-  ``Model.recompute`` only each block's input is kept, and one block's internals are rebuilt
-  during backward; the (micro batch x sequence x vocab) logits and their gradient come on top;
-* ``export``: the largest of saving the Paddle programs, converting one program to ONNX
-  (paddle2onnx holds it about twice) and validating one runtime at a time (3 W);
-* ``ptq``: the float model, its quantized copy and the int8 export (4 W);
+* ``init``: the model plus the copy being written (measured 1.5 W; 2 W);
+* ``pretrain``: weights, gradients and the two AdamW moments (4 W) and the optimizer's
+  temporaries (measured 5.0 W in all) plus activations: with ``Model.recompute`` only each
+  block's input is kept, and one block's internals are rebuilt during backward; the
+  (micro batch x sequence x vocab) logits, their softmax and gradient come on top;
+* ``export``: the largest of saving the Paddle programs, converting one program to ONNX with
+  the model alive, and validating one runtime at a time (measured 4.7 W);
+* ``ptq``: the float model, its quantized copy and the int8 export (4.8 W);
 * ``eval`` / ``infer``: one runtime's weights (2 W: onnxruntime pre-packs its MatMul weights;
-  Paddle Inference holds one copy per program in use) plus one batch of logits.
+  Paddle Inference holds one copy per program in use) plus one batch of logits (x3 while
+  scoring: logits, shifted, exponentiated).
 
 ``GPTC_SKIP_MEMORY_CHECK=1`` skips the check (the estimate is deliberately pessimistic).
 """
@@ -31,7 +33,7 @@ from .errors import InsufficientMemory
 
 GB = 1 << 30
 BASE_BYTES = 1 * GB  # Python, Paddle, onnxruntime and their libraries, before any weight
-WEIGHT_MULTIPLE = {"init": 2.0, "pretrain": 4.0, "export": 3.0, "ptq": 4.0, "eval": 2.0, "infer": 2.0}
+WEIGHT_MULTIPLE = {"init": 2.0, "pretrain": 5.0, "export": 4.8, "ptq": 4.8, "eval": 2.0, "infer": 2.0}
 
 
 @dataclass
@@ -80,7 +82,7 @@ def estimate(command: str, model, batch: int = 1, seq: Optional[int] = None, rec
     if command == "pretrain":
         est.parts["activations"] = activation_bytes(model, batch, seq, recompute)
     elif command in ("eval", "infer"):
-        est.parts["logits"] = 4 * batch * seq * model.vocab_size
+        est.parts["logits"] = 3 * 4 * batch * seq * model.vocab_size
     return est
 
 
