@@ -130,5 +130,9 @@ def test_command_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypat
     assert exit_.value.code == InsufficientMemory.exit_code
     assert "gptc init" in err and "gpt-1.3B" in err and "8.0 GB is available" in err
     assert not (tmp_path / "big").exists()
+    m345 = ModelConfig.from_preset("gpt-345M")
+    need = memory.estimate("pretrain", m345, batch=8, seq=1024)
+    room = need.parts["runtime"] + need.parts["weights"] + memory.GB  # the activations do not fit
     with pytest.raises(InsufficientMemory, match="Model.recompute=full"):
-        memory.check_fits("pretrain", ModelConfig.from_preset("gpt-1.3B"), batch=8, seq=1024)
+        memory.check_fits("pretrain", m345, batch=8, seq=1024, available=room)
+    assert memory.check_fits("pretrain", m345, batch=1, seq=1024, recompute="full", available=room).total <= room
