@@ -40,7 +40,7 @@ import sys
 from typing import Callable, Optional
 
 from ..errors import ExportError
-from ..inference.manifest import PROGRAMS
+from ..inference.manifest import PROGRAMS, SCORE_PROGRAMS
 
 DATA_FILE = "model.onnx.data"
 ALIGN = 4096  # page-aligned offsets let onnxruntime map the data file instead of copying it
@@ -394,7 +394,7 @@ def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict
     data = DataFile(out_dir)
     out = {}
     try:
-        for name in PROGRAMS:
+        for name in [p for p in PROGRAMS + SCORE_PROGRAMS if p in paddle_files]:
             scratch = tempfile.mkdtemp(prefix=f".onnx-{name}-", dir=out_dir)
             try:
                 model = convert_program(paddle_dir, paddle_files[name], io[name], scratch, opset, tanh_gelu,
