@@ -397,6 +397,7 @@ class PipelineConfig:
 
 # Defined beside its transforms (gpt_compress/qat/); pure Python, imports nothing from Paddle.
 from .qat.config import QuantConfig  # noqa: E402
+from .finetune.config import FinetuneConfig  # noqa: E402
 
 
 @dataclass
@@ -414,6 +415,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict:
         """Sections keyed by their YAML names."""
@@ -433,6 +435,7 @@ SECTIONS: dict[str, str] = {
     "Parallel": "parallel",
     "Quant": "quant",
     "Pipeline": "pipeline",
+    "Finetune": "finetune",
 }
 
 
