@@ -227,3 +227,174 @@ def test_generation_scores_against_reference_values():
     assert zh["bleu"] == pytest.approx(100.0) and zh["rouge_l"] == pytest.approx(100.0)
     half = score_generations(["清晨入古寺"], ["清晨入古寺，初日照高林。"])
     assert 0 < half["rouge_l"] < 100  # CJK text is scored per character, not dropped
+
+
+# ----------------------------------------------------------------------------- 2. SST-2 as generation
+SST_TRAIN_ROWS, SST_STEPS, SST_MIN_ACCURACY = 6000, 150, 0.60
+
+
+def _finetune_args(out, train, eval_file, steps, batch=16, lr=3e-3, extra=()):
+    eng = {"max_steps": steps, "global_batch_size": batch, "micro_batch_size": batch, "eval_freq": 0,
+           "eval_iters": 4, "save_steps": 0, "logging_freq": 0}
+    pairs = [f"Finetune.train_file={train}", f"Finetune.eval_file={eval_file}", f"Global.output_dir={out}",
+             f"Optimizer.lr.max_lr={lr}", f"Optimizer.lr.min_lr={lr / 10}", "Optimizer.lr.warmup_rate=0.05",
+             "Model.hidden_dropout_prob=0.0", "Model.attention_probs_dropout_prob=0.0", "Data.seq_length=128",
+             *[f"Engine.{k}={v}" for k, v in eng.items()], *extra]
+    return [x for p in pairs for x in ("-o", p)]
+
+
+def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespeare, shared_data, tmp_path):
+    """gpt-tiny pretrained on tinyshakespeare (the shared teacher), finetuned on the first 6,000
+    SST-2 training rows as "Sentence: ...\\nSentiment:" -> " positive"/" negative" for 150 steps of
+    16 packed rows, greedy 2-token answers on all 872 dev rows."""
+    ckpt = teacher_ckpt(tmp_path_factory, shakespeare)
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"src": r.prompt, "tgt": r.response}
+                                                    for r in _sst2_rows(shared_data, "train", SST_TRAIN_ROWS)])
+    dev_rows = _sst2_rows(shared_data, "dev")
+    dev = _write_jsonl(tmp_path / "dev.jsonl", [{"src": r.prompt, "tgt": r.response} for r in dev_rows])
+    res = gptc("finetune", "--no-progress", "--model", ckpt,
+               *_finetune_args(tmp_path / "out", train, dev, SST_STEPS,
+                               extra=["Finetune.eval_generate=872", "Generation.max_new_tokens=4"]))
+    hyps = res["generation"]["hypotheses"]
+    acc = float(np.mean([h.strip() == r.response.strip() for h, r in zip(hyps, dev_rows)]))
+    print("sst2 generation accuracy", acc, res["eval_before"], res["eval_after"])
+    assert len(hyps) == 872 and res["generation"]["exact_match"] == pytest.approx(100 * acc)
+    # Measured 0.646 (majority class 0.509). The GLUE head on the same model, same schedule
+    # (`gptc finetune-glue`, 150 steps of 16, LR 3e-3): 0.509.
+    assert acc > SST_MIN_ACCURACY
+
+
+# ----------------------------------------------------------------------------- 3/4. Chinese: Tang poems
+ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_HELDOUT = 2048, 100, 150, 30
+TANG_MAX_PPL_RATIO, TANG_MIN_CLAUSES, LORA_PPL_MARGIN = 0.8, 50, 1.4
+FORM = re.compile(r"[\u4e00-\u9fff]{5}[，。]|[\u4e00-\u9fff]{7}[，。]")
+
+
+@pytest.fixture(scope="session")
+def chinese_gpt(shared_data, tmp_path_factory):
+    """`gptc train-tokenizer` on chinese_fortunes.jsonl (byte-level BPE, 2,048 tokens), then a
+    gpt-tiny pretrained on it for 100 steps: (checkpoint, tokenizer dir, Tang train/eval JSONL)."""
+    out = tmp_path_factory.mktemp("chinese")
+    fortunes = str(shared_data / "chinese" / "chinese_fortunes.jsonl")
+    gptc("train-tokenizer", "--input", fortunes, "--vocab-size", str(ZH_VOCAB), "--output-dir", str(out / "tok"))
+    gptc("preprocess", "--input", fortunes, "--output-prefix", str(out / "fortunes"),
+         "--tokenizer-dir", str(out / "tok"))
+    gptc("pretrain", "--no-progress", "-o", "Model.preset=gpt-tiny", "-o", f"Model.vocab_size={ZH_VOCAB}",
+         "-o", "Model.hidden_dropout_prob=0.0", "-o", "Model.attention_probs_dropout_prob=0.0",
+         "-o", "Data.seq_length=128", "-o", f"Data.data_prefix=[{out / 'fortunes_text_document'}]",
+         "-o", f"Data.tokenizer_dir={out / 'tok'}", "-o", "Data.split=[98,2,0]", "-o", f"Global.output_dir={out / 'pre'}",
+         "-o", f"Engine.max_steps={ZH_PRETRAIN_STEPS}", "-o", "Engine.global_batch_size=16",
+         "-o", "Engine.micro_batch_size=16", "-o", "Engine.eval_freq=0", "-o", "Engine.save_steps=0",
+         "-o", "Engine.logging_freq=0", "-o", "Optimizer.lr.max_lr=5e-3", "-o", "Optimizer.lr.min_lr=5e-4",
+         "-o", "Optimizer.lr.warmup_rate=0.05")
+    rows = [json.loads(x) for x in open(shared_data / "chinese" / "tang300.jsonl", encoding="utf-8")]
+    random.Random(0).shuffle(rows)  # the file is ordered by form; mix before holding poems out
+    train = _write_jsonl(out / "tang_train.jsonl", rows[:-TANG_HELDOUT])
+    held = _write_jsonl(out / "tang_eval.jsonl", rows[-TANG_HELDOUT:])
+    return str(out / "pre" / "checkpoints" / f"step_{ZH_PRETRAIN_STEPS:08d}"), str(out / "tok"), train, held
+
+
+def test_chinese_tokenizer_round_trips_every_character(chinese_gpt, shared_data):
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(chinese_gpt[1])
+    text = "".join(json.loads(x)["text"] for name in ("chinese_fortunes.jsonl", "tang300.jsonl")
+                   for x in open(shared_data / "chinese" / name, encoding="utf-8"))
+    chars = sorted(set(text))
+    assert len(chars) > 3000
+    assert [tok.decode(tok.encode(c)) for c in chars] == chars
+    assert tok.decode(tok.encode(text[:20000])) == text[:20000]
+
+
+def _form_rate(texts):
+    """Share of generated clauses (text up to a ，or 。) that are exactly 5 or 7 CJK characters."""
+    clauses = [c for t in texts for c in re.findall(r"[^，。！？\n]*[，。！？]", t)]
+    return sum(bool(FORM.fullmatch(c.strip())) for c in clauses) / max(len(clauses), 1), len(clauses)
+
+
+def _tang(chinese_gpt, out, lora=False, lr=3e-3):
+    ckpt, _, train, held = chinese_gpt
+    extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
+             "Finetune.eval_generate=12", "Generation.max_new_tokens=48"]
+    if lora:
+        extra += ["Finetune.lora.enabled=true", "Finetune.lora.rank=8"]
+    return gptc("finetune", "--no-progress", "--model", ckpt,
+                *_finetune_args(out, train, held, TANG_STEPS, batch=8, lr=lr, extra=extra))
+
+
+@pytest.fixture(scope="session")
+def tang_full(chinese_gpt, tmp_path_factory):
+    return _tang(chinese_gpt, tmp_path_factory.mktemp("tang_full"))
+
+
+def test_tang_finetune_lowers_perplexity_and_learns_the_clause_punctuation(tang_full, chinese_gpt):
+    """Held-out response perplexity falls to at most TANG_MAX_PPL_RATIO of the pretrained
+    model's; greedy generations from 12 held-out titles are cut into clauses by ，and 。 as the
+    poems are, which the pretrained model's are not. (The 5/7-character clause form itself is
+    beyond this 2-layer, 64-wide model at this budget: measured 0 of its clauses; see _form_rate.)"""
+    from gpt_compress.config import GenerationConfig
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.finetune.metrics import generate_texts
+
+    res = tang_full
+    before, after = res["eval_before"]["ppl"], res["eval_after"]["ppl"]
+    assert res["eval_before"]["tokens"] == res["eval_after"]["tokens"] > 1000
+    tuned_rate, tuned_clauses = _form_rate(res["generation"]["hypotheses"])
+    tok = Tokenizer.load(chinese_gpt[1])
+    prompts = [f"《{r['title']}》{r['author']}\n" for r in map(json.loads, open(chinese_gpt[3], encoding="utf-8"))][:12]
+    base = generate_texts(load_model(chinese_gpt[0]), tok, tok.encode_batch(prompts), GenerationConfig(max_new_tokens=48))
+    base_rate, base_clauses = _form_rate(base)
+    print("tang ppl", before, after, "clauses", tuned_clauses, base_clauses, "form", tuned_rate, base_rate,
+          res["truncation"], res["generation"])
+    assert after < TANG_MAX_PPL_RATIO * before
+    assert tuned_clauses >= TANG_MIN_CLAUSES > base_clauses
+    assert res["truncation"]["truncated_responses"] > 0  # long poems hit the 128-token rule, counted
+
+
+def test_lora_reaches_full_finetune_perplexity(tang_full, chinese_gpt, tmp_path):
+    """LoRA (rank 8 on every block Linear, LR 1e-2) against the full finetune (LR 3e-3), same
+    steps and data: held-out perplexity within LORA_PPL_MARGIN of it, well below the start."""
+    res = _tang(chinese_gpt, tmp_path / "lora", lora=True, lr=1e-2)
+    lora, full, before = res["eval_after"]["ppl"], tang_full["eval_after"]["ppl"], res["eval_before"]["ppl"]
+    print("lora ppl", lora, "full", full, "before", before, res["trainable_parameters"])
+    assert lora < LORA_PPL_MARGIN * full and lora < TANG_MAX_PPL_RATIO * before
+    assert res["trainable_parameters"] < 0.1 * sum(int(np.prod(v.shape)) for v in load_model(res["model"]).state_dict().values())
+    assert os.path.isfile(os.path.join(res["adapter"], "adapter.safetensors"))
+    merged = load_model(res["model"])  # a plain checkpoint: exports and serves like any other
+    assert sorted(merged.state_dict()) == sorted(load_model(chinese_gpt[0]).state_dict())
+
+
+# ----------------------------------------------------------------------------- 6. resume after SIGKILL
+def _losses(out):
+    recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") if x.strip()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def test_resume_after_sigkill_reproduces_the_losses(chinese_gpt, tmp_path):
+    ckpt, _, train, _ = chinese_gpt
+    extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
+             "Model.hidden_dropout_prob=0.1", "Engine.save_steps=10", "Engine.keep_checkpoint_max=10"]
+    args = lambda out: ["finetune", "--no-progress", "--model", ckpt,  # noqa: E731
+                        *_finetune_args(out, train, "", 40, batch=4, extra=extra)]
+    ref_out, run_out = str(tmp_path / "ref"), str(tmp_path / "run")
+    gptc(*args(ref_out))
+    ref = _losses(ref_out)
+    assert sorted(ref) == list(range(1, 41))
+    cmd = [sys.executable, "-m", "gpt_compress"]
+    proc = subprocess.Popen(cmd + args(run_out), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    target = os.path.join(run_out, "checkpoints", "step_00000020")
+    deadline = time.time() + 300
+    while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert max(_losses(run_out)) < 40
+    resumed = subprocess.run(cmd + args(run_out) + ["--resume", "auto"], env=ENV, cwd=ROOT,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    got = _losses(run_out)
+    assert [got[s] for s in range(1, 41)] == [ref[s] for s in range(1, 41)]
+    events = [json.loads(x) for x in open(os.path.join(run_out, "train_log.jsonl"), encoding="utf-8") if "resumed" in x]
+    assert len(events) == 1 and 20 <= events[0]["step"] < 40

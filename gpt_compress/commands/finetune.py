@@ -121,7 +121,7 @@ def _generation_eval(model, tok, cfg, eval_rows, step, out, generate_texts, scor
     rows = [r for r in eval_rows if r.prompt is not None][: fc.eval_generate]
     if not rows:
         return None
-    hyps = generate_texts(model, tok, tok.encode_batch([r.prompt for r in rows]), cfg.generation)
+    hyps = generate_texts(model, tok, tok.encode_batch([r.prompt for r in rows]), cfg.generation, batch_size=64)
     scores = score_generations(hyps, [r.response for r in rows])
     samples = [{"prompt": r.prompt, "output": h, "reference": r.response}
                for r, h in zip(rows[: fc.log_generations], hyps)]

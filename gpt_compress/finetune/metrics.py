@@ -9,6 +9,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import paddle
 
+from ..errors import ConfigError
 from ..train.loss import IGNORE_INDEX, lm_head_loss
 
 _CJK = re.compile(r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]")
@@ -75,8 +76,12 @@ class _CharTokenizer:
 def score_generations(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     """Corpus BLEU and chrF (sacrebleu; tokenize "zh" when the references hold CJK text), mean
     ROUGE-L F1 (rouge-score) and exact match (after stripping whitespace), each 0-100."""
-    import sacrebleu
-    from rouge_score import rouge_scorer
+    try:
+        import sacrebleu
+        from rouge_score import rouge_scorer
+    except ImportError as e:
+        raise ConfigError(f"generation scores need sacrebleu and rouge-score ({e}); "
+                          "pip install 'gpt-compress[finetune]', or set Finetune.eval_generate=0") from None
 
     hyps = [h.strip() for h in hyps]
     refs = [r.strip() for r in refs]
