@@ -49,7 +49,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..runtime import prefer_mkl_avx2
+from ..runtime import cpu_flags, prefer_mkl_avx2
 
 prefer_mkl_avx2()  # before Paddle's first matmul (MKL reads it once): AVX2 kernels on AMD CPUs
 
@@ -78,7 +78,8 @@ def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
     if device == "gpu":
         return {role: ProgramOptions() for role in ROLES}
     # Residual add + layer norm fused into one op: -0.3 ms of a ~6 ms batch-1 step, logits within 3e-6.
-    fused = ("add_norm_fuse_pass",)
+    # Its CPU kernel (FusedLayerNormAvxKernel) uses AVX-512: SIGILL on AVX2-only CPUs (AMD EPYC).
+    fused = ("add_norm_fuse_pass",) if "avx512f" in cpu_flags() else ()
     return {"prefill": ProgramOptions(onednn=True), "decode": ProgramOptions(threads=1, passes=fused),
             "decode_batched": ProgramOptions(onednn=True), "forward": ProgramOptions(onednn=True),
             "decode_hidden": ProgramOptions(threads=1, passes=fused), "lm_head": ProgramOptions()}
