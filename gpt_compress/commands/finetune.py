@@ -39,6 +39,7 @@ def load_base(path: str):
 
 def run(args) -> int:
     from ..checkpoint import save_model
+    from ..fileio import write_json_atomic
     from ..errors import ConfigError, DataError
     from ..finetune.data import PlanIterator, encode_rows, plan_batches, read_rows
     from ..finetune.lora import apply_lora, merge_lora, save_adapters
@@ -108,8 +109,7 @@ def run(args) -> int:
         summary["eval_after"] = response_perplexity(model, eval_all())
         summary["generation"] = _generation_eval(model, tok, cfg, eval_rows, result.steps, out,
                                                  generate_texts, score_generations)
-        with open(os.path.join(out, "finetune_eval.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, ensure_ascii=False)
+        write_json_atomic(os.path.join(out, "finetune_eval.json"), summary)
     print_json(summary)
     return 0
 

@@ -103,7 +103,7 @@ def save_adapters(model, path: str, base: str = "") -> str:
     """Write ``adapter.safetensors`` + ``adapter_config.json`` (settings, base checkpoint) to ``path``."""
     from safetensors.numpy import save_file
 
-    from ..checkpoint import write_checkpoint_dir, write_json_atomic
+    from ..fileio import write_dir_atomic, write_json_atomic
 
     tensors = adapter_state(model)
     if not tensors:
@@ -114,7 +114,7 @@ def save_adapters(model, path: str, base: str = "") -> str:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS))
         write_json_atomic(os.path.join(tmp, ADAPTER_CONFIG), meta)
 
-    return write_checkpoint_dir(path, write)
+    return write_dir_atomic(path, write)
 
 
 def load_adapters(model, path: str):

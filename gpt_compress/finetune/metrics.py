@@ -12,7 +12,9 @@ import paddle
 from ..errors import ConfigError
 from ..train.loss import IGNORE_INDEX, lm_head_loss
 
-_CJK = re.compile(r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]")
+_CJK_RANGES = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
+_CJK = re.compile(f"[{_CJK_RANGES}]")
+_CJK_TOKENS = re.compile(f"[{_CJK_RANGES}]|[^\\s{_CJK_RANGES}]+")  # one CJK character, or a run of others
 
 
 def _tensor(x):
@@ -64,13 +66,15 @@ def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], gen_cfg, 
     return texts
 
 
+
+
 class _CharTokenizer:
     """rouge-score tokenizer for text with CJK characters: each CJK character is a token, other
-    runs split on whitespace (rouge-score's default drops every non-ASCII character)."""
+    runs (split on whitespace) are lower-cased words; rouge-score's default drops every
+    non-ASCII character."""
 
     def tokenize(self, text: str) -> list[str]:
-        return [t for w in text.split() for t in (_CJK.findall(w) + [x for x in _CJK.split(w) if x]
-                                                   if _CJK.search(w) else [w.lower()])]
+        return [t if _CJK.fullmatch(t) else t.lower() for t in _CJK_TOKENS.findall(text)]
 
 
 def score_generations(hyps: Sequence[str], refs: Sequence[str]) -> dict:
