@@ -181,7 +181,7 @@ def build(a, work: str, timings: dict) -> dict:
     if wanted & {"pruned-distilled", "pruned-distilled-qat"}:
         pruned = run("prune", "prune", ev + ["Prune.head_ratio=0.25", "Prune.ffn_ratio=0.25",
                                              "Prune.criterion=taylor", "Prune.calib_batches=8"], "output",
-                     "--model", teacher, "--output", out("prune/model"))
+                     "--model", teacher, "--output", out("prune/model"), "--overwrite")
         ckpts["pruned-distilled"] = run("distill", "distill", ev + [
             f"Distill.teacher={teacher}", f"Distill.student={pruned}", "Distill.temperature=2.0",
             "Distill.alpha=0.5", f"Engine.max_steps={a.distill_steps}", "Engine.eval_freq=0",
@@ -193,7 +193,7 @@ def build(a, work: str, timings: dict) -> dict:
     paths = {}
     for v in a.variants:
         res = step(work, f"exports/{v}", ["export", "--model", ckpts[v], "--output", out(f"exports/{v}/model"),
-                                          "--format", "all"], timings)
+                                          "--format", "all", "--overwrite"], timings)
         paths[v] = res["output"]
     return paths
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, PRUNED_FFN, PRUNED_HEADS, ROOT, model_dirs
-from gpt_compress.checkpoint import CheckpointError, sha256_file, write_json_atomic
+from gpt_compress.checkpoint import CheckpointError
+from gpt_compress.fileio import sha256_file, write_dir_atomic, write_json_atomic
 from gpt_compress.errors import ExportError
 from gpt_compress.export import export
 from gpt_compress.inference.manifest import ModelDirError, read_manifest
@@ -180,15 +181,14 @@ def test_failed_export_keeps_previous_directory(dirs, tmp_path, monkeypatch):
     import gpt_compress.export.api as api
 
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "marker").write_text("old")
+    write_dir_atomic(str(out), lambda d: open(os.path.join(d, "marker"), "w").write("old"))  # an earlier output
 
     def boom(*a, **k):
         raise ExportError("simulated mismatch")
 
     monkeypatch.setattr(api, "validate_dir", boom)
     with pytest.raises(ExportError, match="simulated"):
-        export(dirs["pruned_ckpt"], str(out), formats=("paddle",))
+        export(dirs["pruned_ckpt"], str(out), formats=("paddle",), overwrite=True)
     assert (out / "marker").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from ..errors import DataError, InputError  # noqa: F401
 from .scoring import token_logprobs
 
 
@@ -29,14 +30,14 @@ def read_lambada(path: str, limit: int | None = None) -> list[str]:
             try:
                 text = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: expected a JSON object with a \"text\" string ({e})") from None
+                raise DataError(f"{path}:{n}: expected a JSON object with a \"text\" string ({e})") from None
             if not isinstance(text, str) or not text.split():
-                raise ValueError(f"{path}:{n}: empty \"text\"")
+                raise DataError(f"{path}:{n}: empty \"text\"")
             texts.append(text)
             if limit and len(texts) >= limit:
                 break
     if not texts:
-        raise ValueError(f"{path}: no examples")
+        raise DataError(f"{path}: no examples")
     return texts
 
 

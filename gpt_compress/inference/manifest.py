@@ -8,7 +8,7 @@ onnxruntime nor the model code, so a serving process stays free of the training 
 An export directory holds::
 
     manifest.json      what is in the directory (this module's ``MANIFEST``)
-    checksums.json     sha256 of every file (written by ``checkpoint.write_checkpoint_dir``)
+    checksums.json     sha256 of every file (written by ``fileio.write_dir_atomic``)
     prefill.json, decode.json, forward.json, model.pdiparams   Paddle Inference (--format paddle)
     decode_hidden.json, lm_head.json                            (Paddle, same model.pdiparams)
     prefill.onnx, decode.onnx, forward.onnx, model.onnx.data   onnxruntime (--format onnx)
@@ -111,7 +111,8 @@ class Manifest:
 
 
 def verify_files(path: str, names: Optional[list[str]] = None) -> None:
-    """Check sizes/sha256 of ``names`` (default: all) against ``checksums.json``; the error names the file."""
+    """Check sizes/sha256 of ``names`` (default: all; ``manifest.json`` always) against ``checksums.json``;
+    the error names the file."""
     sums_path = os.path.join(path, CHECKSUMS)
     try:
         with open(sums_path, encoding="utf-8") as f:
@@ -120,6 +121,8 @@ def verify_files(path: str, names: Optional[list[str]] = None) -> None:
         raise ModelDirError(f"{sums_path} is missing: {path} is not a complete export") from None
     except ValueError as e:
         raise ModelDirError(f"{sums_path} is not valid JSON ({e}); re-export the model") from None
+    if names is not None and MANIFEST not in names:
+        names = [MANIFEST, *names]  # the manifest says what the files are: another model's must not pass
     for name in names if names is not None else sorted(sums):
         fp = os.path.join(path, name)
         if name not in sums:

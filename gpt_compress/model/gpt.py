@@ -1,7 +1,7 @@
 """THE GPT model: pre-LN decoder with learned positions, fused QKV, GELU MLP, tied LM head.
 
 Nothing here knows about parallelism, quantization or pruning: those are transforms applied
-from outside by parameter name (see ``PARAMETER_NAMES`` and ``tests/test_param_names.py``).
+from outside by parameter name (see ``parameter_names`` and ``tests/test_param_names.py``).
 
 Fused QKV columns are laid out head-major, ``[heads, 3, head_dim]`` (Megatron's layout), so a
 column split of ``attn.qkv`` gives every tensor-parallel rank whole heads, and pruning a head

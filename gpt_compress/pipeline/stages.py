@@ -301,7 +301,7 @@ class Pipeline:
             src = os.path.abspath(self.p.init_from)
             if os.path.isfile(os.path.join(src, CHECKSUMS)):
                 return {"checkpoint": src, "train_log": None}
-            conv = gptc(["convert", "--from-hf", src, "--output", os.path.join(d, "model")], "pretrain")
+            conv = gptc(["convert", "--from-hf", src, "--output", os.path.join(d, "model"), "--overwrite"], "pretrain")
             return {"checkpoint": conv.get("output", os.path.join(d, "model")), "train_log": None}
         conf = os.path.join(d, "config.yaml")
         write_stage_config(self.cfg, self.p.pretrain_overrides,
@@ -315,7 +315,7 @@ class Pipeline:
         conf = os.path.join(d, "config.yaml")
         write_stage_config(self.cfg, self.p.prune_overrides, {**self._data_overrides(), "Global.output_dir": d}, conf)
         res = gptc(["prune", "-c", conf, "--model", self.outputs("pretrain")["checkpoint"],
-                    "--output", os.path.join(d, "model")], "prune")
+                    "--output", os.path.join(d, "model"), "--overwrite"], "prune")
         return {"checkpoint": res["output"], "summary": res}
 
     def _run_distill(self) -> dict:
@@ -342,8 +342,8 @@ class Pipeline:
     def _run_export(self, src_stage: str, name: str) -> dict:
         out = self.path("export", name)
         fmt = "all" if len(self.p.formats) == 2 else self.p.formats[0]
-        res = gptc(["export", "--model", self.outputs(src_stage)["checkpoint"], "--output", out, "--format", fmt],
-                   f"export_{name}")
+        res = gptc(["export", "--model", self.outputs(src_stage)["checkpoint"], "--output", out, "--format", fmt,
+                    "--overwrite"], f"export_{name}")
         return {"export": res["output"], "checkpoint": self.outputs(src_stage)["checkpoint"], "summary": res}
 
     # evaluation and report ----------------------------------------------------------
@@ -504,7 +504,19 @@ class Pipeline:
         run_ids: dict[str, str] = {}
         summary = {}
         t_all = time.perf_counter()
+        needed = None  # --stage X: X and what it reads; later (or unrelated) stale stages do not matter
+        if only is not None:
+            by_name = {s.name: s for s in stages}
+            needed, todo = set(), list(only)
+            while todo:
+                n = todo.pop()
+                if n not in needed:
+                    needed.add(n)
+                    todo.extend(by_name[n].deps)
         for s in stages:
+            if needed is not None and s.name not in needed:
+                summary[s.name] = {"ran": False}
+                continue
             fp = fingerprint(s.settings, {d: run_ids.get(d, "") for d in s.deps})
             fresh, why = self._freshness(s, fp)
             if s.name in force:
