@@ -387,3 +387,16 @@ def test_resume_after_sigkill_reproduces_the_losses(chinese_gpt, tmp_path):
     assert [got[s] for s in range(1, 41)] == [ref[s] for s in range(1, 41)]
     events = [json.loads(x) for x in open(os.path.join(run_out, "train_log.jsonl"), encoding="utf-8") if "resumed" in x]
     assert len(events) == 1 and 20 <= events[0]["step"] < 40
+
+
+def test_finetune_from_a_hugging_face_dir_with_grouped_padding(shakespeare, shared_data, tmp_path):
+    from gpt_compress.convert.hf_gpt2 import save_hf_gpt2
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    hf = save_hf_gpt2(_tiny(), str(tmp_path / "hf"), tokenizer=Tokenizer.load(shakespeare[0]))
+    rows = [{"src_txt": r.prompt, "tgt_txt": r.response} for r in _sst2_rows(shared_data, "dev", 40)]
+    train = _write_jsonl(tmp_path / "train.jsonl", rows)
+    res = gptc("finetune", "--no-progress", "--model", hf,
+               *_finetune_args(tmp_path / "out", train, "", 4, batch=8, extra=["Finetune.batching=group"]))
+    assert res["batching"] == "group" and res["steps"] == 4 and res["units"] == 40
+    assert sorted(load_model(res["model"]).state_dict()) == sorted(_tiny().state_dict())

@@ -28,13 +28,16 @@ def add_arguments(parser) -> None:
 
 
 def load_base(path: str):
-    """Our checkpoint (has checksums.json) or a Hugging Face GPT-2 directory, as an LM."""
-    from ..checkpoint import load_model
+    """Our checkpoint (config.json says so) or a Hugging Face GPT-2 directory, as an LM."""
+    from ..checkpoint import CONFIG, FORMAT, load_model
     from ..convert.hf_gpt2 import load_hf_gpt2
 
-    if os.path.isfile(os.path.join(path, "checksums.json")):
-        return load_model(path, head="lm")
-    return load_hf_gpt2(path)
+    try:
+        with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
+            ours = json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    return load_model(path, head="lm") if ours else load_hf_gpt2(path)
 
 
 def run(args) -> int:
