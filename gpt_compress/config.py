@@ -395,6 +395,28 @@ class ParallelConfig:
 
 
 @dataclass
+class QuantVariant:
+    """One more quantized artifact of `gptc pipeline` (beside the QAT one, ``int8``): ``gptc ptq`` or
+    ``gptc qat`` of the base model or of the last float model, with its own overrides; exported,
+    evaluated and reported like the others."""
+
+    name: str = ""  # the artifact's name: stage quant_<name>, eval/<name>.json
+    command: str = "ptq"  # ptq | qat
+    source: str = "base"  # base | float (the last float model: distilled, else pruned, else base)
+    overrides: list[str] = field(default_factory=list)  # "Section.key=value" for this command only
+    label: str = ""  # its row in the report (default: the name)
+
+    def __post_init__(self) -> None:
+        if not self.name.replace("-", "_").isidentifier() or self.name in ("base", "compressed", "int8"):
+            raise ConfigError(f"quant variant name {self.name!r} must be a word (letters, digits, -, _) "
+                              "other than base, compressed and int8")
+        if self.command not in ("ptq", "qat"):
+            raise ConfigError(f"quant variant {self.name}: command must be ptq or qat, got {self.command!r}")
+        if self.source not in ("base", "float"):
+            raise ConfigError(f"quant variant {self.name}: source must be base or float, got {self.source!r}")
+
+
+@dataclass
 class PipelineConfig:
     """`gptc pipeline`: text -> pretrained -> pruned + distilled -> QAT int8 -> exported -> evaluated.
     The other sections configure pretraining; each later stage adds its own ``*_overrides``."""
@@ -411,10 +433,12 @@ class PipelineConfig:
     prune_overrides: list[str] = field(default_factory=list)  # ... for `gptc prune`
     distill_overrides: list[str] = field(default_factory=list)  # ... for `gptc distill`
     qat_overrides: list[str] = field(default_factory=list)  # ... for `gptc qat`
+    quant_variants: list[QuantVariant] = field(default_factory=list)  # more int8/int4 artifacts (ptq/qat)
     formats: list[str] = field(default_factory=lambda: ["paddle", "onnx"])  # export formats to build and evaluate
     eval_wikitext: str = ""  # perplexity text (WikiText raw/tokens); "" uses the held-out corpus documents
     eval_input_format: str = "raw"  # raw | raw-hf-rows | tokens
     eval_max_chars: int = 0  # score only the first N characters of the perplexity text (0: all)
+    eval_heldout: bool = False  # with eval_wikitext: also the held-out documents' perplexity (in-domain)
     eval_lambada: str = ""  # lambada_test.jsonl; "" skips LAMBADA
     lambada_limit: int = 0  # LAMBADA: only the first N examples (0: all)
     eval_seq_len: int = 0  # evaluation window; 0: the model's context
@@ -429,6 +453,9 @@ class PipelineConfig:
             raise ConfigError(f"Pipeline.heldout_fraction must be in [0, 0.5), got {self.heldout_fraction}")
         if self.distill and not self.prune:
             raise ConfigError("Pipeline.distill needs Pipeline.prune (the student is the pruned model)")
+        names = [v.name for v in self.quant_variants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"Pipeline.quant_variants names must be unique, got {names}")
         bad = [f for f in self.formats if f not in ("paddle", "onnx")]
         if bad or not self.formats:
             raise ConfigError(f"Pipeline.formats must be a non-empty subset of [paddle, onnx], got {self.formats}")

@@ -127,9 +127,9 @@ def test_directory_layout_and_weights_stored_once(dirs):
     m = read_manifest(path)
     files = sorted(os.listdir(path))
     assert files == sorted(["manifest.json", "checksums.json", "prefill.json", "decode.json", "forward.json",
-                            "decode_hidden.json", "lm_head.json",
+                            "decode_hidden.json", "lm_head.json", "forward_hidden.json", "score_head.json",
                             "model.pdiparams", "prefill.onnx", "decode.onnx", "forward.onnx", "model.onnx.data",
-                            "tokenizer.json", "vocab.json", "merges.txt"])
+                            "forward_hidden.onnx", "score_head.onnx", "tokenizer.json", "vocab.json", "merges.txt"])
     cfg = m.data["model"]
     from gpt_compress.config import ModelConfig
 
@@ -138,7 +138,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
     # embedding is stored once, shared by the three programs).
     assert n_bytes <= os.path.getsize(os.path.join(path, "model.pdiparams")) < 1.05 * n_bytes
     assert n_bytes <= os.path.getsize(os.path.join(path, "model.onnx.data")) < 1.05 * n_bytes + 64 * 4096
-    for prog in ("prefill", "decode", "forward"):
+    for prog in ("prefill", "decode", "forward", "forward_hidden", "score_head"):
         assert os.path.getsize(os.path.join(path, f"{prog}.onnx")) < 0.2 * n_bytes
         assert m.program(prog)["paddle"]["params"] == "model.pdiparams"
         assert m.program(prog)["onnx"]["data"] == "model.onnx.data"
@@ -153,7 +153,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
                                                                          "past_key_0", "past_value_0"]
     import onnx
 
-    for prog in ("prefill", "decode", "forward"):
+    for prog in ("prefill", "decode", "forward", "forward_hidden", "score_head"):
         model = onnx.load(os.path.join(path, f"{prog}.onnx"), load_external_data=False)
         spec = m.program(prog)
         assert [i.name for i in model.graph.input] == [i["name"] for i in spec["inputs"]]

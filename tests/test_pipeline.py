@@ -128,3 +128,16 @@ def test_stage_option_ignores_stale_later_stages_but_not_stale_inputs(tmp_path, 
     settings["a"] = 2  # an input of b is stale: b must not run on it
     with pytest.raises(PipelineError, match="stage 'a' is not up to date"):
         pipe.run(only=["b"])
+
+
+def test_quant_variants_add_stages_and_the_bench_config_reads(tmp_path):
+    """configs/pipeline_compress_bench.yaml (bench/compress.py's recipe): each quant variant is a
+    `quant_NAME` stage from its source and an `eval_NAME` stage, before the report."""
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-c",
+                          os.path.join(ROOT, "configs", "pipeline_compress_bench.yaml"),
+                          "-o", f"Global.output_dir={tmp_path}", "--status"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    stages = [s["stage"] for s in json.loads(res.stdout.strip().splitlines()[-1])["stages"]]
+    variants = ("ptq-w8a8", "qat-w8a8", "woq8", "woq4")
+    assert set(stages) == ALL | {f"quant_{v}" for v in variants} | {f"eval_{v}" for v in variants}
+    assert stages[-1] == "report" and all(stages.index(f"quant_{v}") < stages.index(f"eval_{v}") for v in variants)

@@ -3,7 +3,8 @@
 Windows of ``seq_len`` inputs start every ``stride`` tokens; every window but the first scores
 only its last ``stride`` positions (overlapping evaluation: each token scored once, with as
 much context as the window allows). Reports token-level perplexity and word-level perplexity
-adjusted by the token/word ratio, as FleetX does.
+adjusted by the token/word ratio, as FleetX does. Logits are taken only at the scored positions
+(``scoring.score_positions``): an overlapping window's context costs the body, not the head.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import DataError, InputError  # noqa: F401
-from .scoring import token_logprobs
+from .scoring import score_positions
 
 INPUT_FORMATS = ("tokens", "raw", "raw-hf-rows")
 
@@ -128,9 +129,10 @@ def evaluate_wikitext(backend, tokenizer, path: str, input_format: str = "raw", 
         ids = np.stack([w[0] for w in group])
         labels = np.stack([w[1] for w in group])
         mask = np.stack([w[2] for w in group])
-        lp, _ = token_logprobs(backend, ids, labels)
-        total += float(-(lp * mask).sum())
-        scored += int(mask.sum())
+        # Logits only at the scored positions: strided windows skip the masked context.
+        lp, _ = score_positions(backend, ids, labels, mask > 0)
+        total += float(-lp.sum())
+        scored += len(lp)
     avg = total / (len(tokens) - 1)
     ratio = (len(tokens) - 1) / max(n_words - 1, 1)
     return WikitextResult(

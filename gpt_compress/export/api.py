@@ -117,7 +117,7 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int) -> 
     cfg = model.config
     # ONNX is converted from the Paddle programs; without "paddle" they live in scratch.
     pdir = out_dir if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=out_dir)
-    files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats)}
+    files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats, score=True)}
     if "onnx" in formats:
         files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
                                          tanh_gelu=cfg.hidden_act == "gelu_new")

@@ -23,6 +23,11 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
 * Paddle only, optional (fp32 heads): ``decode_hidden`` (``decode`` with the last hidden state
   (B,hidden) in place of the logits) and ``lm_head(hidden (B,hidden)) -> logits (B,V)``, which
   Paddle Inference runs with different thread counts for batch-1 decode (``predictor.py``)
+* Optional, float exports (``SCORE_PROGRAMS``): ``forward_hidden(input_ids, attention_mask) ->
+  hidden (B,T,hidden)`` and ``score_head(hidden (N,hidden), labels (N,)) -> logprob (N,) float64,
+  argmax (N,) int64``: evaluation takes logits only where it scores. Without them (exports from
+  before, int8, tensor-parallel) it uses ``forward``; the format version is unchanged because
+  readers of either age ignore or do without them.
 
 ``H_i`` may differ per layer (structurally pruned models).
 
@@ -47,6 +52,9 @@ MANIFEST = "manifest.json"
 PROGRAMS = ("prefill", "decode", "forward")
 # Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
 SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
+# Optional scoring programs (every format; float exports from this version on): evaluation runs
+# the body, then the head only at the positions it scores (see the list above).
+SCORE_PROGRAMS = ("forward_hidden", "score_head")
 BACKENDS = ("paddle", "onnx")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
 TP_FORMAT = "gpt-compress-tp-inference"
@@ -183,6 +191,12 @@ def io_spec(cfg) -> dict[str, dict]:
         "lm_head": {"inputs": [hidden], "outputs": [last]},
         "forward": {"inputs": [ids, mask],
                     "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", "vocab"]}]},
+        "forward_hidden": {"inputs": [ids, mask], "outputs": [
+            {"name": "hidden", "dtype": "float32", "shape": ["batch", "seq", cfg.hidden_size]}]},
+        "score_head": {"inputs": [{"name": "hidden", "dtype": "float32", "shape": ["rows", cfg.hidden_size]},
+                                  {"name": "labels", "dtype": "int64", "shape": ["rows"]}],
+                       "outputs": [{"name": "logprob", "dtype": "float64", "shape": ["rows"]},
+                                   {"name": "argmax", "dtype": "int64", "shape": ["rows"]}]},
     }
 
 
@@ -205,6 +219,10 @@ def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Se
     {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
+    # The scoring programs, when every format has them (older exports and int8 / tensor-parallel
+    # ones do not: evaluation then falls back to ``forward``).
+    programs.update({name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}}
+                     for name in SCORE_PROGRAMS if all(name in files[fmt] for fmt in formats)})
     if "paddle" in formats:  # the split decode, when saved (Paddle only)
         programs.update({name: {**spec[name], "paddle": files["paddle"][name]}
                          for name in SPLIT_PROGRAMS if name in files["paddle"]})
