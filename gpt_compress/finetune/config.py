@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
+
 BATCHING = ("pack", "group")
 
 
@@ -19,8 +21,6 @@ class LoraConfig:
     skip: list[str] = field(default_factory=list)  # never adapted, even when a target matches
 
     def __post_init__(self) -> None:
-        from ..config import ConfigError
-
         if self.rank < 1:
             raise ConfigError(f"Finetune.lora.rank must be >= 1, got {self.rank}")
         if self.alpha <= 0:
@@ -48,8 +48,6 @@ class FinetuneConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        from ..config import ConfigError
-
         if self.batching not in BATCHING:
             raise ConfigError(f"Finetune.batching must be pack or group, got {self.batching!r}")
         for key in ("epochs", "eval_holdout", "max_train_examples", "eval_generate", "log_generations"):

@@ -121,7 +121,7 @@ def load_adapters(model, path: str):
     """Apply the adapters saved in ``path`` to base ``model`` (transform + weights); returns it."""
     from safetensors.numpy import load_file
 
-    from ..checkpoint import verify_checksums
+    from ..fileio import verify_checksums
 
     verify_checksums(path)
     with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
