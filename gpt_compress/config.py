@@ -556,10 +556,8 @@ def _matches(name: str, globs: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
-# The Serve section is defined beside the server (gpt_compress/serve/); pure Python, no FastAPI.
-from .serve.config import ServeConfig  # noqa: E402
-# Defined beside its data code (gpt_compress/finetune/); pure Python, imports nothing from Paddle.
-from .finetune.config import FinetuneConfig  # noqa: E402
+# The sections of `gptc finetune` and `gptc serve` (gpt_compress/sections.py).
+from .sections import FinetuneConfig, ServeConfig  # noqa: E402
 
 
 @dataclass

@@ -17,7 +17,7 @@ from gpt_compress.checkpoint import build_model, load_model
 from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
 from gpt_compress.errors import DataError
-from gpt_compress.finetune.config import FinetuneConfig, LoraConfig
+from gpt_compress.sections import FinetuneConfig, LoraConfig
 from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, pack, plan_batches,
                                         read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters

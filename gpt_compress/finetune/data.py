@@ -36,7 +36,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import DataError
-from .config import FinetuneConfig
+from ..sections import FinetuneConfig
 
 IGNORE_INDEX = -100
 PROMPT_FIELDS, RESPONSE_FIELDS, TEXT_FIELDS = ("src", "src_txt"), ("tgt", "tgt_txt"), ("text", "src_txt")

@@ -29,7 +29,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from ..errors import CheckpointError, ConfigError
-from .config import LoraConfig
+from ..sections import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
