@@ -60,3 +60,7 @@ class Interrupted(GptcError):
 
 class TrainingDiverged(GptcError, RuntimeError):
     """The loss became NaN/inf or spiked; the last good checkpoint is kept."""
+
+
+class InsufficientMemory(ConfigError):
+    """The command would not fit in the memory available (a pre-flight estimate, ``memory.py``)."""
