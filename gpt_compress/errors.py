@@ -49,3 +49,7 @@ class PipelineError(GptcError, RuntimeError):
 
 class TrainingDiverged(GptcError, RuntimeError):
     """The loss became NaN/inf or spiked; the last good checkpoint is kept."""
+
+
+class KernelError(GptcError, RuntimeError):
+    """gpt-compress's fused CPU operators could not be built or loaded (the message names why)."""

@@ -257,7 +257,8 @@ def _scheme(table: list[dict]) -> dict:
 
 
 def export_quantized(qmodel, output: str, formats: Sequence[str] = ("paddle", "onnx"), tokenizer=None,
-                     source: str = "", validate: bool = True, opset: int = 17, atol: float = W8A8_ATOL) -> str:
+                     source: str = "", validate: bool = True, opset: int = 17, atol: float = W8A8_ATOL,
+                     fused: bool = True) -> str:
     """Export fake-quant ``qmodel`` (``qat.quantize``; W8A8 scales set) to model directory
     ``output`` (atomic). Weight-only layers with ``dynamic_inputs`` become MatMulNBits with
     ``accuracy_level=4`` (int8 compute), others ``0``. Returns the directory; the manifest's
@@ -282,7 +283,12 @@ def export_quantized(qmodel, output: str, formats: Sequence[str] = ("paddle", "o
 
     def write(tmp: str) -> None:
         files = {}
+        fused_info = None
         if "paddle" in formats:
+            if fused:  # the fused CPU program with int8/int4 kernels (export/fused.py)
+                from .fused import try_save_fused
+
+                fused_info = try_save_fused(qmodel, tmp)
             deploy = deploy_model(qmodel)
             wrapper = _Int8ExportableLM(deploy) if isinstance(deploy.gpt.wte, Int8TransposedEmbedding) else None
             files["paddle"] = save_paddle_programs(deploy, tmp, wrapper=wrapper)
@@ -297,6 +303,8 @@ def export_quantized(qmodel, output: str, formats: Sequence[str] = ("paddle", "o
         bits = info["weight_bits"]
         manifest.update(weight_dtype=f"int{bits}" if isinstance(bits, int) else "int" + "/int".join(map(str, bits)),
                         quant=info)
+        if fused_info:
+            manifest["fused"] = fused_info
         write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
         if validate:
             info["validation"] = validate_quantized_dir(tmp, ref, formats, atol)
@@ -326,4 +334,8 @@ def validate_quantized_dir(path: str, ref, formats: Sequence[str], atol: float =
                               "to the other code; an untrained (random-init) model amplifies that to its "
                               "quantization error. Skip this check with --no-validate (validate=False) only for "
                               "such models.") from None
+    if "paddle" in formats and manifest.data.get("fused"):
+        from ..inference.fused import FusedBackend
+
+        out["fused"] = validate_backend(FusedBackend(manifest, verify=False), ref, f"{path} (paddle fused)", atol=atol)
     return out

@@ -300,9 +300,10 @@ def build_manifest(cfg: ModelConfig, files: dict[str, dict[str, dict[str, str]]]
 
 
 def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
-           opset: int = 17) -> str:
+           opset: int = 17, fused: bool = True) -> str:
     """Export checkpoint directory ``checkpoint`` to model directory ``output`` (written atomically:
-    built in a temporary sibling, then renamed). ``formats``: "paddle" and/or "onnx"."""
+    built in a temporary sibling, then renamed). ``formats``: "paddle" and/or "onnx". ``fused``:
+    with "paddle", also the fused CPU program (``export/fused.py``)."""
     formats = [f for f in ("paddle", "onnx") if f in formats]
     if not formats:
         raise ExportError("choose at least one format: paddle, onnx")
@@ -317,6 +318,11 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
 
     def write(tmp: str) -> None:
         files = {}
+        fused_info = None
+        if fused and "paddle" in formats:  # before save_paddle_programs, which mutates the model
+            from .fused import try_save_fused
+
+            fused_info = try_save_fused(model, tmp)
         # ONNX is converted from the Paddle programs; without --format paddle they live in scratch.
         pdir = tmp if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=tmp)
         files["paddle"] = save_paddle_programs(model, pdir, split_decode="paddle" in formats)
@@ -333,6 +339,8 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
 
             tok_files = [os.path.basename(p) for p in Tokenizer.load(checkpoint).save(tmp)]
         manifest = build_manifest(cfg, files, formats, tok_files, os.path.abspath(checkpoint))
+        if fused_info:
+            manifest["fused"] = fused_info
         write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
         if validate:
             validate_dir(tmp, ref, formats)
@@ -352,4 +360,8 @@ def validate_dir(path: str, ref, formats: Sequence[str]) -> dict[str, float]:
         else:
             from ..inference.ort import OrtBackend as Backend
         out[fmt] = validate_backend(Backend(manifest, verify=False), ref, f"{path} ({fmt})")
+    if "paddle" in formats and manifest.data.get("fused"):
+        from ..inference.fused import FusedBackend
+
+        out["fused"] = validate_backend(FusedBackend(manifest, verify=False), ref, f"{path} (paddle fused)")
     return out
