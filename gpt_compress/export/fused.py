@@ -41,9 +41,14 @@ LINEARS = ("attn.qkv", "attn.out", "mlp.fc_in", "mlp.fc_out")
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
-    """Signed codes (N, K) in [-8, 7] -> (N, K/2) int8 bytes: code + 8, low nibble first."""
-    u = (codes.astype(np.int16) + 8).astype(np.uint8)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8).view(np.int8)
+    """Signed codes (N, K) in [-8, 7] -> (N, K/2) int8 bytes holding code + 8: in each run of 32
+    inputs, byte j holds input j (low nibble) and input j + 16 (high nibble), the layout one
+    16-byte load unpacks (``kernels/gptc_ops.cc``)."""
+    n, k = codes.shape
+    if k % 32:
+        raise ExportError(f"int4 fused weights need a multiple of 32 inputs, got {k}")
+    u = (codes.astype(np.int16) + 8).astype(np.uint8).reshape(n, k // 32, 32)
+    return (u[..., :16] | (u[..., 16:] << 4)).astype(np.uint8).reshape(n, k // 2).view(np.int8)
 
 
 def _packed(codes_nk: np.ndarray, scales_nb: np.ndarray, bits: int):

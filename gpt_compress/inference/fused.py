@@ -6,8 +6,8 @@ it). The KV cache is ours: per layer a key and a value tensor (B, H_i, capacity,
 at prefill with room for ``reserve`` more positions and grown (one copy) only when a decode
 passes the capacity; the ops write each step's keys/values into it in place. The operator
 library is loaded before the predictor is created (``kernels.load_ops``); the ops use OpenMP
-threads (``threads``, default all cores), so none of ``predictor.py``'s per-role thread
-settings apply.
+threads (``threads``, default $OMP_NUM_THREADS or all cores; one setting per process, passed
+as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
 
 ``paddle_backend`` picks this backend or the unfused ``PaddleBackend``: ``fused=None`` (default)
 uses the fused program on CPU when the export has one and falls back, with a warning naming
@@ -67,6 +67,9 @@ class FusedBackend:
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
         self.threads, self.reserve = _threads(threads), reserve
+        # The ops' OpenMP runtime is not Paddle's: they read their thread count from here (one
+        # value per process: the last backend created sets it).
+        os.environ["GPTC_THREADS"] = str(self.threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-fused")
         self._pred = self._call(self._create)
 

@@ -32,7 +32,11 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gptc_ops.cc")
 NAME = "gptc_ops"
 # Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests).
 KERNEL_VERSION = 1
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
+# GCC's OpenMP runtime (libgomp), a second one beside the Intel runtime Paddle loads: Paddle's
+# set_cpu_math_library_num_threads does not reach it, so the ops take their thread count from
+# $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (Linking libiomp5 instead made
+# a batch-1 step 4x slower on a busy machine: its threads spin 200 ms after every region.)
 LDFLAGS = ["-fopenmp"]
 OPS = ("gptc_embed", "gptc_layer", "gptc_head")
 
@@ -45,7 +49,7 @@ def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     path = shutil.which(cxx)
     if path is None:
-        raise KernelError(f"no C++ compiler: {cxx!r} is not on PATH. gpt-compress builds its fused CPU "
+        raise KernelError(f"no C++ compiler: {cxx!r} is not on PATH (nor a file). gpt-compress builds its fused CPU "
                           "operators on first use; install g++ (Debian/Ubuntu: apt-get install g++) or set "
                           "$CXX, or run the unfused programs (fused=False, gptc --no-fused)")
     try:
@@ -119,27 +123,41 @@ def _build(directory: str):
                           "still run (fused=False)") from None
 
 
+def cached_library_problem(directory: str) -> Optional[str]:
+    """Why the library cached in ``directory`` must not be loaded (corrupt, or a build that never
+    finished), or None when it is intact or absent (then it is simply built)."""
+    so = os.path.join(directory, NAME, NAME + ".so")
+    if not os.path.isfile(so):
+        return None
+    stamp = os.path.join(directory, "library.sha256")
+    if not os.path.isfile(stamp):
+        return f"{so} has no library.sha256 stamp (an interrupted build)"
+    with open(stamp, encoding="utf-8") as f:
+        if f.read().strip() != _sha256(so):
+            return f"{so} is corrupt: its sha256 differs from the one stamped when it was built"
+    return None
+
+
 def load_ops():
     """The op module (``gptc_embed``, ``gptc_layer``, ``gptc_head``), built or loaded once per process."""
     global _module, build_seconds
     with _lock:
         if _module is not None:
             return _module
-        _compiler()  # a clear error before Paddle's build machinery gives a murky one
-        directory = cache_dir()
+        directory = cache_dir()  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
-        so, stamp = library_path(), os.path.join(directory, "library.sha256")
+        so = library_path()
         with _file_lock(directory + ".lock"):
-            if os.path.isfile(so) and not (os.path.isfile(stamp) and open(stamp).read().strip() == _sha256(so)):
-                # Missing stamp (interrupted build) or a changed file (corrupt library): rebuild from scratch.
+            problem = cached_library_problem(directory)
+            if problem:  # rebuild from scratch
                 shutil.rmtree(directory, ignore_errors=True)
                 os.makedirs(directory, exist_ok=True)
             fresh = not os.path.isfile(so)
             t0 = time.perf_counter()
             try:
                 module = _build(directory)
-            except KernelError:
-                raise
+            except KernelError as e:
+                raise KernelError(f"{problem}; rebuilding it failed: {e}" if problem else str(e)) from None
             if fresh:
                 build_seconds = time.perf_counter() - t0
             missing = [op for op in OPS if not hasattr(module, op)]
@@ -147,7 +165,7 @@ def load_ops():
                 shutil.rmtree(directory, ignore_errors=True)
                 raise KernelError(f"{so} lacks the operator(s) {', '.join(missing)}; removed it, it is rebuilt "
                                   "on next use")
-            with open(stamp, "w") as f:
+            with open(os.path.join(directory, "library.sha256"), "w", encoding="utf-8") as f:
                 f.write(_sha256(so))
         _module = module
         if fresh:

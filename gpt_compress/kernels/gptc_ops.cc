@@ -8,24 +8,37 @@
 //   gptc_head(x (B,T,C), rows (n,), ln_w, ln_b, w, w_scale) -> logits (n,V) of the flat rows.
 //
 // Every Linear weight is stored (N, K) (outputs x inputs, K contiguous) in one of:
-//   float32; int8 codes (N,K) with float scales (N,K/blk); int4 codes packed two per byte
-//   (N,K/2), low nibble first, each stored as code+8, scales (N,K/blk).
+//   float32; int8 codes (N,K) with float scales (N,K/blk); int4 codes stored code+8, packed two
+//   per byte (N,K/2): in each run of 32 inputs, byte j holds input j (low nibble) and input j+16
+//   (high nibble), so one 16-byte load unpacks into 32 consecutive codes; scales (N,K/blk).
 // Inputs of an int layer are float (act < 0: weights dequantized on the fly), int8 per token and
 // block made on the fly (act == 0: scale max|x|/127, onnxruntime MatMulNBits accuracy_level=4
 // and qat.quantize.fake_quant_dynamic) or int8 with one calibrated scale (act > 0: W8A8,
 // weights per channel, blk == K). Integer dots accumulate in int32 per block, exactly.
-// Threads: OpenMP inside each op (omp_get_max_threads()).
+// Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "paddle/extension.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+// Read per region (cheap): a backend sets it for the process (inference/fused.py).
+inline int nthreads() {
+  const char* e = std::getenv("GPTC_THREADS");
+  const int n = e ? std::atoi(e) : 0;
+  return n > 0 ? n : omp_get_max_threads();
+}
 
 struct Lin {
   const float* wf = nullptr;    // float32 (N, K)
@@ -54,43 +67,100 @@ Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Ten
     L.k = bits == 4 ? w.shape()[1] * 2 : w.shape()[1];
     L.scale = s.data<float>();
     L.blk = L.k / s.shape()[1];
+    PD_CHECK(bits == 8 || L.k % 32 == 0, "gptc: int4 weights need a multiple of 32 inputs");
     PD_CHECK(s.shape()[0] == L.n && L.blk * s.shape()[1] == L.k, "gptc: weight scale shape mismatch");
   }
   if (b != nullptr) L.bias = b->data<float>();
   return L;
 }
 
-// 4 (or 1) float dot products of one weight row with R input rows; independent partial sums.
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 int8 x 32 int8 -> 8 int32 partial sums: |x| as unsigned times w with x's sign, exact
+// (maddubs pairs stay below 2 * 128 * 127 < 2^15). VNNI does it in one instruction.
+inline __m256i dot32_i8(const int8_t* a, const int8_t* b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i ax = _mm256_sign_epi8(x, x), sw = _mm256_sign_epi8(w, x);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sw);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// R float dot products of one weight row with R input rows (rows ldx apart).
 template <int R>
 inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out) {
-  float acc[R][16];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 16; ++j) acc[r][j] = 0.f;
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 16; ++j) acc[r][j] += x[r * ldx + k + j] * w[k + j];
+#if defined(__AVX2__)
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k + 8), w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+#else
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
+#endif
   for (int r = 0; r < R; ++r) {
     float s = 0.f;
-    for (int j = 0; j < 16; ++j) s += acc[r][j];
     for (int64_t kk = k; kk < K; ++kk) s += x[r * ldx + kk] * w[kk];
-    out[r] = s;
+    out[r] += s;
   }
 }
 
-inline int32_t idot(const int8_t* a, const int8_t* b, int64_t n) {
-  int32_t s = 0;
-  for (int64_t j = 0; j < n; ++j) s += int32_t(int16_t(a[j]) * int16_t(b[j]));
-  return s;
+// One int8 weight row against one int8 input row, both K long: the sum over blocks of
+// dot * (input scale * weight scale); the dots are exact int32.
+inline float int_dot_row(const int8_t* xq, const float* sx, const int8_t* q, const float* sw, int64_t K,
+                         int64_t blk) {
+#if defined(__AVX2__)
+  if (K % 32 == 0 && blk % 32 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K; c += 32) {
+      const int64_t b = c / blk;
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(xq + c, q + c)), _mm256_set1_ps(sx[b] * sw[b]), acc);
+    }
+    return hsum(acc);
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t b = 0; b < K / blk; ++b) {
+    int32_t s = 0;
+    for (int64_t j = b * blk; j < (b + 1) * blk; ++j) s += int32_t(int16_t(xq[j]) * int16_t(q[j]));
+    acc += float(s) * (sx[b] * sw[b]);
+  }
+  return acc;
 }
 
 // Row n of an int weight as int8 codes (int4 unpacked into buf).
 inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
   if (L.bits == 8) return L.wq + n * L.k;
   const uint8_t* p = reinterpret_cast<const uint8_t*>(L.wq) + n * (L.k / 2);
-  for (int64_t j = 0; j < L.k / 2; ++j) {
-    buf[2 * j] = int8_t(int(p[j] & 0xF) - 8);
-    buf[2 * j + 1] = int8_t(int(p[j] >> 4) - 8);
+  for (int64_t c = 0; c < L.k; c += 32, p += 16) {
+#if defined(__AVX2__)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0F);
+    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + c), _mm256_sub_epi8(u, _mm256_set1_epi8(8)));
+#else
+    for (int j = 0; j < 16; ++j) {
+      buf[c + j] = int8_t(int(p[j] & 0xF) - 8);
+      buf[c + j + 16] = int8_t(int(p[j] >> 4) - 8);
+    }
+#endif
   }
   return buf;
 }
@@ -99,7 +169,7 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
 void linear(const Lin& L, const float* x, int64_t M, float* y) {
   const int64_t N = L.n, K = L.k;
   if (L.bits == 32 || L.act < 0.f) {
-#pragma omp parallel
+#pragma omp parallel num_threads(nthreads())
     {
       std::vector<float> wbuf(L.bits == 32 ? 0 : K);
       std::vector<int8_t> ibuf(L.bits == 4 ? K : 0);
@@ -131,7 +201,7 @@ void linear(const Lin& L, const float* x, int64_t M, float* y) {
   const int64_t nb = K / L.blk;
   std::vector<int8_t> xq(M * K);
   std::vector<float> sx(M * nb);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nthreads()) if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * L.blk;
@@ -148,7 +218,7 @@ void linear(const Lin& L, const float* x, int64_t M, float* y) {
       }
     }
   }
-#pragma omp parallel
+#pragma omp parallel num_threads(nthreads())
   {
     std::vector<int8_t> ibuf(L.bits == 4 ? K : 0);
 #pragma omp for schedule(static)
@@ -156,21 +226,15 @@ void linear(const Lin& L, const float* x, int64_t M, float* y) {
       const int8_t* q = int_row(L, n, ibuf.data());
       const float* sw = L.scale + n * nb;
       const float b = L.bias ? L.bias[n] : 0.f;
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xm = xq.data() + m * K;
-        const float* sm = sx.data() + m * nb;
-        float acc = 0.f;
-        for (int64_t kb = 0; kb < nb; ++kb)
-          acc += float(idot(xm + kb * L.blk, q + kb * L.blk, L.blk)) * (sm[kb] * sw[kb]);
-        y[m * N + n] = acc + b;
-      }
+      for (int64_t m = 0; m < M; ++m)
+        y[m * N + n] = int_dot_row(xq.data() + m * K, sx.data() + m * nb, q, sw, K, L.blk) + b;
     }
   }
 }
 
 void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps,
                 float* y) {
-#pragma omp parallel for schedule(static) if (M > 1)
+#pragma omp parallel for schedule(static) num_threads(nthreads()) if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * C;
     float mean = 0.f, var = 0.f;
@@ -183,7 +247,7 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const floa
 }
 
 void activate(float* h, int64_t n, int act) {
-#pragma omp parallel for schedule(static) if (n > 4096)
+#pragma omp parallel for schedule(static) num_threads(nthreads()) if (n > 4096)
   for (int64_t i = 0; i < n; ++i) {
     const float v = h[i];
     if (act == 0)
@@ -223,8 +287,8 @@ std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle
     const float* sc = s.data<float>() + r * nb;
     const int8_t* q8 = w.data<int8_t>() + r * (bits == 4 ? C / 2 : C);
     for (int64_t c = 0; c < C; ++c) {
-      int q = bits == 8 ? int(q8[c])
-                        : (c % 2 == 0 ? int(uint8_t(q8[c / 2]) & 0xF) : int(uint8_t(q8[c / 2]) >> 4)) - 8;
+      const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: see the format above
+      const int q = bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
       const float v = float(q) * sc[c / blk];
       dst[c] = add ? dst[c] + v : v;
     }
@@ -308,9 +372,9 @@ std::vector<paddle::Tensor> LayerForward(
         std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
       }
   const float scale = 1.f / std::sqrt(float(D));
-  const int nt = omp_get_max_threads();
+  const int nt = nthreads();
   std::vector<std::vector<float>> pbuf(nt, std::vector<float>(L));
-#pragma omp parallel for collapse(3) schedule(dynamic)
+#pragma omp parallel for collapse(3) schedule(dynamic) num_threads(nt)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hh = 0; hh < H; ++hh)
       for (int64_t t = 0; t < T; ++t) {
