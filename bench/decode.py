@@ -122,11 +122,12 @@ def prepare(workdir: str, preset: str) -> tuple[str, str]:
 
     from gpt_compress.checkpoint import save_model
     from gpt_compress.config import ModelConfig
-    from gpt_compress.export.static import export
+    from gpt_compress.export import export
+    from gpt_compress.inference.manifest import MANIFEST
     from gpt_compress.model.gpt import GPTForCausalLM
 
     ckpt, out = os.path.join(workdir, f"{preset}-ckpt"), os.path.join(workdir, f"{preset}-export")
-    if not os.path.isfile(os.path.join(out, "manifest.json")):
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
         paddle.seed(0)
         cfg = ModelConfig.from_preset(preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         save_model(GPTForCausalLM(cfg), ckpt)

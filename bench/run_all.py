@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from gpt_compress.fileio import write_text_atomic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = {  # name -> script and arguments
     "train": ["bench/train.py"],
@@ -147,9 +149,7 @@ def main(argv=None) -> None:
               file=sys.stderr, flush=True)
     md = markdown(results)
     for path, text in ((a.output, json.dumps(results, indent=1)), (os.path.splitext(a.output)[0] + ".md", md)):
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(path + ".tmp", path)
+        write_text_atomic(path, text + "\n")
     print(md)
 
 

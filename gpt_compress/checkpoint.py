@@ -8,69 +8,22 @@ from __future__ import annotations
 
 from .errors import CheckpointError  # noqa: F401  (re-exported)
 
-import hashlib
 import json
 import os
-import shutil
-import tempfile
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from .config import ConfigError, ModelConfig
+# Re-exported: older call sites write checkpoints and exports through these names.
+from .fileio import CHECKSUMS, sha256_file, write_json_atomic  # noqa: F401
+from .fileio import write_dir_atomic
+from .fileio import write_dir_atomic as write_checkpoint_dir  # noqa: F401
 
 FORMAT = "gpt-compress-checkpoint"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-CHECKSUMS = "checksums.json"
-
-
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: str, obj) -> None:
-    """Write JSON to ``path`` through a temp file + rename."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_checkpoint_dir(path: str, write_files: Callable[[str], None]) -> str:
-    """Create directory ``path`` atomically: ``write_files(tmpdir)`` fills it, checksums are
-    added, then it is renamed into place (replacing an older ``path``)."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
-        write_files(tmp)
-        sums = {name: sha256_file(os.path.join(tmp, name))
-                for name in sorted(os.listdir(tmp)) if os.path.isfile(os.path.join(tmp, name))}
-        write_json_atomic(os.path.join(tmp, CHECKSUMS), sums)
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-            os.rename(path, os.path.join(old, "x"))
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
 
 
 def verify_checksums(path: str) -> None:
@@ -133,7 +86,7 @@ def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None) -
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    return write_checkpoint_dir(path, write)
+    return write_dir_atomic(path, write)
 
 
 def load_weights(path: str) -> dict[str, np.ndarray]:

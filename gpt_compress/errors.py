@@ -31,8 +31,8 @@ class UnsafePickleError(CheckpointError, ValueError):
     """A pickled file asks the unpickler for something a plain state dict never needs."""
 
 
-class ExportError(CheckpointError):
-    """Export failed: bad checkpoint, unsupported model, or outputs that do not match dygraph."""
+class ExportError(GptcError, RuntimeError):
+    """Export failed: unsupported model or format, or outputs that do not match dygraph."""
 
 
 class ModelDirError(GptcError, RuntimeError):

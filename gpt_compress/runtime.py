@@ -47,6 +47,18 @@ def cpu_vendor() -> str:
     return ""
 
 
+def cpu_flags() -> frozenset:
+    """The ``flags`` of the first CPU in /proc/cpuinfo (avx2, avx512f, ...), empty if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _glibc_mallopt():
     name = ctypes.util.find_library("c")
     return getattr(ctypes.CDLL(name), "mallopt", None) if name else None  # None off glibc

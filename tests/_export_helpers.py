@@ -69,7 +69,7 @@ def prune_checkpoint(src: str, dst: str) -> str:
 
 def model_dirs(tmp_path_factory, shakespeare) -> dict[str, str]:
     """{"ckpt", "export", "pruned_ckpt", "pruned_export"}; built on first call in a session."""
-    from gpt_compress.export.static import export
+    from gpt_compress.export import export
 
     base = tmp_path_factory.getbasetemp() / "gptc_export_models"
     dirs = {"ckpt": base / "ckpt_link", "export": base / "export", "pruned_ckpt": base / "pruned_ckpt",

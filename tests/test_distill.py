@@ -201,7 +201,7 @@ def test_pruned_distilled_model_exports_with_backend_parity(pipeline, tmp_path):
     per-step logits within LOGIT_ATOL across dygraph, Paddle Inference and onnxruntime."""
     from test_export import BACKENDS, PROMPTS, Recorder, _assert_step_parity
 
-    from gpt_compress.export.static import export
+    from gpt_compress.export import export
     from gpt_compress.inference.runner import Generator
 
     ckpt = pipeline["distilled"]["checkpoint"]

@@ -11,7 +11,8 @@ import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, PRUNED_FFN, PRUNED_HEADS, ROOT, model_dirs
 from gpt_compress.checkpoint import CheckpointError, sha256_file, write_json_atomic
-from gpt_compress.export.static import ExportError, export
+from gpt_compress.errors import ExportError
+from gpt_compress.export import export
 from gpt_compress.inference.manifest import ModelDirError, read_manifest
 from gpt_compress.inference.runner import Generator
 
@@ -176,7 +177,7 @@ def test_export_refuses_config_weight_mismatch_and_leaves_nothing(dirs, tmp_path
 
 
 def test_failed_export_keeps_previous_directory(dirs, tmp_path, monkeypatch):
-    import gpt_compress.export.static as static
+    import gpt_compress.export.api as api
 
     out = tmp_path / "out"
     out.mkdir()
@@ -185,7 +186,7 @@ def test_failed_export_keeps_previous_directory(dirs, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise ExportError("simulated mismatch")
 
-    monkeypatch.setattr(static, "validate_dir", boom)
+    monkeypatch.setattr(api, "validate_dir", boom)
     with pytest.raises(ExportError, match="simulated"):
         export(dirs["pruned_ckpt"], str(out), formats=("paddle",))
     assert (out / "marker").read_text() == "old"

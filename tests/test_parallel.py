@@ -236,7 +236,8 @@ def test_fleet_tensor_parallel_stage_pieces_match_dense(tmp_path):
 def test_mp2_inference_export_generates_single_card_tokens(shakespeare, tmp_path_factory, tmp_path):
     from _export_helpers import model_dirs
 
-    from gpt_compress.export.partition import partition, read_tp_manifest
+    from gpt_compress.export.partition import partition
+    from gpt_compress.inference.manifest import read_tp_manifest
     from gpt_compress.inference.runner import Generator
     from gpt_compress.inference.tensor_parallel import generate_tensor_parallel
 

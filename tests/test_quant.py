@@ -281,7 +281,7 @@ def test_ptq_cli_with_skip_list_exports_int8(dirs, shakespeare, wiki, tmp_path):
 def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_ratio):
     from gpt_compress.checkpoint import load_model
     from gpt_compress.data.tokenizer import Tokenizer
-    from gpt_compress.export.int8 import export_quantized
+    from gpt_compress.export import export_model
     from gpt_compress.inference.dygraph import DygraphBackend
     from gpt_compress.qat.config import QuantConfig
     from gpt_compress.qat.quantize import quant_layers, quantize_model
@@ -290,7 +290,7 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     model = quantize_model(load_model(dirs["ckpt"]), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
     model.eval()
     assert len(quant_layers(model)) == 10  # 8 block Linears + token and position tables
-    path = export_quantized(model, str(tmp_path / f"woq{bits}"), tokenizer=tok)
+    path = export_model(model, str(tmp_path / f"woq{bits}"), ("paddle", "onnx"), tokenizer=tok)
     _parity(model, path, tok)
     # One float32 scale per 32 weights (+12.5% over int8, +25% over int4) and the page alignment.
     onnx_ratio = os.path.getsize(os.path.join(dirs["export"], "model.onnx.data")) / \

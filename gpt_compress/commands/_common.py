@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 
@@ -10,6 +9,7 @@ import numpy as np
 
 from ..cli import add_config_arguments
 from ..config import Config, load_config
+from ..data.tokenizer import find_tokenizer  # noqa: F401  (re-exported for the commands)
 
 __all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
            "find_tokenizer", "print_json", "lm_batches"]
@@ -38,17 +38,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     paddle.seed(seed)
-
-
-def find_tokenizer(*dirs: str):
-    """The tokenizer stored in the first of ``dirs`` that has one, or None."""
-    from ..data.tokenizer import Tokenizer
-
-    for d in dirs:
-        if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, f))
-                                         for f in ("tokenizer.json", "vocab.json", "encoder.json")):
-            return Tokenizer.load(d)
-    return None
 
 
 def print_json(obj) -> None:

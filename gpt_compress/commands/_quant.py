@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import os
 import tempfile
@@ -13,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..fileio import write_json_atomic
 from ._common import add_config_arguments, config_from_args, find_tokenizer, lm_batches, print_json, seed_everything
 
 
@@ -216,17 +216,17 @@ def file_bytes(path: str, names) -> int:
 def export_and_report(qmodel, args, cfg, src: str, tokenizer, evaluator: Evaluator, report: dict) -> dict:
     """Export ``qmodel`` to OUTPUT/int8 (unless --format none), evaluate each backend there,
     and write OUTPUT/quant_report.json; returns the report."""
-    from ..export.int8 import export_quantized
+    from ..export import export_model
+    from ..inference.manifest import read_manifest
 
     out_dir = cfg.global_.output_dir
     if args.format != "none":
         formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
-        path = export_quantized(qmodel, os.path.join(out_dir, "int8"), formats, tokenizer=tokenizer,
-                                source=os.path.abspath(src), validate=not args.no_validate)
-        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
-            manifest = json.load(f)
-        report["int8_export"] = {"path": path, "validation": manifest["quant"].get("validation"),
-                                 "onnx_ops": manifest["quant"].get("onnx_ops"),
+        path = export_model(qmodel, os.path.join(out_dir, "int8"), formats, tokenizer=tokenizer,
+                            source=os.path.abspath(src), validate=not args.no_validate, require_quantized=True)
+        quant = read_manifest(path).data["quant"]
+        report["int8_export"] = {"path": path, "validation": quant.get("validation"),
+                                 "onnx_ops": quant.get("onnx_ops"),
                                  "paddle_params_bytes": file_bytes(path, ["model.pdiparams"]),
                                  "onnx_data_bytes": file_bytes(path, ["model.onnx.data"]),
                                  "float32_weight_bytes": 4 * qmodel.config.num_parameters()}
@@ -237,6 +237,5 @@ def export_and_report(qmodel, args, cfg, src: str, tokenizer, evaluator: Evaluat
     report["protocol"] = evaluator.protocol()
     evaluator.close()
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "quant_report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+    write_json_atomic(os.path.join(out_dir, "quant_report.json"), report, sort_keys=False)
     return report

@@ -2,10 +2,10 @@
 through the one runner API (dygraph, Paddle Inference or onnxruntime). Writes a JSON result."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
+from ..fileio import write_json_atomic
 from ._common import fail, print_json
 
 
@@ -31,9 +31,10 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..eval.lambada import evaluate_lambada
     from ..eval.wikitext import evaluate_wikitext
+    from ..inference.manifest import MANIFEST
     from ..inference.runner import Generator
 
-    backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, "manifest.json")) else "dygraph")
+    backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, MANIFEST)) else "dygraph")
     gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
     if gen.tokenizer is None:
         return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir")
@@ -52,9 +53,6 @@ def run(args) -> int:
                backend=backend, seconds=round(time.perf_counter() - t0, 2))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        tmp = args.output + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, args.output)
+        write_json_atomic(args.output, out, sort_keys=False)
     print_json(out)
     return 0

@@ -1,10 +1,11 @@
-"""`gptc export` / `export_model`: checkpoint -> inference directory (Paddle Inference and/or ONNX)."""
+"""`gptc export` / `export_model`: checkpoint -> inference directory (Paddle Inference and/or ONNX;
+int8 for a quantized checkpoint: ``export.export`` chooses)."""
 from __future__ import annotations
 
 import os
 import time
 
-from ._common import fail, print_json
+from ._common import print_json
 
 
 def add_arguments(parser) -> None:
@@ -19,28 +20,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..export.static import ExportError, export
+    from ..export import export
 
     formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
-    if os.path.abspath(args.output) == os.path.abspath(args.model):
-        return fail("--output must differ from the checkpoint directory")
     t0 = time.perf_counter()
-    from ..qat.quantize import load_quantized, read_quant_state
-
-    try:
-        if read_quant_state(args.model) is not None:
-            # A quantized checkpoint (gptc qat/ptq OUT/quantized) holds fp32 master weights plus
-            # scales: exporting it as float would silently drop the quantization.
-            from ..export.int8 import export_quantized
-            from ._common import find_tokenizer
-
-            path = export_quantized(load_quantized(args.model), args.output, formats,
-                                    tokenizer=find_tokenizer(args.model), source=os.path.abspath(args.model),
-                                    validate=not args.no_validate, opset=args.opset)
-        else:
-            path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset)
-    except ExportError as e:
-        return fail(str(e))
+    path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset)
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
     print_json({"output": path, "formats": list(formats), "seconds": round(time.perf_counter() - t0, 1),
                 "files": sizes, "total_bytes": sum(sizes.values())})

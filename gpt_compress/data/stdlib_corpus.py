@@ -12,6 +12,8 @@ import os
 import sysconfig
 import warnings
 
+from ..fileio import atomic_file
+
 
 def iter_stdlib_files(root: str | None = None):
     """Sorted ``.py`` files of the standard library, skipping tests and site-packages."""
@@ -60,9 +62,8 @@ def module_docstrings(path: str) -> str:
 def build_stdlib_corpus(out_jsonl: str, max_bytes: int = 4_000_000, root: str | None = None) -> dict:
     """Write ``{"text": ...}`` lines (one per module) up to ``max_bytes``; returns a summary."""
     os.makedirs(os.path.dirname(os.path.abspath(out_jsonl)), exist_ok=True)
-    tmp = out_jsonl + ".tmp"
     docs = total = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(out_jsonl) as f:
         for path in iter_stdlib_files(root):
             text = module_docstrings(path)
             if len(text) < 200:
@@ -72,8 +73,6 @@ def build_stdlib_corpus(out_jsonl: str, max_bytes: int = 4_000_000, root: str | 
             total += len(text.encode("utf-8"))
             if total >= max_bytes:
                 break
-    if docs == 0:
-        os.remove(tmp)
-        raise RuntimeError(f"no docstrings found under {root or sysconfig.get_paths()['stdlib']}")
-    os.replace(tmp, out_jsonl)
+        if docs == 0:  # leaves no file behind
+            raise RuntimeError(f"no docstrings found under {root or sysconfig.get_paths()['stdlib']}")
     return {"documents": docs, "bytes": total, "path": out_jsonl}

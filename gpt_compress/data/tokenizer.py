@@ -21,6 +21,7 @@ from typing import Iterable, Sequence, Union
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ..fileio import write_text_atomic
 from .errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -90,19 +91,6 @@ def _read_merges(path: PathLike, vocab: dict[str, int]) -> list[tuple[str, str]]
                                 "are the vocabulary and merges files from the same tokenizer?")
         merges.append((parts[0], parts[1]))
     return merges
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 class Tokenizer:
@@ -223,10 +211,10 @@ class Tokenizer:
             merges.append(f"{a} {b}")
         vocab = dict(sorted(self._special.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1]))
         paths = [d / "vocab.json", d / "merges.txt", d / "tokenizer.json"]
-        _atomic_write_text(paths[0], json.dumps(vocab, ensure_ascii=False))
-        _atomic_write_text(paths[1], "#version: 0.2\n" + "".join(m + "\n" for m in merges))
+        write_text_atomic(paths[0], json.dumps(vocab, ensure_ascii=False), newline="\n")
+        write_text_atomic(paths[1], "#version: 0.2\n" + "".join(m + "\n" for m in merges), newline="\n")
         # Last, because load() prefers it: its presence means the other two are complete.
-        _atomic_write_text(paths[2], self._special.to_str(pretty=True))
+        write_text_atomic(paths[2], self._special.to_str(pretty=True), newline="\n")
         return paths
 
     def to_json(self) -> str:
@@ -287,3 +275,12 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+
+
+def find_tokenizer(*dirs: str):
+    """The tokenizer stored in the first of ``dirs`` that has one, or None."""
+    for d in dirs:
+        if d and os.path.isdir(d) and any(os.path.isfile(os.path.join(d, f))
+                                         for f in ("tokenizer.json", "vocab.json", "encoder.json")):
+            return Tokenizer.load(d)
+    return None

@@ -1,8 +1,10 @@
-"""Fake-quant model -> deployable int8 directory for Paddle Inference and onnxruntime.
+"""Fake-quant model -> int8 programs for Paddle Inference and onnxruntime.
 
-The directory has the layout and manifest of ``export/static.py`` (same programs, names and
-cache shapes), so ``Generator.from_dir(path, backend="paddle"|"onnx")``, ``gptc eval`` and
-``gptc infer`` run it unchanged; the manifest adds ``weight_dtype`` and a ``quant`` entry.
+A leaf of the exporter: ``save_int8_programs`` writes the programs, ``quant_info`` the manifest's
+additions; ``export/api.py`` chooses this path for a model with quantized layers and builds the
+directory (the layout and manifest of a float export: same programs, names and cache shapes), so
+``Generator.from_dir(path, backend="paddle"|"onnx")``, ``gptc eval`` and ``gptc infer`` run it
+unchanged; the manifest adds ``weight_dtype`` and a ``quant`` entry.
 
 * **Paddle Inference** (``model.pdiparams``): ``qat/deploy.deploy_model`` -- int8 weight buffers
   with float32 scales, dequantized in the graph; W8A8 inputs fake-quantized with round/clip.
@@ -35,14 +37,19 @@ from typing import Optional, Sequence
 import numpy as np
 import paddle.nn as nn
 
-from ..checkpoint import write_checkpoint_dir, write_json_atomic
-from ..inference.manifest import MANIFEST, PROGRAMS
+from ..errors import ExportError
+from ..inference.manifest import PROGRAMS, io_spec
 from ..qat.config import W8A8, WEIGHT_ONLY
-from .static import ExportError, ExportableLM, _reference, build_manifest, io_spec, save_paddle_programs, \
-    validate_backend
+from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
+from .onnx import convert_programs, externalize
+from .static import ExportableLM, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
 W8A8_ATOL = 2e-3  # fake-quant dygraph vs int8 backends, x max(1, max |logit|): see tests/test_quant.py
+VALIDATION_HINT = ("An int8 model may legitimately differ where an input lands on a rounding boundary and "
+                   "float32 summation order (which differs between runtimes) tips it to the other code; an "
+                   "untrained (random-init) model amplifies that to its quantization error. Skip this check "
+                   "with --no-validate (validate=False) only for such models.")
 
 
 class _Int8ExportableLM(ExportableLM):
@@ -224,9 +231,6 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
     """Float export of the dequantized weights, rewritten to int8, written to ``out_dir``."""
     import onnx
 
-    from ..qat.deploy import fake_quant_float_model
-    from .onnx import convert_programs, externalize
-
     cfg = qmodel.config
     pdir, odir = os.path.join(work, "paddle"), os.path.join(work, "onnx")
     os.makedirs(pdir)
@@ -256,86 +260,33 @@ def _scheme(table: list[dict]) -> dict:
             "layers": {e["name"]: e["mode"] for e in table}}
 
 
-def export_quantized(qmodel, output: str, formats: Sequence[str] = ("paddle", "onnx"), tokenizer=None,
-                     source: str = "", validate: bool = True, opset: int = 17, atol: float = W8A8_ATOL,
-                     fused: bool = True) -> str:
-    """Export fake-quant ``qmodel`` (``qat.quantize``; W8A8 scales set) to model directory
-    ``output`` (atomic). Weight-only layers with ``dynamic_inputs`` become MatMulNBits with
-    ``accuracy_level=4`` (int8 compute), others ``0``. Returns the directory; the manifest's
-    ``quant.validation`` holds the measured max logit differences."""
-    from ..qat.deploy import Int8TransposedEmbedding, deploy_model, quant_table
-
-    formats = [f for f in ("paddle", "onnx") if f in formats]
-    if not formats:
-        raise ExportError("choose at least one format: paddle, onnx")
-    qmodel.eval()
-    cfg = qmodel.config
-    table = quant_table(qmodel)
-    if not table:
-        raise ExportError("the model has no quantized layer; export it with `gptc export`")
-    ref = _reference(qmodel) if validate else None
+def quant_info(table: list[dict], source: str) -> dict:
+    """The manifest's ``quant`` entry (scheme, bits, layers, what each backend runs) and its
+    ``weight_dtype``, for quantized layers ``table`` (``qat.deploy.quant_table``)."""
     info = _scheme(table)
     info.update(source_checkpoint=source,
                 paddle="int8 weight buffers + float32 scales dequantized in the graph (float32 compute); "
                        "W8A8 inputs fake-quantized with round/clip",
                 onnx="W8A8: QuantizeLinear/DequantizeLinear (uint8 inputs, int8 per-channel weights) around MatMul; "
                      "weight-only: com.microsoft MatMulNBits and GatherBlockQuantized")
-
-    def write(tmp: str) -> None:
-        files = {}
-        fused_info = None
-        if "paddle" in formats:
-            if fused:  # the fused CPU program with int8/int4 kernels (export/fused.py)
-                from .fused import try_save_fused
-
-                fused_info = try_save_fused(qmodel, tmp)
-            deploy = deploy_model(qmodel)
-            wrapper = _Int8ExportableLM(deploy) if isinstance(deploy.gpt.wte, Int8TransposedEmbedding) else None
-            files["paddle"] = save_paddle_programs(deploy, tmp, wrapper=wrapper)
-        if "onnx" in formats:
-            work = tempfile.mkdtemp(prefix=".onnx-work-", dir=tmp)
-            try:
-                files["onnx"], info["onnx_ops"] = _onnx_programs(qmodel, work, tmp, table, opset)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-        tok_files = [os.path.basename(p) for p in tokenizer.save(tmp)] if tokenizer is not None else None
-        manifest = build_manifest(cfg, files, formats, tok_files, source)
-        bits = info["weight_bits"]
-        manifest.update(weight_dtype=f"int{bits}" if isinstance(bits, int) else "int" + "/int".join(map(str, bits)),
-                        quant=info)
-        if fused_info:
-            manifest["fused"] = fused_info
-        write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-        if validate:
-            info["validation"] = validate_quantized_dir(tmp, ref, formats, atol)
-            manifest["quant"] = info
-            write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-
-    return write_checkpoint_dir(output, write)
+    bits = info["weight_bits"]
+    return {"weight_dtype": f"int{bits}" if isinstance(bits, int) else "int" + "/int".join(map(str, bits)),
+            "quant": info}
 
 
-def validate_quantized_dir(path: str, ref, formats: Sequence[str], atol: float = W8A8_ATOL) -> dict:
-    """Max abs logit difference of each backend vs the fake-quant dygraph ``ref``; raises
-    ``ExportError`` beyond ``atol`` x max(1, max |logit|)."""
-    from ..inference.manifest import read_manifest
-
-    manifest = read_manifest(path)
-    out = {"atol_relative": atol}
-    for fmt in formats:
-        if fmt == "paddle":
-            from ..inference.predictor import PaddleBackend as Backend
-        else:
-            from ..inference.ort import OrtBackend as Backend
+def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list[dict], opset: int = 17) -> tuple:
+    """Write the int8 programs of fake-quant ``qmodel`` for ``formats`` into ``out_dir``. Weight-only
+    layers with ``dynamic_inputs`` become MatMulNBits with ``accuracy_level=4`` (int8 compute),
+    others ``0``. Returns (``{format: {program: {role: file}}}``, ONNX ops per program or None)."""
+    files, ops = {}, None
+    if "paddle" in formats:
+        deploy = deploy_model(qmodel)
+        wrapper = _Int8ExportableLM(deploy) if isinstance(deploy.gpt.wte, Int8TransposedEmbedding) else None
+        files["paddle"] = save_paddle_programs(deploy, out_dir, wrapper=wrapper)
+    if "onnx" in formats:
+        work = tempfile.mkdtemp(prefix=".onnx-work-", dir=out_dir)
         try:
-            out[fmt] = validate_backend(Backend(manifest, verify=False), ref, f"{path} ({fmt})", atol=atol)
-        except ExportError as e:
-            raise ExportError(f"{e}. An int8 model may legitimately differ where an input lands on a rounding "
-                              "boundary and float32 summation order (which differs between runtimes) tips it "
-                              "to the other code; an untrained (random-init) model amplifies that to its "
-                              "quantization error. Skip this check with --no-validate (validate=False) only for "
-                              "such models.") from None
-    if "paddle" in formats and manifest.data.get("fused"):
-        from ..inference.fused import FusedBackend
-
-        out["fused"] = validate_backend(FusedBackend(manifest, verify=False), ref, f"{path} (paddle fused)", atol=atol)
-    return out
+            files["onnx"], ops = _onnx_programs(qmodel, work, out_dir, table, opset)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return files, ops

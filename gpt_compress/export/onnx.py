@@ -1,5 +1,8 @@
 """Paddle programs -> ONNX (paddle2onnx, opset 17), weights stored once for all programs.
 
+A leaf of the exporter: ``convert_programs`` turns the programs ``export/static.py`` saved into
+``.onnx`` files plus one data file; ``export/api.py`` (float) and ``export/int8.py`` call it.
+
 paddle2onnx is called *without* a ``save_file``: it then returns the model bytes and skips its
 post-export optimizer. Its default optimizer path (``optimize_tool="polygraphy"``) sets
 ``POLYGRAPHY_AUTOINSTALL_DEPS=1``, which pip-installs packages at run time (it once upgraded
@@ -26,6 +29,7 @@ import math
 import os
 import sys
 
+from ..errors import ExportError
 from ..inference.manifest import PROGRAMS
 
 DATA_FILE = "model.onnx.data"
@@ -38,8 +42,6 @@ def _onnx():
         import onnx
         import paddle2onnx
     except ImportError as e:
-        from .static import ExportError
-
         raise ExportError(f"ONNX export needs paddle2onnx and onnx ({e}); "
                           "install them with `pip install -e .[onnx]`") from None
     return onnx, paddle2onnx
@@ -64,8 +66,6 @@ def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17):
     """One Paddle program -> an in-memory ``onnx.ModelProto`` (nothing installed, nothing optimized
     beyond paddle2onnx's own C++ passes)."""
     onnx, paddle2onnx = _onnx()
-    from .static import ExportError
-
     try:
         with _stdout_to_stderr():
             raw = paddle2onnx.export(model_file, params_file, save_file=None, opset_version=opset,
@@ -181,8 +181,6 @@ def rename_io(model, io: dict) -> None:
     rename = {}
     for values, specs in ((graph.input, io["inputs"]), (graph.output, io["outputs"])):
         if len(values) != len(specs):
-            from .static import ExportError
-
             raise ExportError(f"ONNX graph has {len(values)} {'inputs' if values is graph.input else 'outputs'}, "
                               f"the manifest expects {len(specs)}")
         for value, spec in zip(values, specs):
@@ -282,12 +280,10 @@ def externalize(models: dict, out_dir: str) -> int:
 def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict, opset: int = 17,
                      tanh_gelu: bool = False) -> dict:
     """Convert the exported Paddle programs in ``paddle_dir`` to ``{name}.onnx`` files plus one
-    shared ``model.onnx.data`` in ``out_dir``; ``io`` is ``static.io_spec(cfg)``; ``tanh_gelu``:
+    shared ``model.onnx.data`` in ``out_dir``; ``io`` is ``inference.manifest.io_spec(cfg)``; ``tanh_gelu``:
     the model uses ``gelu_new`` (see ``fix_tanh_gelu``).
     Returns ``{program: {"model": file, "data": shared data file}}``."""
     onnx, _ = _onnx()
-    from .static import ExportError
-
     models = {}
     for name in PROGRAMS:
         files = paddle_files[name]

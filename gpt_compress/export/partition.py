@@ -24,19 +24,21 @@ atomically after every rank's programs reproduced the single-card logits.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 from typing import Optional
 
 import numpy as np
+import paddle
+import paddle.nn as nn
 
-from ..checkpoint import CheckpointError, write_checkpoint_dir, write_json_atomic
-
-TP_FORMAT = "gpt-compress-tp-inference"
-TP_FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+from ..errors import ExportError
+from ..fileio import write_dir_atomic
+from ..inference.manifest import (MANIFEST, TOKENIZER_FILES, build_manifest, build_tp_manifest, tp_rank_entries,
+                                  write_manifest)
+from .static import ExportableLM, save_paddle_programs
+from .validate import reference, validate_backend
 
 
 def rank_config(cfg, mp: int):
@@ -94,25 +96,18 @@ def build_rank_model(cfg, weights: dict, rank: int, mp: int):
     return model
 
 
-def _tp_wrapper(model):
+class TensorParallelLM(ExportableLM):
     """``ExportableLM`` whose logits are this rank's vocabulary slice (B, [T,] V / mp)."""
-    import paddle
-    import paddle.nn as nn
 
-    from .static import ExportableLM
+    def __init__(self, model):
+        nn.Layer.__init__(self)  # keep the vocab-parallel embedding (ExportableLM would transpose it)
+        self.model = model
+        self.tied = model.config.tie_word_embeddings
 
-    class TensorParallelLM(ExportableLM):
-        def __init__(self, model):
-            nn.Layer.__init__(self)  # keep the vocab-parallel embedding (ExportableLM would transpose it)
-            self.model = model
-            self.tied = model.config.tie_word_embeddings
-
-        def _logits(self, hidden):
-            if self.tied:
-                return paddle.matmul(hidden, self.model.gpt.wte.weight, transpose_y=True)
-            return self.model.lm_head(hidden)
-
-    return TensorParallelLM(model)
+    def _logits(self, hidden):
+        if self.tied:
+            return paddle.matmul(hidden, self.model.gpt.wte.weight, transpose_y=True)
+        return self.model.lm_head(hidden)
 
 
 def _init_mp(mp: int) -> None:
@@ -134,14 +129,12 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
     import paddle.distributed as dist
 
     from ..checkpoint import load_model, state_dict_numpy
-    from ..inference.manifest import MANIFEST as RANK_MANIFEST
-    from .static import _reference, build_manifest, save_paddle_programs, validate_backend, TOKENIZER_FILES
 
     _init_mp(mp)
     rank = dist.get_rank()
     full = load_model(checkpoint)
     cfg = full.config
-    ref = _reference(full) if validate else None
+    ref = reference(full) if validate else None
     weights = state_dict_numpy(full)
     partial = output.rstrip("/") + ".partial"
     if rank == 0:
@@ -153,15 +146,11 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
     tok = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
 
     def write(tmp):
-        files = {"paddle": save_paddle_programs(model, tmp, wrapper=_tp_wrapper(model))}
+        files = {"paddle": save_paddle_programs(model, tmp, wrapper=TensorParallelLM(model))}
         manifest = build_manifest(rcfg, files, ["paddle"], None, os.path.abspath(checkpoint))
-        manifest.update(vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                        tensor_parallel={"mp_degree": mp, "rank": rank, "logits": "vocabulary slice",
-                                         "vocab_start": rank * cfg.vocab_size // mp,
-                                         "vocab_end": (rank + 1) * cfg.vocab_size // mp})
-        write_json_atomic(os.path.join(tmp, RANK_MANIFEST), manifest)
+        write_manifest(tmp, {**manifest, **tp_rank_entries(cfg, mp, rank)})
 
-    rank_dir = write_checkpoint_dir(os.path.join(partial, f"rank_{rank}"), write)
+    rank_dir = write_dir_atomic(os.path.join(partial, f"rank_{rank}"), write)
     dist.barrier()
     if validate:
         from ..inference.tensor_parallel import TensorParallelBackend
@@ -173,30 +162,11 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
         return None
     for name in tok:
         shutil.copyfile(os.path.join(checkpoint, name), os.path.join(partial, name))
-    top = {"format": TP_FORMAT, "format_version": TP_FORMAT_VERSION, "mp_degree": mp,
-           "ranks": [f"rank_{r}" for r in range(mp)], "vocab_size": cfg.vocab_size,
-           "max_position_embeddings": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
-           "pad_token_id": cfg.pad_token_id, "tokenizer": tok or None, "model": cfg.to_dict(),
-           "source_checkpoint": os.path.abspath(checkpoint)}
-    write_json_atomic(os.path.join(partial, MANIFEST), top)
+    write_manifest(partial, build_tp_manifest(cfg, mp, tok, os.path.abspath(checkpoint)))
     if os.path.exists(output):
         shutil.rmtree(output)
     os.rename(partial, output)
     return output
-
-
-def read_tp_manifest(path: str) -> dict:
-    """The top manifest of a tensor-parallel export directory."""
-    fp = os.path.join(path, MANIFEST)
-    try:
-        with open(fp, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{fp} is not a readable manifest: {e}") from None
-    if data.get("format") != TP_FORMAT:
-        raise CheckpointError(f"{fp}: format {data.get('format')!r} is not {TP_FORMAT!r} "
-                              "(make one with `gptc partition`)")
-    return data
 
 
 def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = True,
@@ -210,7 +180,7 @@ def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = Tru
 
     cfg, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
-        raise CheckpointError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models export")
+        raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models export")
     check_divisible(cfg, ParallelConfig(mp_degree=mp_degree))
     args = ["partition", "--model", os.path.abspath(checkpoint), "--output",
             os.path.abspath(output), "--mp-degree", str(mp_degree)] + ([] if validate else ["--no-validate"])
@@ -219,7 +189,7 @@ def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = Tru
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0 or not os.path.isfile(os.path.join(output, MANIFEST)):
         tail = _log_tail(log_dir)
-        raise CheckpointError(f"tensor-parallel export failed (exit {res.returncode}); logs in {log_dir}:\n{tail}")
+        raise ExportError(f"tensor-parallel export failed (exit {res.returncode}); logs in {log_dir}:\n{tail}")
     return output
 
 

@@ -1,6 +1,8 @@
-"""The exported model directory: its manifest, file checks and errors.
+"""The exported model directory's format: its manifest (writer and reader), file checks, errors.
 
-Shared by the exporter (``export/``) and every runner. Importing it needs neither Paddle nor
+The one definition of what an export directory holds: ``export/`` builds manifests with
+``build_manifest`` / ``build_tp_manifest`` and writes them with ``write_manifest``; every runner
+reads them with ``read_manifest`` / ``read_tp_manifest``. Importing it needs neither Paddle nor
 onnxruntime nor the model code, so a serving process stays free of the training stack.
 
 An export directory holds::
@@ -23,6 +25,10 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
   Paddle Inference runs with different thread counts for batch-1 decode (``predictor.py``)
 
 ``H_i`` may differ per layer (structurally pruned models).
+
+A tensor-parallel export (``gptc partition``) is a directory of such directories, ``rank_0/`` ...
+``rank_{mp-1}/`` (each rank's programs output its vocabulary slice of the logits), plus a top
+``manifest.json`` of format ``TP_FORMAT`` naming them.
 """
 from __future__ import annotations
 
@@ -31,16 +37,20 @@ from ..errors import ModelDirError, InputError  # noqa: F401  (re-exported)
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
+
+from ..fileio import CHECKSUMS, sha256_file, write_json_atomic
 
 FORMAT = "gpt-compress-inference"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-CHECKSUMS = "checksums.json"
 PROGRAMS = ("prefill", "decode", "forward")
 # Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
 SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
 BACKENDS = ("paddle", "onnx")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
+TP_FORMAT = "gpt-compress-tp-inference"
+TP_FORMAT_VERSION = 1
 
 
 
@@ -100,18 +110,6 @@ class Manifest:
         return {k: self.file(v) for k, v in self.program(program)[backend].items()}
 
 
-def _sha256(path: str, chunk: int = 1 << 22) -> str:
-    # Same as checkpoint.sha256_file, kept here so a serving process never imports checkpoint.py
-    # (tests/test_inference.py checks the modules a fresh serving process loads).
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_files(path: str, names: Optional[list[str]] = None) -> None:
     """Check sizes/sha256 of ``names`` (default: all) against ``checksums.json``; the error names the file."""
     sums_path = os.path.join(path, CHECKSUMS)
@@ -128,7 +126,7 @@ def verify_files(path: str, names: Optional[list[str]] = None) -> None:
             raise ModelDirError(f"{fp} is not listed in {sums_path}; re-export the model")
         if not os.path.isfile(fp):
             raise ModelDirError(f"{fp} is missing (listed in {sums_path}); re-export the model")
-        if _sha256(fp) != sums[name]:
+        if sha256_file(fp) != sums[name]:
             raise ModelDirError(f"{fp} is corrupt: its sha256 does not match {sums_path}; re-export the model")
 
 
@@ -142,11 +140,7 @@ def read_manifest(path: str) -> Manifest:
         hint = (" (it looks like a training checkpoint: export it with `gptc export` or use backend='dygraph')"
                 if os.path.isfile(os.path.join(path, "config.json")) else "")
         raise ModelDirError(f"{fp} not found: {path} is not an exported gpt-compress model{hint}")
-    try:
-        with open(fp, encoding="utf-8") as f:
-            data = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{fp} is not valid JSON ({e}); re-export the model") from None
+    data = _load_json(fp)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ModelDirError(f"{fp}: format {got!r} is not {FORMAT!r}")
@@ -161,6 +155,123 @@ def read_manifest(path: str) -> Manifest:
     if missing:
         raise ModelDirError(f"{fp} lacks {', '.join(missing)}; re-export the model")
     return Manifest(path=path, data=data)
+
+
+def io_spec(cfg) -> dict[str, dict]:
+    """Input/output names, dtypes and shapes (symbolic dims as strings) of each program of a
+    ``ModelConfig`` ``cfg``."""
+    cache_in, cache_out, past_out = [], [], []
+    for i in range(cfg.num_layers):
+        h, d = cfg.heads(i), cfg.dim_head
+        for kind in ("key", "value"):
+            cache_in.append({"name": f"past_{kind}_{i}", "dtype": "float32", "shape": ["batch", h, "past", d]})
+            cache_out.append({"name": f"present_{kind}_{i}", "dtype": "float32", "shape": ["batch", h, "seq", d]})
+            past_out.append({"name": f"present_{kind}_{i}", "dtype": "float32",
+                             "shape": ["batch", h, "past+seq", d]})
+    ids = {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}
+    mask = {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"]}
+    full_mask = {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past+seq"]}
+    last = {"name": "logits", "dtype": "float32", "shape": ["batch", "vocab"]}
+    hidden = {"name": "hidden", "dtype": "float32", "shape": ["batch", cfg.hidden_size]}
+    return {
+        "prefill": {"inputs": [ids, mask], "outputs": [last] + cache_out},
+        "decode": {"inputs": [ids, full_mask] + cache_in, "outputs": [last] + past_out},
+        "decode_hidden": {"inputs": [ids, full_mask] + cache_in, "outputs": [hidden] + past_out},
+        "lm_head": {"inputs": [hidden], "outputs": [last]},
+        "forward": {"inputs": [ids, mask],
+                    "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", "vocab"]}]},
+    }
+
+
+def _versions() -> dict[str, Optional[str]]:
+    """Versions of the exporting stack (recorded, never checked)."""
+    from .. import __version__
+
+    out = {"gpt_compress": __version__}
+    for mod in ("paddle", "paddle2onnx", "onnx", "onnxruntime"):
+        try:  # optional dependencies: an export without ONNX has no paddle2onnx to report
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
+    return out
+
+
+def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Sequence[str],
+                   tokenizer: Optional[list[str]], source: str) -> dict:
+    """The ``manifest.json`` content for ``ModelConfig`` ``cfg``; ``files``: ``{format: {program:
+    {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written."""
+    spec = io_spec(cfg)
+    programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
+    if "paddle" in formats:  # the split decode, when saved (Paddle only)
+        programs.update({name: {**spec[name], "paddle": files["paddle"][name]}
+                         for name in SPLIT_PROGRAMS if name in files["paddle"]})
+    for name in programs:
+        if "paddle" in programs[name]:
+            # Paddle names its outputs fetch_name_N in order; the runner maps them by position.
+            programs[name]["paddle_output_names"] = [f"fetch_name_{i}" for i in range(len(programs[name]["outputs"]))]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "formats": list(formats),
+        "model": cfg.to_dict(),
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "dtype": "float32",
+        "cache": {"layout": "per-layer (key, value), each (batch, heads_i, seq, head_dim)",
+                  "layers": [{"heads": cfg.heads(i), "head_dim": cfg.dim_head} for i in range(cfg.num_layers)]},
+        "programs": programs,
+        "tokenizer": tokenizer,
+        "versions": _versions(),
+        "source_checkpoint": source,
+    }
+
+
+def write_manifest(path: str, manifest: dict) -> None:
+    """Write ``manifest`` as directory ``path``'s ``MANIFEST`` (atomically)."""
+    write_json_atomic(os.path.join(path, MANIFEST), manifest)
+
+
+def tp_rank_entries(cfg, mp: int, rank: int) -> dict:
+    """What a rank directory's manifest adds for rank ``rank`` of ``mp``: the full model's
+    vocabulary and special tokens, and which vocabulary slice its logits are."""
+    return {"vocab_size": cfg.vocab_size, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+            "tensor_parallel": {"mp_degree": mp, "rank": rank, "logits": "vocabulary slice",
+                                "vocab_start": rank * cfg.vocab_size // mp,
+                                "vocab_end": (rank + 1) * cfg.vocab_size // mp}}
+
+
+def build_tp_manifest(cfg, mp: int, tokenizer: Optional[list[str]], source: str) -> dict:
+    """The top ``manifest.json`` of a tensor-parallel export of ``ModelConfig`` ``cfg``."""
+    return {"format": TP_FORMAT, "format_version": TP_FORMAT_VERSION, "mp_degree": mp,
+            "ranks": [f"rank_{r}" for r in range(mp)], "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings, "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id, "tokenizer": tokenizer or None, "model": cfg.to_dict(),
+            "source_checkpoint": source}
+
+
+def _load_json(fp: str):
+    try:
+        with open(fp, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{fp} is not valid JSON ({e}); re-export the model") from None
+
+
+def read_tp_manifest(path: str) -> dict:
+    """The top manifest of a tensor-parallel export directory (``gptc partition``)."""
+    fp = os.path.join(path, MANIFEST)
+    if not os.path.isfile(fp):
+        raise ModelDirError(f"{fp} not found: {path} is not a tensor-parallel export (make one with `gptc partition`)")
+    data = _load_json(fp)
+    if not isinstance(data, dict) or data.get("format") != TP_FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ModelDirError(f"{fp}: format {got!r} is not {TP_FORMAT!r} (make one with `gptc partition`)")
+    if data.get("format_version", 0) > TP_FORMAT_VERSION:
+        raise ModelDirError(f"{fp}: export format version {data['format_version']} is newer than this gpt-compress "
+                            f"understands ({TP_FORMAT_VERSION}); upgrade gpt-compress or re-export")
+    return data
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int, max_positions: int, max_new_tokens: int,

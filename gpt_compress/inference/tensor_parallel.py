@@ -17,9 +17,12 @@ import json
 import os
 import subprocess
 import tempfile
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
+
+from ..fileio import write_json_atomic
+from .manifest import MANIFEST, read_tp_manifest
 
 
 class TensorParallelBackend:
@@ -27,10 +30,9 @@ class TensorParallelBackend:
     logits all-gathered along the vocabulary (every rank returns the full logits)."""
 
     def __init__(self, model_dir: str, rank: int, device: str = "cpu", **options):
-        from ..export.partition import read_tp_manifest
-        from .predictor import PaddleBackend
+        from .predictor import PaddleBackend  # Paddle: only in the rank processes, not the launcher
 
-        self.top = read_tp_manifest(model_dir) if os.path.isfile(os.path.join(model_dir, "manifest.json")) else None
+        self.top = read_tp_manifest(model_dir) if os.path.isfile(os.path.join(model_dir, MANIFEST)) else None
         self.local = PaddleBackend(os.path.join(model_dir, f"rank_{rank}"), device=device, **options)
         self.rank = rank
 
@@ -67,7 +69,7 @@ def run_rank(model_dir: str, request: str, output: str) -> None:
     import paddle.distributed as dist
 
     from ..config import GenerationConfig
-    from ..export.partition import _init_mp, read_tp_manifest
+    from ..export.partition import _init_mp
     from .runner import Generator
 
     top = read_tp_manifest(model_dir)
@@ -86,11 +88,8 @@ def run_rank(model_dir: str, request: str, output: str) -> None:
                     tokenizer=tokenizer, name=f"tensor-parallel:{model_dir}")
     out = gen.generate(req["prompts"], config=GenerationConfig(**req["generation"]))
     if rank == 0:
-        tmp = output + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"sequences": out.sequences, "texts": out.texts, "prompt_tokens": out.prompt_tokens,
-                       "seconds": out.seconds, "mp_degree": top["mp_degree"]}, f)
-        os.replace(tmp, output)
+        write_json_atomic(output, {"sequences": out.sequences, "texts": out.texts, "prompt_tokens": out.prompt_tokens,
+                                   "seconds": out.seconds, "mp_degree": top["mp_degree"]}, indent=None, sort_keys=False)
 
 
 def generate_tensor_parallel(model_dir: str, prompts, generation: Optional[dict] = None,
@@ -98,7 +97,7 @@ def generate_tensor_parallel(model_dir: str, prompts, generation: Optional[dict]
     """Generate with a tensor-parallel export: launches its ``mp_degree`` ranks and returns rank 0's
     ``{"sequences", "texts", "prompt_tokens", "seconds"}``. ``prompts``: strings (needs the
     tokenizer) or token-id lists; ``generation``/``overrides``: ``GenerationConfig`` fields."""
-    from ..export.partition import _log_tail, read_tp_manifest
+    from ..export.partition import _log_tail
     from ..parallel.launch import launch_command
 
     top = read_tp_manifest(model_dir)

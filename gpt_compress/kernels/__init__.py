@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import io
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,8 @@ import time
 from typing import Optional
 
 from ..errors import KernelError
-# The serving-safe sha256 (a serving process never imports checkpoint.py).
-from ..inference.manifest import _sha256
+from ..fileio import sha256_file as _sha256
+from ..runtime import cpu_flags
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gptc_ops.cc")
 NAME = "gptc_ops"
@@ -59,19 +60,6 @@ def _compiler() -> str:
     return out.splitlines()[0] if out else path
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    import platform
-
-    return platform.machine() + " " + platform.processor()
-
-
 def cache_key() -> str:
     """Hash of the source, compiler, flags, Paddle version and CPU flags (the cache subdirectory)."""
     import paddle
@@ -79,7 +67,7 @@ def cache_key() -> str:
     h = hashlib.sha256()
     with open(SOURCE, "rb") as f:
         h.update(f.read())
-    for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, _cpu_flags(), str(KERNEL_VERSION)):
+    for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 

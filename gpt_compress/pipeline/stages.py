@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from ..config import Config, build_config
+from ..fileio import CHECKSUMS, atomic_file, write_json_atomic, write_text_atomic
 from .stamps import StampStore, fingerprint
 
 
@@ -108,9 +109,8 @@ def write_stage_config(cfg: Config, overrides: Sequence[str], forced: dict[str, 
         raw[section][key] = value
     build_config(raw, [], source=path)  # the forced values are checked too
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with atomic_file(path) as f:
         yaml.safe_dump(raw, f, sort_keys=False)
-    os.replace(path + ".tmp", path)
     return raw
 
 
@@ -126,9 +126,9 @@ def verify_checkpoint(path: str) -> None:
 
 def verify_export(path: str) -> None:
     """An exported inference directory with a readable manifest and intact files."""
-    from ..inference.manifest import read_manifest, verify_files
+    from ..inference.manifest import MANIFEST, read_manifest, verify_files
 
-    if not path or not os.path.isfile(os.path.join(path, "manifest.json")):
+    if not path or not os.path.isfile(os.path.join(path, MANIFEST)):
         raise PipelineError(f"exported model {path} is missing")
     read_manifest(path)
     verify_files(path)
@@ -264,16 +264,13 @@ class Pipeline:
                 continue
             held += [json.loads(ln)["text"] for ln in lines[len(lines) - n:]]
             kept = os.path.join(d, f"train_{i}.jsonl")
-            with open(kept + ".tmp", "w", encoding="utf-8") as fh:
+            with atomic_file(kept) as fh:
                 fh.writelines(lines[: len(lines) - n])
-            os.replace(kept + ".tmp", kept)
             train.append(kept)
         if not held:
             return files, None
         path = os.path.join(d, "heldout.txt")
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            fh.write("\n\n".join(held) + "\n")
-        os.replace(path + ".tmp", path)
+        write_text_atomic(path, "\n\n".join(held) + "\n")
         return train, path
 
     def _check_data(self, o: dict) -> None:
@@ -302,7 +299,7 @@ class Pipeline:
         d = self.path("pretrain")
         if self.p.init_from:
             src = os.path.abspath(self.p.init_from)
-            if os.path.isfile(os.path.join(src, "checksums.json")):
+            if os.path.isfile(os.path.join(src, CHECKSUMS)):
                 return {"checkpoint": src, "train_log": None}
             conv = gptc(["convert", "--from-hf", src, "--output", os.path.join(d, "model")], "pretrain")
             return {"checkpoint": conv.get("output", os.path.join(d, "model")), "train_log": None}
@@ -389,9 +386,7 @@ class Pipeline:
                 for r in results if r["backend"] == backend))
         path = self.path("eval", f"{name}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(path, results, sort_keys=False)
         return {"result": path}
 
     def _speed_prompt(self, gen) -> list[int]:

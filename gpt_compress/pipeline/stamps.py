@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..fileio import write_json_atomic
+
 
 @dataclass
 class Stamp:
@@ -61,10 +63,7 @@ class StampStore:
         stamp = Stamp(stage=stage, fingerprint=fp, run_id=uuid.uuid4().hex, outputs=outputs,
                       seconds=round(seconds, 2), finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
         os.makedirs(self.dir, exist_ok=True)
-        tmp = self.path(stage) + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(stamp.__dict__, f, indent=2)
-        os.replace(tmp, self.path(stage))
+        write_json_atomic(self.path(stage), stamp.__dict__, sort_keys=False)
         return stamp
 
     def remove(self, stage: str) -> None:

@@ -22,6 +22,7 @@ import paddle
 from tqdm import tqdm
 
 from ..config import Config, ConfigError, ModelConfig
+from ..fileio import atomic_file
 from .checkpoint import find_resume_checkpoint, load_training_checkpoint, save_training_checkpoint
 from .optim import build_optimizer, build_scheduler, clip_grad_norm_
 
@@ -66,10 +67,8 @@ class _Logger:
             # Drop records of steps that the resumed run will redo (written after the checkpoint).
             with open(self.path, encoding="utf-8") as f:
                 keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            tmp = self.path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
+            with atomic_file(self.path) as f:
                 f.writelines(keep)
-            os.replace(tmp, self.path)
         self.file = open(self.path, "a", encoding="utf-8")
         try:
             from visualdl import LogWriter

@@ -1,0 +1,128 @@
+"""The one export entry: checkpoint (or in-memory model) -> deployable directory.
+
+    from gpt_compress.export import export
+    export("ckpt/", "out/", formats=("paddle", "onnx"))        # float, or int8 for a quantized checkpoint
+    export("ckpt/", "tp/", mp_degree=2)                        # tensor-parallel rank directories
+
+``export`` chooses the path from what it is given, so callers (``gptc export``, ``gptc qat/ptq``,
+the pipeline) never branch on quantisation state:
+
+* float: ``static.save_paddle_programs`` (+ ``onnx.convert_programs``);
+* int8, when the model has quantized layers (a ``gptc qat/ptq`` checkpoint):
+  ``int8.save_int8_programs``, and the manifest's ``quant`` entry;
+* tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank), unfused;
+* single-card Paddle exports also get ``fused.save_fused``'s program (our CPU operators).
+
+Every single-card directory is built the same way inside one atomic directory write: programs,
+tokenizer files, the manifest (``inference/manifest.py``), then validation of every format
+against the dygraph model (``validate.py``); a directory that fails is never renamed into place.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Optional, Sequence
+
+from ..checkpoint import load_model, read_config
+from ..data.tokenizer import find_tokenizer
+from ..errors import ExportError
+from ..fileio import write_dir_atomic
+from ..inference.manifest import build_manifest, io_spec, write_manifest
+from ..qat.deploy import quant_table
+from ..qat.quantize import load_quantized, read_quant_state
+from .fused import try_save_fused
+from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
+from .onnx import convert_programs
+from .partition import partition
+from .static import save_paddle_programs
+from .validate import reference, validate_dir
+
+FORMATS = ("paddle", "onnx")
+FLOAT_ATOL = 1e-4  # float programs vs dygraph, x max(1, max |logit|)
+
+
+def _formats(formats: Sequence[str]) -> list[str]:
+    out = [f for f in FORMATS if f in formats]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not out:
+        raise ExportError(f"choose at least one format of: {', '.join(FORMATS)} (got {', '.join(formats) or 'none'})")
+    return out
+
+
+def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
+           opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, fused: bool = True) -> str:
+    """Export checkpoint directory ``checkpoint`` to directory ``output`` (written atomically);
+    returns ``output``. A quantized checkpoint (``gptc qat/ptq``) exports int8, any other float;
+    ``mp_degree > 1`` writes tensor-parallel rank directories (Paddle only). ``formats``:
+    "paddle" and/or "onnx"; ``validate``: run every program against dygraph first; ``fused``: with
+    "paddle" (single card), also the fused CPU program (``fused.py``)."""
+    formats = _formats(formats)
+    if os.path.abspath(output) == os.path.abspath(checkpoint):
+        raise ExportError("the output directory must differ from the checkpoint directory")
+    _, meta = read_config(checkpoint)
+    if meta.get("head", "lm") != "lm":
+        raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models "
+                          "(head 'lm') export for generation")
+    if mp_degree > 1:
+        if formats != ["paddle"] or read_quant_state(checkpoint) is not None:
+            raise ExportError("a tensor-parallel export (mp_degree > 1) is float Paddle Inference only")
+        return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir)
+    # load_* verify checksums, parameter names and shapes vs the config.
+    model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
+    return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
+                        source=os.path.abspath(checkpoint), validate=validate, opset=opset, fused=fused)
+
+
+def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
+                 validate: bool = True, opset: int = 17, require_quantized: bool = False, fused: bool = True) -> str:
+    """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
+    has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
+    refuses a model without quantized layers. The float path mutates ``model`` (see
+    ``static.ExportableLM``): do not train it further. Returns ``output``; an int8 manifest's
+    ``quant.validation`` holds the measured max logit differences."""
+    formats = _formats(formats)
+    model.eval()
+    cfg = model.config
+    table = quant_table(model)
+    if require_quantized and not table:
+        raise ExportError("the model has no quantized layer; export it as a float model")
+    ref = reference(model) if validate else None  # before the float path mutates the model
+
+    def write(tmp: str) -> None:
+        # The fused CPU program (kernels/), from the model before the float path mutates it.
+        fused_info = try_save_fused(model, tmp) if fused and "paddle" in formats else None
+        if table:
+            files, ops = save_int8_programs(model, tmp, formats, table, opset)
+            extra = quant_info(table, source)
+            if ops is not None:
+                extra["quant"]["onnx_ops"] = ops
+        else:
+            files, extra = _float_programs(model, tmp, formats, opset), {}
+        tok_files = [os.path.basename(p) for p in tokenizer.save(tmp)] if tokenizer is not None else None
+        manifest = {**build_manifest(cfg, files, formats, tok_files, source), **extra}
+        if fused_info:
+            manifest["fused"] = fused_info
+        write_manifest(tmp, manifest)
+        if validate and table:
+            diffs = validate_dir(tmp, ref, formats, atol=W8A8_ATOL, hint=VALIDATION_HINT)
+            manifest["quant"]["validation"] = {"atol_relative": W8A8_ATOL, **diffs}
+            write_manifest(tmp, manifest)
+        elif validate:
+            validate_dir(tmp, ref, formats, atol=FLOAT_ATOL)
+
+    return write_dir_atomic(output, write)
+
+
+def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int) -> dict:
+    """Float programs of ``model`` for ``formats`` in ``out_dir``: ``{format: {program: files}}``."""
+    cfg = model.config
+    # ONNX is converted from the Paddle programs; without "paddle" they live in scratch.
+    pdir = out_dir if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=out_dir)
+    files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats)}
+    if "onnx" in formats:
+        files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
+                                         tanh_gelu=cfg.hidden_act == "gelu_new")
+    if pdir != out_dir:
+        shutil.rmtree(pdir)
+    return files

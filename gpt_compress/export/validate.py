@@ -1,0 +1,86 @@
+"""Export validation: the exported programs must reproduce the dygraph model's logits.
+
+``reference(model)`` runs the dygraph model once on a small left-padded batch (before the export
+mutates it); ``validate_backend`` compares any runner's prefill, decode and scoring logits with
+that reference, ``validate_dir`` does so for every format of an export directory (and the fused
+Paddle program when there is one). The float,
+int8 and tensor-parallel exports all go through ``validate_backend``, inside their atomic write:
+a directory that fails is never renamed into place.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import paddle
+
+from ..errors import ExportError
+from ..inference.manifest import read_manifest
+from ..inference.predictor import PaddleBackend
+
+
+def _backend(fmt: str):
+    if fmt == "paddle":
+        return PaddleBackend
+    from ..inference.ort import OrtBackend  # onnxruntime is optional (the `onnx` extra)
+
+    return OrtBackend
+
+
+def reference(model, seed: int = 0):
+    """Dygraph logits for a small left-padded batch: (ids, mask, full logits (B,T,V),
+    next ids, decode logits (B,V)) used to validate the export."""
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    t = min(8, cfg.max_position_embeddings - 1)
+    ids = rng.integers(0, cfg.vocab_size, size=(2, t)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, : t // 2] = 0  # second row left-padded
+    nxt = rng.integers(0, cfg.vocab_size, size=(2, 1)).astype(np.int64)
+    with paddle.no_grad():
+        full = model(paddle.to_tensor(ids), attention_mask=paddle.to_tensor(mask)).numpy()
+        ids2, mask2 = np.concatenate([ids, nxt], 1), np.concatenate([mask, np.ones_like(nxt)], 1)
+        step = model(paddle.to_tensor(ids2), attention_mask=paddle.to_tensor(mask2)).numpy()[:, -1]
+    return ids, mask, full, nxt, step
+
+
+def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
+    """Compare a runner's prefill/decode/score with dygraph ``ref``; raise ``ExportError`` beyond
+    ``atol`` (relative to the logits' magnitude). Returns the max abs diff."""
+    ids, mask, full, nxt, step = ref
+    logits, cache = backend.prefill(ids, mask)
+    got = [(logits, full[:, -1]), (backend.score(ids, mask), full)]
+    logits, _ = backend.decode(nxt, np.concatenate([mask, np.ones_like(nxt)], 1), cache)
+    got.append((logits, step))
+    # Padded query rows attend to nothing real; their logits are meaningless, compare real rows.
+    diffs = [float(np.max(np.abs(np.where(mask[..., None] > 0, a - b, 0) if a.ndim == 3 else a - b)))
+             for a, b in got]
+    scale = max(1.0, float(np.max(np.abs(full))))
+    if max(diffs) > atol * scale:
+        raise ExportError(f"{where}: exported logits differ from dygraph by {max(diffs):.3g} "
+                          f"(prefill, score, decode: {', '.join(f'{d:.3g}' for d in diffs)}; "
+                          f"tolerance {atol * scale:.3g})")
+    return max(diffs)
+
+
+def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hint: str = "") -> dict[str, float]:
+    """Run each exported format of directory ``path`` on the reference batch; returns the max abs
+    logit difference per format, raises ``ExportError`` (with ``hint`` appended) on mismatch."""
+    manifest = read_manifest(path)
+    out = {}
+    for fmt in formats:
+        try:
+            out[fmt] = validate_backend(_backend(fmt)(manifest, verify=False), ref, f"{path} ({fmt})", atol=atol)
+        except ExportError as e:
+            if not hint:
+                raise
+            raise ExportError(f"{e}. {hint}") from None
+    if "paddle" in formats and manifest.data.get("fused"):
+        from ..inference.fused import FusedBackend
+
+        try:
+            out["paddle_fused"] = validate_backend(FusedBackend(manifest, verify=False), ref,
+                                                   f"{path} (paddle, fused)", atol=atol)
+        except ExportError as e:
+            raise ExportError(f"{e}. {hint}" if hint else str(e)) from None
+    return out
