@@ -84,7 +84,8 @@ class FusedBackend:
         try:
             return pi.create_predictor(config)
         except (RuntimeError, ValueError, OSError) as e:
-            raise ModelDirError(f"Paddle Inference could not load {self.files['model']}: {e}") from None
+            raise ModelDirError(f"Paddle Inference could not load {self.files['model']} with "
+                                f"{self.files['params']}: {e}") from None
 
     def _call(self, fn, *args):
         """Run on this backend's own worker thread (a predictor keeps per-thread state)."""
