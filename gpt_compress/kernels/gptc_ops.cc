@@ -386,8 +386,8 @@ std::vector<paddle::Tensor> LayerForward(
         float mx = -INFINITY;
         for (int64_t j = 0; j <= last; ++j) {
           if (!mk[b * L + j]) continue;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qv[d] * kb[j * D + d];
+          float s;
+          dot_rows<1>(qv, 0, kb + j * D, D, &s);
           p[j] = s * scale;
           mx = std::max(mx, p[j]);
         }
