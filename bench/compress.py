@@ -1,41 +1,29 @@
-"""Compression benchmark: a gpt-bench pretrained on real text, its compressed variants built with
-the `gptc` commands users run, and one table of size, quality and speed, each runtime
-(onnxruntime, Paddle Inference) against its own fp32. Prints one JSON object.
+"""Compression benchmark: a gpt-bench pretrained on real text, its compressed variants, and one
+table of size, quality and speed, each runtime (onnxruntime, Paddle Inference) against its own
+fp32. Prints one JSON object.
 
     OMP_NUM_THREADS=2 python bench/compress.py --workdir /tmp/compress_wd --markdown table.md
     OMP_NUM_THREADS=2 python bench/compress.py --workdir /tmp/compress_wd --skip-speed       # build + quality
     OMP_NUM_THREADS=2 python bench/compress.py --workdir /tmp/compress_wd --only-speed \
         --bench-lock /tmp/BENCH_LOCK                                                # timing on a quiet machine
+    python bench/compress.py -o Model.preset=gpt-tiny -o Engine.max_steps=20 ...     # any config override
 
-Phases (each reuses what an earlier run left in ``--workdir``):
+Building and evaluating is ``gptc pipeline -c configs/pipeline_compress_bench.yaml`` (see that file
+for the recipe: pretraining, prune + distill, QAT, PTQ W8A8, weight-only int8/int4, exports,
+WikiText-2 / held-out perplexity and LAMBADA on every runtime); it skips what is up to date in
+WORKDIR/pipeline. This script only writes the pipeline's input (the corpus files, default
+``../shared/data/corpus/*.txt``, cut into ~4 KB shuffled documents as JSONL, so the held-out 2%
+mixes both), times, and tabulates:
 
-1. **build.** The corpus files (default ``../shared/data/corpus/*.txt``: Jane Austen + tiny
-   Shakespeare) are cut into ~4 KB documents (shuffled, so the 2% validation split mixes both)
-   and written as JSONL; ``gptc preprocess`` tokenizes them with the GPT-2 BPE
-   (``--tokenizer``); ``gptc pretrain -c configs/pretrain_gpt_bench.yaml`` trains gpt-bench
-   (6 x 384, 6 heads, vocab 50,304) for ``--pretrain-steps`` steps of batch 8 x seq 256
-   (dropout off, LR 1.5e-3 -> 1.5e-4 cosine; 180 steps: ~10 min at 3.1 s/step on 2 quiet cores,
-   28 min on cores shared with other jobs; validation perplexity ~337; `gptc` applies
-   ``runtime.tune_cpu``, which halves the step time). ``--model CKPT`` skips pretraining. Then, from that checkpoint:
-   ``gptc ptq`` (W8A8 block Linears calibrated on 16 batches of the training data, token
-   embedding = tied LM head and positions weight-only int8), ``gptc qat`` (same layers,
-   ``--qat-steps`` of FleetX-style finetuning: small LR, dropout off, embeddings frozen),
-   ``gptc ptq`` weight-only int8 and int4 (every matrix incl. the LM head, blocks of 32),
-   ``gptc prune`` (25% of heads and FFN channels per layer, Taylor importance) then
-   ``gptc distill`` from the fp32 teacher (``--distill-steps``), and ``gptc qat`` of the
-   pruned+distilled model. Every variant is exported by ``gptc export`` (paddle + onnx).
-2. **quality.** On onnxruntime, windows of ``--seq-len`` = the training length (positions beyond
-   it were never trained), FleetX perplexity protocol: perplexity of the held-out 2% of the
-   training documents (in-domain), WikiText-2 perplexity (``wiki.test.raw`` as one string, first
-   ``--wikitext-chars`` characters) and LAMBADA strict accuracy (first ``--lambada-limit``
-   examples); WikiText-2 on Paddle Inference too for ``--paddle-ppl`` variants (the runtimes
-   should agree). Cached in WORKDIR/quality.json per settings. A model trained minutes on
-   novels and plays is far from Wikipedia and LAMBADA: the relative deltas are the figures.
-3. **speed.** ``bench/decode.py``'s worker per variant x runtime in its own process (prefill of a
+1. **pipeline.** ``gptc pipeline`` with the config and ``-o`` overrides; its stage times are kept.
+2. **speed.** ``bench/decode.py``'s worker per variant x runtime in its own process (prefill of a
    64-token prompt, batch-1 and batch-8 greedy decode of 128 tokens, median of ``--reps``,
    best of ``--rounds`` alternating rounds) and a step worker (fastest single decode step).
    ``--bench-lock FILE`` waits while FILE exists, holds it during the timing and removes it.
    Cached in WORKDIR/speed.json.
+3. **table.** The pipeline's evaluation results (WORKDIR/pipeline/eval/*.json) and the timings,
+   one row per variant. A model trained minutes on novels and plays is far from Wikipedia and
+   LAMBADA: the relative deltas are the figures.
 
 The JSON holds every figure and the issue's goals per int8 variant and runtime: decode >= 1.5x
 fp32, WikiText PPL within 2% of fp32, weight file >= 4x smaller.
@@ -58,20 +46,17 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = os.path.join(ROOT, "bench", "decode.py")
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
-VARIANTS = {  # name -> table label
-    "fp32": "fp32",
-    "ptq-w8a8": "PTQ int8 (W8A8, calibrated)",
-    "qat-w8a8": "QAT int8 (W8A8)",
-    "woq8": "weight-only int8",
-    "woq4": "weight-only int4",
-    "pruned-distilled": "pruned+distilled (fp32)",
-    "pruned-distilled-qat": "pruned+distilled+QAT int8",
+CONFIG = os.path.join(ROOT, "configs", "pipeline_compress_bench.yaml")
+VARIANTS = {  # name -> (pipeline artifact, table label); the quant_variants keep their names
+    "fp32": ("base", "fp32"),
+    "ptq-w8a8": ("ptq-w8a8", "PTQ int8 (W8A8, calibrated)"),
+    "qat-w8a8": ("qat-w8a8", "QAT int8 (W8A8)"),
+    "woq8": ("woq8", "weight-only int8"),
+    "woq4": ("woq4", "weight-only int4"),
+    "pruned-distilled": ("compressed", "pruned+distilled (fp32)"),
+    "pruned-distilled-qat": ("int8", "pruned+distilled+QAT int8"),
 }
 INT8 = ("ptq-w8a8", "qat-w8a8", "woq8", "pruned-distilled-qat")  # the rows the issue's goals apply to
-W8A8_QUANT = ['Quant.targets=["gpt.blocks.*"]', 'Quant.weight_only=["gpt.wte","gpt.wpe"]']
-WOQ_QUANT = ["Quant.targets=[]", 'Quant.weight_only=["*"]', "Quant.weight_block_size=32"]
-QAT_OPT = ["Optimizer.weight_decay=0.02", "Optimizer.beta2=0.999", "Optimizer.lr.max_lr=2.0e-5",
-           "Optimizer.lr.min_lr=2.0e-6", "Optimizer.lr.warmup_rate=0.05"]  # FleetX QAT: small LR, beta2 0.999
 
 
 def _say(msg: str) -> None:
@@ -93,12 +78,12 @@ def _read_json(path: str):
 
 
 # --------------------------------------------------------------------------------------
-# Phase 1: data, pretraining, variants, exports (all through `gptc`)
+# Phase 1: the pipeline (its input, its run, its results)
 # --------------------------------------------------------------------------------------
 def corpus_jsonl(files: list[str], out: str, chunk_chars: int = 4000) -> int:
     """Cut plain-text files into documents of >= ``chunk_chars`` characters at paragraph breaks,
-    shuffle them (seed 0) and write JSONL; returns the document count. (`gptc preprocess` takes
-    a text file as one document, which would leave no document for the validation split.)"""
+    shuffle them (seed 0) and write JSONL; returns the document count. (A text file is one
+    document to the pipeline, which would leave none to hold out.)"""
     docs = []
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -119,169 +104,61 @@ def corpus_jsonl(files: list[str], out: str, chunk_chars: int = 4000) -> int:
     return len(docs)
 
 
-def step(work: str, name: str, args: list, timings: dict) -> dict:
-    """Run ``gptc ARGS`` once: its JSON summary is kept in WORKDIR/NAME/summary.json and reused."""
+def pipeline_overrides(a, work: str) -> list[str]:
+    """The config overrides: the workdir's corpus and output, the shared data, then ``-o``."""
+    corpus = os.path.join(work, "corpus.jsonl")
+    if not os.path.isfile(corpus):
+        corpus_jsonl(sorted(f for pat in a.corpus for f in glob.glob(pat)), corpus)
+    return [f"Global.output_dir={os.path.join(work, 'pipeline')}", f"Pipeline.corpus=[{corpus}]",
+            f"Pipeline.tokenizer_dir={os.path.join(SHARED, 'gpt2_bpe')}",
+            f"Pipeline.eval_wikitext={os.path.join(SHARED, 'wikitext-2', 'wiki.test.raw')}",
+            f"Pipeline.eval_lambada={os.path.join(SHARED, 'lambada_test.jsonl')}", *a.override]
+
+
+def run_pipeline(a, overrides: list[str], timings: dict) -> dict:
+    """``gptc pipeline`` (up-to-date stages are skipped); its summary."""
     from gpt_compress.pipeline.stages import gptc
 
-    done = os.path.join(work, name, "summary.json")
-    res = _read_json(done)
-    if res is None:
-        t0 = time.perf_counter()
-        res = gptc([str(x) for x in args], name)
-        res["bench_seconds"] = round(time.perf_counter() - t0, 1)
-        _write_json(done, res)
-    timings[name] = res.get("bench_seconds")
+    t0 = time.perf_counter()
+    res = gptc(["pipeline", "-c", a.config, *[x for o in overrides for x in ("-o", o)]], "pipeline")
+    timings["pipeline"] = round(time.perf_counter() - t0, 1)
+    timings["stages"] = {k: v.get("seconds") for k, v in res.get("stages", {}).items()}
     return res
 
 
-def _o(overrides: list[str]) -> list[str]:
-    return [x for o in overrides for x in ("-o", o)]
+def pipeline_results(a, overrides: list[str]) -> tuple[dict, dict]:
+    """(variant -> export dir, quality) from the pipeline's stamps and eval/*.json: per variant and
+    runtime the perplexities, LAMBADA and evaluation seconds, named as the table reads them."""
+    from gpt_compress.config import build_config, load_yaml
+    from gpt_compress.pipeline import Pipeline, PipelineError
 
-
-def build(a, work: str, timings: dict) -> dict:
-    """Every variant's export directory (built if missing)."""
-    data_dir = os.path.join(work, "data")
-    prefix = os.path.join(data_dir, "corpus_text_document")
-    if not os.path.isfile(prefix + ".idx"):
-        files = sorted(f for pat in a.corpus for f in glob.glob(pat))
-        corpus_jsonl(files, os.path.join(data_dir, "corpus.jsonl"))
-    step(work, "data", ["preprocess", "--input", os.path.join(data_dir, "corpus.jsonl"), "--output-prefix",
-                        os.path.join(data_dir, "corpus"), "--tokenizer-dir", a.tokenizer], timings)
-    data = [f"Data.data_prefix=[{prefix}]", f"Data.tokenizer_dir={a.tokenizer}", "Data.split=[98,2,0]",
-            f"Data.seq_length={a.seq_len}"]
-    base = ["-c", os.path.join(ROOT, "configs", "pretrain_gpt_bench.yaml")]
-
-    def out(name: str) -> str:
-        return os.path.join(work, name)
-
-    def run(name: str, command: str, overrides: list[str], key: str, *extra: str) -> str:
-        args = [command, *base, *extra, *_o(data + [f"Global.output_dir={out(name)}", *overrides])]
-        return step(work, name, args + ([] if command == "prune" else ["--no-progress"]), timings)[key]
-
-    wanted, ev = set(a.variants), ["Engine.eval_iters=8"]
-    qat = ev + W8A8_QUANT + QAT_OPT + [f"Engine.max_steps={a.qat_steps}", "Engine.eval_freq=0", "Engine.save_steps=0",
-                                       "Engine.logging_freq=10", "Quant.calib_batches=8"]
-    teacher = os.path.abspath(a.model) if a.model else run("pretrain", "pretrain", [
-        f"Engine.max_steps={a.pretrain_steps}", "Engine.logging_freq=10", "Engine.eval_freq=60",
-        "Engine.eval_iters=8", "Engine.save_steps=60", "Engine.keep_checkpoint_max=1", "Engine.resume=auto",
-        "Model.hidden_dropout_prob=0.0", "Model.attention_probs_dropout_prob=0.0", "Optimizer.lr.max_lr=1.5e-3",
-        "Optimizer.lr.min_lr=1.5e-4", "Optimizer.lr.warmup_rate=0.05"], "checkpoint")
-    ckpts = {"fp32": teacher}
-    quant = "quantized_checkpoint"
-    if "ptq-w8a8" in wanted:
-        calib = ["Quant.calib_batches=16", "Engine.max_steps=16"]  # 16 x 8 training samples
-        ckpts["ptq-w8a8"] = run("ptq-w8a8", "ptq", ev + W8A8_QUANT + calib, quant, "--model", teacher,
-                                "--format", "none")
-    for v, bits in (("woq8", 8), ("woq4", 4)):
-        if v in wanted:
-            ckpts[v] = run(v, "ptq", ev + WOQ_QUANT + [f"Quant.weight_bits={bits}", "Engine.max_steps=1"], quant,
-                           "--model", teacher, "--format", "none")
-    if "qat-w8a8" in wanted:
-        ckpts["qat-w8a8"] = run("qat-w8a8", "qat", qat, quant, "--model", teacher, "--format", "none")
-    if wanted & {"pruned-distilled", "pruned-distilled-qat"}:
-        pruned = run("prune", "prune", ev + ["Prune.head_ratio=0.25", "Prune.ffn_ratio=0.25",
-                                             "Prune.criterion=taylor", "Prune.calib_batches=8"], "output",
-                     "--model", teacher, "--output", out("prune/model"))
-        ckpts["pruned-distilled"] = run("distill", "distill", ev + [
-            f"Distill.teacher={teacher}", f"Distill.student={pruned}", "Distill.temperature=2.0",
-            "Distill.alpha=0.5", f"Engine.max_steps={a.distill_steps}", "Engine.eval_freq=0",
-            "Engine.save_steps=0", "Engine.logging_freq=10", "Optimizer.lr.max_lr=5.0e-4",
-            "Optimizer.lr.min_lr=5.0e-5", "Optimizer.lr.warmup_rate=0.05"], "checkpoint")
-        if "pruned-distilled-qat" in wanted:
-            ckpts["pruned-distilled-qat"] = run("pruned-distilled-qat", "qat", qat, quant,
-                                                "--model", ckpts["pruned-distilled"], "--format", "none")
-    paths = {}
+    cfg = build_config(load_yaml(a.config), overrides, source=a.config)
+    pipe, p = Pipeline(cfg), cfg.pipeline
+    artifacts = {"base": "export_base", "compressed": "export_compressed", "int8": "qat",
+                 **{v.name: f"quant_{v.name}" for v in p.quant_variants}}
+    paths, results = {}, {}
     for v in a.variants:
-        res = step(work, f"exports/{v}", ["export", "--model", ckpts[v], "--output", out(f"exports/{v}/model"),
-                                          "--format", "all"], timings)
-        paths[v] = res["output"]
-    return paths
-
-
-def exported_paths(a, work: str) -> dict:
-    """The export directories an earlier build left (``--only-speed``)."""
-    paths = {}
-    for v in a.variants:
-        res = _read_json(os.path.join(work, "exports", v, "summary.json"))
-        if res is None:
-            sys.exit(f"bench/compress.py: {v} was not built in {work}; run without --only-speed first")
-        paths[v] = res["output"]
-    return paths
-
-
-# --------------------------------------------------------------------------------------
-# Phase 2: quality
-# --------------------------------------------------------------------------------------
-def wikitext_prefix(src: str, chars: int, work: str) -> str:
-    """The first ``chars`` characters of ``src`` cut at a line end (the whole file for 0)."""
-    from gpt_compress.eval.wikitext import write_text_prefix
-
-    return write_text_prefix(src, chars, os.path.join(work, "eval", f"wikitext_first_{chars}_chars.txt"))
-
-
-def heldout_text(work: str) -> str:
-    """The validation documents of the training split (``Data.split=[98,2,0]``) as one text file:
-    in-domain perplexity, which WikiText (Wikipedia vs novels and plays) is not."""
-    from gpt_compress.data.dataset import split_documents
-
-    path = os.path.join(work, "eval", "heldout.txt")
-    if not os.path.isfile(path):
-        with open(os.path.join(work, "data", "corpus.jsonl"), encoding="utf-8") as f:
-            docs = [json.loads(line)["text"] for line in f if line.strip()]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n\n".join(docs[i] for i in split_documents(len(docs), [98, 2, 0])[1]) + "\n")
-    return path
-
-
-def quality(a, work: str, paths: dict, timings: dict) -> dict:
-    """Perplexities and LAMBADA per variant, cached per settings in WORKDIR/quality.json (each
-    result is merged into the file as it is made, so runs over different variants can share it)."""
-    from gpt_compress.eval.lambada import evaluate_lambada
-    from gpt_compress.eval.wikitext import evaluate_wikitext
-    from gpt_compress.inference.runner import Generator
-
-    texts = {"wikitext": wikitext_prefix(a.wikitext, a.wikitext_chars, work), "heldout": heldout_text(work)}
-    settings = {"wikitext": os.path.abspath(a.wikitext), "wikitext_chars": a.wikitext_chars, "seq_len": a.seq_len,
-                "lambada": os.path.abspath(a.lambada), "lambada_limit": a.lambada_limit, "heldout": texts["heldout"]}
-    cache_path = os.path.join(work, "quality.json")
-
-    def load() -> dict:
-        cache = _read_json(cache_path) or {}
-        return cache if cache.get("settings") == settings else {"settings": settings, "results": {}}
-
-    t0 = time.perf_counter()
-    for v in a.variants:
-        got = load()["results"].get(v, {})
-        if got.get("path") != paths[v]:
-            got = {"path": paths[v]}
-        for backend in ("onnx", "paddle"):
-            tasks = ("wikitext", "heldout", "lambada") if backend == "onnx" else ("wikitext",)
-            r = got.setdefault(backend, {})
-            todo = [t for t in tasks if f"{t}_seconds" not in r]
-            if not todo or (backend == "paddle" and v not in a.paddle_ppl):
-                continue
-            gen = Generator.from_dir(paths[v], backend=backend)
-            for task in todo:
-                t = time.perf_counter()
-                if task == "lambada":
-                    lam = evaluate_lambada(gen, gen.tokenizer, a.lambada, seq_len=a.seq_len, batch_size=16,
-                                           limit=a.lambada_limit, progress=False)
-                    r.update(lambada_accuracy=lam.accuracy, lambada_examples=lam.num_examples,
-                             lambada_target_ppl=lam.target_ppl)
-                else:
-                    w = evaluate_wikitext(gen, gen.tokenizer, texts[task], "raw", seq_len=a.seq_len, batch_size=8,
-                                          progress=False)
-                    r.update({f"{task}_ppl": w.ppl, f"{task}_tokens": w.num_tokenized_tokens})
-                    if task == "wikitext":
-                        r["wikitext_adjusted_ppl"] = w.adjusted_ppl
-                r[f"{task}_seconds"] = round(time.perf_counter() - t, 1)
-                cache = load()
-                cache["results"][v] = got
-                _write_json(cache_path, cache)
-            _say(f"quality {v} [{backend}]: " + ", ".join(f"{k} {r[k]:.4g}" for k in r if isinstance(r[k], float)))
-    timings["quality"] = round(time.perf_counter() - t0, 1)
-    return load()
+        art = VARIANTS[v][0]
+        try:
+            paths[v] = pipe.outputs(artifacts[art])["export"]
+            evals = _read_json(pipe.outputs(f"eval_{art}")["result"])
+        except (KeyError, PipelineError) as e:
+            sys.exit(f"bench/compress.py: the pipeline has no {art!r} artifact for {v} ({e}); "
+                     "run without --only-speed, or drop it from --variants")
+        got = results.setdefault(v, {"path": paths[v]})
+        for r in evals:
+            c = got.setdefault(r["backend"], {})
+            if r["task"] in ("wikitext", "heldout"):
+                c.update({f"{r['task']}_ppl": r["ppl"], f"{r['task']}_tokens": r["num_tokenized_tokens"]})
+                if r["task"] == "wikitext":
+                    c["wikitext_adjusted_ppl"] = r["adjusted_ppl"]
+            elif r["task"] == "lambada":
+                c.update(lambada_accuracy=r["accuracy"], lambada_examples=r["num_examples"],
+                         lambada_target_ppl=r["target_ppl"])
+    settings = {"config": os.path.abspath(a.config), "overrides": overrides, "wikitext": p.eval_wikitext,
+                "wikitext_chars": p.eval_max_chars, "seq_len": p.eval_seq_len, "lambada": p.eval_lambada,
+                "lambada_limit": p.lambada_limit}
+    return paths, {"settings": settings, "results": results}
 
 
 # --------------------------------------------------------------------------------------
@@ -389,7 +266,7 @@ def table(a, paths: dict, qual: dict, spd: dict) -> dict:
     for v in a.variants:
         q = (qual or {}).get("results", {}).get(v, {})
         s = (spd or {}).get("results", {}).get(v, {})
-        row = {"label": VARIANTS[v], "path": paths[v], "weight_bytes": weight_bytes(paths[v])}
+        row = {"label": VARIANTS[v][1], "path": paths[v], "weight_bytes": weight_bytes(paths[v])}
         for b in ("onnx", "paddle"):
             row[b] = {**{k: x for k, x in q.get(b, {}).items()}, **s.get(b, {})}
         rows[v] = row
@@ -464,7 +341,7 @@ def markdown(rows: dict, spd: dict, qual: dict) -> str:
     if qs:
         q0 = next(iter((qual or {}).get("results", {}).values()), {}).get("onnx", {})
         notes.append(f"Quality on onnxruntime, windows of {qs['seq_len']} tokens (the training length), FleetX "
-                     f"protocol: held-out = the 2% validation documents of the training corpus "
+                     f"protocol: held-out = the corpus documents the pipeline kept out of training "
                      f"({q0.get('heldout_tokens', 0):,} GPT-2 tokens); WikiText-2 `wiki.test.raw`, first "
                      f"{qs['wikitext_chars']:,} characters ({q0.get('wikitext_tokens', 0):,} tokens); LAMBADA strict "
                      f"accuracy on the first {qs['lambada_limit']} examples.")
@@ -484,20 +361,12 @@ def markdown(rows: dict, spd: dict, qual: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=os.path.join(ROOT, "output", "bench_compress"),
-                   help="data, checkpoints, exports and cached results (reused)")
-    p.add_argument("--model", default="", help="float checkpoint to compress instead of pretraining one")
+                   help="corpus, the pipeline's output and cached timings (reused)")
+    p.add_argument("--config", default=CONFIG, help="the gptc pipeline config")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override for the pipeline (repeatable)")
     p.add_argument("--corpus", nargs="+", default=[os.path.join(SHARED, "corpus", "*.txt")])
-    p.add_argument("--tokenizer", default=os.path.join(SHARED, "gpt2_bpe"), help="GPT-2 BPE directory")
-    p.add_argument("--pretrain-steps", type=int, default=180, help="batch 8 x seq 256 steps (3.1 s each on 2 cores)")
-    p.add_argument("--qat-steps", type=int, default=100)
-    p.add_argument("--distill-steps", type=int, default=100)
-    p.add_argument("--seq-len", type=int, default=256, help="training length, also the evaluation window")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--wikitext", default=os.path.join(SHARED, "wikitext-2", "wiki.test.raw"))
-    p.add_argument("--wikitext-chars", type=int, default=200_000, help="evaluate this prefix (0: whole file)")
-    p.add_argument("--lambada", default=os.path.join(SHARED, "lambada_test.jsonl"))
-    p.add_argument("--lambada-limit", type=int, default=500)
-    p.add_argument("--paddle-ppl", default="fp32,ptq-w8a8", help="variants whose PPL is also taken on Paddle")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="rows of the table (and timed)")
     p.add_argument("--backends", default="onnx,paddle", help="timed runtimes")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -505,7 +374,6 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--skip-speed", action="store_true", help="build and evaluate only")
-    p.add_argument("--skip-quality", action="store_true", help="no perplexity / LAMBADA runs (cached ones are shown)")
     p.add_argument("--only-speed", action="store_true", help="time the exports an earlier run built")
     p.add_argument("--bench-lock", default="", help="wait for this file to vanish, hold it while timing")
     p.add_argument("--markdown", default="", help="also write the table here")
@@ -519,23 +387,18 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     a.backends = [b for b in a.backends.split(",") if b]
-    a.paddle_ppl = [v for v in a.paddle_ppl.split(",") if v]
     work = os.path.abspath(a.workdir)
     os.makedirs(work, exist_ok=True)
     timings: dict = {}
-    if a.only_speed:
-        paths = exported_paths(a, work)
-        qual = _read_json(os.path.join(work, "quality.json"))
-    else:
-        paths = build(a, work, timings)
-        qual = _read_json(os.path.join(work, "quality.json")) if a.skip_quality else quality(a, work, paths, timings)
+    overrides = pipeline_overrides(a, work)
+    if not a.only_speed:
+        run_pipeline(a, overrides, timings)
+    paths, qual = pipeline_results(a, overrides)
     spd = None if a.skip_speed else speed(a, work, paths, timings)
     if spd is None:
         spd = _read_json(os.path.join(work, "speed.json"))
     rows = table(a, paths, qual, spd)
-    pre = _read_json(os.path.join(work, "pretrain", "summary.json")) if not a.model else None
-    report = {"bench": "compress", "workdir": work, "model": a.model or (pre or {}).get("checkpoint"),
-              "pretrain": pre, "quality_settings": (qual or {}).get("settings"),
+    report = {"bench": "compress", "workdir": work, "quality_settings": qual["settings"],
               "speed_settings": {k: x for k, x in (spd or {}).items() if k != "results"}, "results": rows,
               "goals": goals(rows), "seconds": timings}
     if a.markdown:

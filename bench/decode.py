@@ -205,8 +205,8 @@ def prepare(workdir: str, preset: str) -> tuple[str, str]:
     if not os.path.isfile(os.path.join(out, MANIFEST)):
         paddle.seed(0)
         cfg = ModelConfig.from_preset(preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        save_model(GPTForCausalLM(cfg), ckpt)
-        export(ckpt, out, formats=("paddle", "onnx"))
+        save_model(GPTForCausalLM(cfg), ckpt, overwrite=True)  # its own work dir: redo after an interruption
+        export(ckpt, out, formats=("paddle", "onnx"), overwrite=True)
     return ckpt, out
 
 

@@ -71,8 +71,9 @@ def state_dict_numpy(model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}
 
 
-def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None) -> str:
-    """Save weights + config (+ tokenizer files) to checkpoint directory ``path``."""
+def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None, overwrite: bool = False) -> str:
+    """Save weights + config (+ tokenizer files) to checkpoint directory ``path`` (an existing
+    one is replaced only with ``overwrite``: see ``fileio.check_output``)."""
     from safetensors.numpy import save_file
 
     head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
@@ -86,7 +87,7 @@ def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None) -
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    return write_dir_atomic(path, write)
+    return write_dir_atomic(path, write, overwrite=overwrite)
 
 
 def load_weights(path: str) -> dict[str, np.ndarray]:

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quant-sensitivity": ("quant_sensitivity", "rank layers by their quantization loss; write a skip list"),
     "export": ("export", "export a checkpoint to a static inference model (Paddle Inference / ONNX)"),
     "infer": ("infer", "generate with an exported model (Paddle Inference, onnxruntime or dygraph)"),
+    "serve": ("serve", "serve an exported model over an OpenAI-compatible HTTP API (continuous batching)"),
     "partition": ("partition", "export a checkpoint as tensor-parallel rank programs (mp_degree directories)"),
     "infer-tp": ("infer_tp", "generate with a tensor-parallel export, one process per rank"),
     "prune": ("prune", "remove the least important attention heads and FFN channels (smaller checkpoint)"),
@@ -42,15 +43,32 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="gptc", description=__doc__.splitlines()[0])
+    parser.add_argument("-V", "--version", action="version", version=f"gptc (gpt-compress) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
+def _quiet_paddle() -> None:
+    """Hide Paddle's import-time "No ccache found" UserWarning (about compiling C++ extensions,
+    which gptc never does) from users."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"gptc (gpt-compress) {__version__}")
+        sys.exit(0)
+    _quiet_paddle()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = build_parser()
         if argv and argv[0] not in ("-h", "--help"):
@@ -76,8 +94,13 @@ def main(argv: list[str] | None = None) -> None:
         code = module.run(args)
     except GptcError as e:
         kind = "config error" if isinstance(e, ConfigError) else "error"
-        print(f"gptc {name}: {kind}: {e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # one line, whatever the message holds
+        print(f"gptc {name}: {kind}: {message}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print(f"gptc {name}: interrupted (Ctrl-C); outputs are written atomically, so nothing "
+              "half-written was left", file=sys.stderr)
+        sys.exit(130)
     sys.exit(code or 0)
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from .errors import ConfigError  # noqa: F401  (re-exported)
 
 import dataclasses
+import math
 import difflib
+import fnmatch
 import os
 import typing
 from dataclasses import dataclass, field
@@ -168,6 +170,12 @@ class DataConfig:
     tokenizer_dir: str = ""  # directory holding tokenizer files; "" uses the checkpoint's
     num_workers: int = 0  # DataLoader worker processes
 
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise ConfigError(f"Data.seq_length must be >= 1, got {self.seq_length}")
+        if len(self.split) != 3 or any(not (math.isfinite(x) and x >= 0) for x in self.split) or not sum(self.split):
+            raise ConfigError(f"Data.split must be three non-negative weights (train, valid, test), got {self.split}")
+
 
 @dataclass
 class LRConfig:
@@ -178,6 +186,18 @@ class LRConfig:
     min_lr: float = 3e-5
     warmup_rate: float = 0.01  # warmup steps = warmup_rate * decay_steps
     decay_steps: int = 0  # 0: Engine.max_steps
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"Optimizer.lr.decay_style must be cosine, linear or constant, got {self.decay_style!r}")
+        if not (math.isfinite(self.max_lr) and self.max_lr > 0):
+            raise ConfigError(f"Optimizer.lr.max_lr must be > 0, got {self.max_lr}")
+        if not (math.isfinite(self.min_lr) and self.min_lr >= 0):
+            raise ConfigError(f"Optimizer.lr.min_lr must be >= 0, got {self.min_lr}")
+        if not 0 <= self.warmup_rate <= 1:
+            raise ConfigError(f"Optimizer.lr.warmup_rate must be in [0, 1], got {self.warmup_rate}")
+        if self.decay_steps < 0:
+            raise ConfigError(f"Optimizer.lr.decay_steps must be >= 0 (0: Engine.max_steps), got {self.decay_steps}")
 
 
 @dataclass
@@ -212,6 +232,17 @@ class EngineConfig:
     max_loss_spike: float = 0.0  # stop if loss > spike * running mean; 0 disables (NaN always stops)
     to_static: bool = False  # run the transformer body as a static program (paddle.jit.to_static)
 
+    def __post_init__(self) -> None:
+        for key, low in (("max_steps", 1), ("global_batch_size", 1), ("micro_batch_size", 1), ("eval_freq", 0),
+                         ("eval_iters", 0), ("logging_freq", 0), ("save_steps", 0), ("keep_checkpoint_max", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"Engine.{key} must be >= {low}, got {getattr(self, key)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"Engine.global_batch_size {self.global_batch_size} is not a multiple of "
+                              f"Engine.micro_batch_size {self.micro_batch_size}")
+        if self.mix_precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"Engine.mix_precision must be fp32, bf16 or fp16, got {self.mix_precision!r}")
+
 
 @dataclass
 class GenerationConfig:
@@ -235,6 +266,20 @@ class GenerationConfig:
         if self.decode_strategy not in ("greedy", "sampling", "beam_search"):
             raise ConfigError("Generation.decode_strategy must be greedy, sampling or beam_search, "
                               f"got {self.decode_strategy!r}")
+        checks = [("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                  ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
+                   f"in [0, max_new_tokens={self.max_new_tokens}]"),
+                  ("temperature", math.isfinite(self.temperature) and self.temperature > 0,
+                   "> 0 (use decode_strategy=greedy for deterministic output)"),
+                  ("top_k", self.top_k >= 0, ">= 0 (0 disables)"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 disables; use greedy for top-1)"),
+                  ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                   "> 0 (1 disables)"),
+                  ("num_beams", self.num_beams >= 1, ">= 1"),
+                  ("length_penalty", math.isfinite(self.length_penalty), "a finite number")]
+        for key, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"Generation.{key} must be {rule}, got {getattr(self, key)}")
 
 
 @dataclass
@@ -350,6 +395,28 @@ class ParallelConfig:
 
 
 @dataclass
+class QuantVariant:
+    """One more quantized artifact of `gptc pipeline` (beside the QAT one, ``int8``): ``gptc ptq`` or
+    ``gptc qat`` of the base model or of the last float model, with its own overrides; exported,
+    evaluated and reported like the others."""
+
+    name: str = ""  # the artifact's name: stage quant_<name>, eval/<name>.json
+    command: str = "ptq"  # ptq | qat
+    source: str = "base"  # base | float (the last float model: distilled, else pruned, else base)
+    overrides: list[str] = field(default_factory=list)  # "Section.key=value" for this command only
+    label: str = ""  # its row in the report (default: the name)
+
+    def __post_init__(self) -> None:
+        if not self.name.replace("-", "_").isidentifier() or self.name in ("base", "compressed", "int8"):
+            raise ConfigError(f"quant variant name {self.name!r} must be a word (letters, digits, -, _) "
+                              "other than base, compressed and int8")
+        if self.command not in ("ptq", "qat"):
+            raise ConfigError(f"quant variant {self.name}: command must be ptq or qat, got {self.command!r}")
+        if self.source not in ("base", "float"):
+            raise ConfigError(f"quant variant {self.name}: source must be base or float, got {self.source!r}")
+
+
+@dataclass
 class PipelineConfig:
     """`gptc pipeline`: text -> pretrained -> pruned + distilled -> QAT int8 -> exported -> evaluated.
     The other sections configure pretraining; each later stage adds its own ``*_overrides``."""
@@ -366,10 +433,12 @@ class PipelineConfig:
     prune_overrides: list[str] = field(default_factory=list)  # ... for `gptc prune`
     distill_overrides: list[str] = field(default_factory=list)  # ... for `gptc distill`
     qat_overrides: list[str] = field(default_factory=list)  # ... for `gptc qat`
+    quant_variants: list[QuantVariant] = field(default_factory=list)  # more int8/int4 artifacts (ptq/qat)
     formats: list[str] = field(default_factory=lambda: ["paddle", "onnx"])  # export formats to build and evaluate
     eval_wikitext: str = ""  # perplexity text (WikiText raw/tokens); "" uses the held-out corpus documents
     eval_input_format: str = "raw"  # raw | raw-hf-rows | tokens
     eval_max_chars: int = 0  # score only the first N characters of the perplexity text (0: all)
+    eval_heldout: bool = False  # with eval_wikitext: also the held-out documents' perplexity (in-domain)
     eval_lambada: str = ""  # lambada_test.jsonl; "" skips LAMBADA
     lambada_limit: int = 0  # LAMBADA: only the first N examples (0: all)
     eval_seq_len: int = 0  # evaluation window; 0: the model's context
@@ -384,6 +453,9 @@ class PipelineConfig:
             raise ConfigError(f"Pipeline.heldout_fraction must be in [0, 0.5), got {self.heldout_fraction}")
         if self.distill and not self.prune:
             raise ConfigError("Pipeline.distill needs Pipeline.prune (the student is the pruned model)")
+        names = [v.name for v in self.quant_variants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"Pipeline.quant_variants names must be unique, got {names}")
         bad = [f for f in self.formats if f not in ("paddle", "onnx")]
         if bad or not self.formats:
             raise ConfigError(f"Pipeline.formats must be a non-empty subset of [paddle, onnx], got {self.formats}")
@@ -395,8 +467,100 @@ class PipelineConfig:
                 raise ConfigError(f"Pipeline.{key} must be >= 1, got {getattr(self, key)}")
 
 
-# Defined beside its transforms (gpt_compress/qat/); pure Python, imports nothing from Paddle.
-from .qat.config import QuantConfig  # noqa: E402
+OBSERVERS = ("abs_max", "percentile", "mse")  # PTQ activation observers
+W8A8, WEIGHT_ONLY = "w8a8", "weight_only"  # the two quantized layer modes
+QUANT_WEIGHT_BITS = (8, 4)  # weight widths the int8 export writes (export/int8.py)
+
+
+@dataclass
+class QuantConfig:
+    """Quantization of a trained model (``gptc qat``, ``gptc ptq``, ``gptc quant-sensitivity``); the
+    transforms are in ``gpt_compress/qat/``.
+
+    Each candidate layer ends up in one of three states, decided by name globs (``fnmatch``, so
+    ``*`` also crosses dots) over the model's sublayer names (``gpt.blocks.0.attn.qkv``, ...):
+
+    * **W8A8** (``targets`` minus ``skip``): weights int8 per output channel (abs-max), inputs int8
+      per tensor with a calibrated (PTQ) or moving-average (QAT) abs-max scale. Only the Linear
+      layers of the blocks qualify; the LM head never does (the fused training loss feeds it the
+      hidden states directly, so its input could not be fake-quantized consistently).
+    * **weight-only** (``weight_only``, checked for layers that are not W8A8): int8 or int4 weights
+      in blocks of ``weight_block_size`` inputs. With ``dynamic_inputs`` (default) the inputs are
+      quantized on the fly to int8 per token and block (scale ``max|x| / 127``), exactly as
+      onnxruntime's fast ``MatMulNBits`` kernels do (``accuracy_level=4``; measured on gpt-bench's
+      LM head, batch 1: 1.1 ms for int8 weights vs 4.2 ms float32, while float inputs with int8
+      weights take 99 ms); without it inputs stay float. Qualifies: block Linears, an untied
+      ``lm_head``, ``gpt.wte`` (the token embedding, which in a tied model is the LM head too) and
+      ``gpt.wpe`` (positions).
+    * **float**: everything else.
+    """
+
+    targets: list[str] = field(default_factory=lambda: ["*"])  # W8A8 candidates (block Linears only)
+    skip: list[str] = field(default_factory=lambda: ["gpt.wte", "gpt.wpe", "lm_head"])  # never W8A8
+    skip_file: str = ""  # more skip names/globs, one per line (what `gptc quant-sensitivity` writes)
+    weight_only: list[str] = field(default_factory=list)  # weight-only layers, e.g. ["gpt.wte"] (tied LM head)
+    weight_bits: int = 8  # 8 or 4 (int4: weight-only layers; W8A8 layers then hold 4-bit codes in int8)
+    activation_bits: int = 8  # W8A8 inputs; exports need 8, fewer bits are for the sensitivity ranking
+    weight_block_size: int = 32  # weight-only: one scale per this many inputs (power of two >= 16)
+    dynamic_inputs: bool = True  # weight-only: int8 inputs per token and block, made on the fly (see above)
+    moving_rate: float = 0.9  # QAT: moving-average rate of the activation abs-max
+    observer: str = "abs_max"  # PTQ activation observer: abs_max, percentile or mse
+    percentile: float = 99.99  # observer=percentile: the clipping percentile of |x|
+    calib_batches: int = 16  # PTQ / sensitivity: calibration batches of Engine.micro_batch_size
+    freeze_embedding: bool = True  # QAT: embeddings are not trained (FleetX freeze_embedding)
+
+    def __post_init__(self) -> None:
+        # Checked here, when the config is read, not by the exporter after training.
+        if self.weight_bits not in QUANT_WEIGHT_BITS:
+            raise ConfigError(f"Quant.weight_bits must be one of {', '.join(map(str, QUANT_WEIGHT_BITS))} (the "
+                              f"widths the int8 export writes), got {self.weight_bits}")
+        if not 2 <= self.activation_bits <= 8:
+            raise ConfigError(f"Quant.activation_bits must be between 2 and 8, got {self.activation_bits}")
+        b = self.weight_block_size
+        if b < 16 or b & (b - 1):
+            raise ConfigError(f"Quant.weight_block_size must be a power of two >= 16 (onnxruntime MatMulNBits), "
+                              f"got {b}")
+        if self.observer not in OBSERVERS:
+            raise ConfigError(f"Quant.observer must be one of {', '.join(OBSERVERS)}, got {self.observer!r}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise ConfigError(f"Quant.percentile must be in (0, 100], got {self.percentile}")
+        if not 0.0 < self.moving_rate < 1.0:
+            raise ConfigError(f"Quant.moving_rate must be in (0, 1), got {self.moving_rate}")
+        if self.calib_batches < 1:
+            raise ConfigError(f"Quant.calib_batches must be >= 1, got {self.calib_batches}")
+
+    def all_skips(self) -> list[str]:
+        """``skip`` plus the names in ``skip_file`` (blank lines and ``#`` comments ignored)."""
+        if not self.skip_file:
+            return list(self.skip)
+        if not os.path.isfile(self.skip_file):
+            raise ConfigError(f"Quant.skip_file {self.skip_file!r} does not exist (write one with "
+                              "`gptc quant-sensitivity`)")
+        with open(self.skip_file, encoding="utf-8") as f:
+            extra = [ln.split("#", 1)[0].strip() for ln in f]
+        return list(self.skip) + [x for x in extra if x]
+
+    def mode_of(self, name: str, kind: str, skips: Optional[list[str]] = None) -> Optional[str]:
+        """``W8A8``, ``WEIGHT_ONLY`` or None for layer ``name`` of ``kind`` ("linear", "lm_head" or
+        "embedding"); ``skips`` defaults to ``all_skips()``."""
+        skips = self.all_skips() if skips is None else skips
+        if kind == "linear" and _matches(name, self.targets) and not _matches(name, skips):
+            return W8A8
+        if _matches(name, self.weight_only):
+            return WEIGHT_ONLY
+        return None
+
+
+def _matches(name: str, globs: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def _matches(name: str, globs: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+# The Serve section is defined beside the server (gpt_compress/serve/); pure Python, no FastAPI.
+from .serve.config import ServeConfig  # noqa: E402
 
 
 @dataclass
@@ -414,6 +578,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict:
         """Sections keyed by their YAML names."""
@@ -433,6 +598,7 @@ SECTIONS: dict[str, str] = {
     "Parallel": "parallel",
     "Quant": "quant",
     "Pipeline": "pipeline",
+    "Serve": "serve",
 }
 
 
@@ -497,20 +663,27 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def _build(cls, data: dict, where: str):
-    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys by name."""
+def _build(cls, data: dict, where: str, origins: Optional[dict] = None):
+    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys by name. ``origins``
+    maps keys set by `-o` to their override text, so an error blames the override, not the file."""
+    origins = origins or {}
+    source, _, section = where.rpartition(": ")
+    source = "" if source == "<defaults>" else source
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for key, value in data.items():
+        at = f"-o {origins[key]}: {section}" if key in origins else where
         if key not in names:
-            raise ConfigError(f"unknown key {where}.{key}{_suggest(key, names)}; "
-                              f"valid keys: {', '.join(names)}")
-        kwargs[key] = _coerce(hints[key], value, f"{where}.{key}")
+            where_key = f"-o {origins[key]}: unknown key {section}.{key}" if key in origins else \
+                f"unknown key {where}.{key}"
+            raise ConfigError(f"{where_key}{_suggest(key, names)}; valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, f"{at}.{key}")
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        blamed = [text for key, text in origins.items() if f"{section}.{key} " in f"{e} "]
+        raise ConfigError(f"-o {blamed[0]}: {e}" if blamed else f"{source}: {e}" if source else str(e)) from None
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -557,8 +730,10 @@ def load_yaml(path: str) -> dict:
 def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>") -> Config:
     """Apply ``overrides`` to raw YAML sections and build a checked ``Config``."""
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
+    origins: dict[str, dict[str, str]] = {}  # section -> key -> the override that set it
     for text in overrides:
         keys, value = _parse_override(text)
+        origins.setdefault(keys[0], {})[keys[1]] = text
         node = raw.setdefault(keys[0], {})
         for k in keys[1:-1]:
             node = node.setdefault(k, {})
@@ -568,6 +743,10 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
     kwargs = {}
     for section, body in raw.items():
         if section not in SECTIONS:
+            if section in origins:
+                text = next(iter(origins[section].values()))
+                raise ConfigError(f"-o {text}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
+                                  f"valid sections: {', '.join(SECTIONS)}")
             raise ConfigError(f"unknown section {section!r} in {source}{_suggest(section, SECTIONS)}; "
                               f"valid sections: {', '.join(SECTIONS)}")
         if body is None:
@@ -584,7 +763,7 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
                                       f"{_suggest(str(preset), PRESETS)}; choose one of {', '.join(PRESETS)}")
                 body = {**PRESETS[str(preset)], "name": str(preset), **body}
         cls = typing.get_type_hints(Config)[attr]
-        kwargs[attr] = _build(cls, body, f"{source}: {section}")
+        kwargs[attr] = _build(cls, body, f"{source}: {section}", origins.get(section))
     return Config(**kwargs)
 
 

@@ -35,6 +35,11 @@ class ExportError(GptcError, RuntimeError):
     """Export failed: unsupported model or format, or outputs that do not match dygraph."""
 
 
+class OutputError(GptcError, ValueError):
+    """An output path holds something gpt-compress must not replace (a file, a foreign directory),
+    or one of its own outputs without ``--overwrite``. Nothing is touched."""
+
+
 class ModelDirError(GptcError, RuntimeError):
     """An exported model directory is missing, incomplete, corrupt or from a newer exporter."""
 
@@ -45,6 +50,12 @@ class InputError(GptcError, ValueError):
 
 class PipelineError(GptcError, RuntimeError):
     """A pipeline stage failed or cannot run; the message names the stage and what to do."""
+
+
+class Interrupted(GptcError):
+    """Ctrl-C: the message says what was saved and how to resume."""
+
+    exit_code = 130
 
 
 class TrainingDiverged(GptcError, RuntimeError):

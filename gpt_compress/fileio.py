@@ -10,6 +10,14 @@ a reader sees the old file or the new one, never half of one.
 * ``write_text_atomic`` / ``write_json_atomic``: one-call forms of it.
 * ``write_dir_atomic(path, fill)``: ``fill(tmpdir)`` writes the files, ``checksums.json``
   (sha256 of every file, ``CHECKSUMS``) is added, then the directory is renamed into place.
+* ``check_output(path, overwrite)``: the output guard. An existing ``path`` is replaced only if
+  it is a directory gpt-compress wrote (``is_own_output``: its ``checksums.json`` lists every
+  file in it) and ``overwrite`` is set; a file, a symlink, the current directory or a foreign
+  non-empty directory is never touched (``OutputError``, from the leaf ``errors.py``).
+
+Written files and directories get the modes the umask gives (not mkstemp's 0600/0700), and
+``.NAME.tmp-PID-*`` siblings left by an interrupted write are removed by the next write of
+``NAME`` once their process is gone.
 """
 from __future__ import annotations
 
@@ -17,9 +25,13 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from typing import Callable, Iterator, Optional
+
+from .errors import OutputError
 
 CHECKSUMS = "checksums.json"
 CHUNK = 1 << 22  # 4 MiB reads: hashing a 500 MB weight file stays in bounded memory
@@ -48,6 +60,7 @@ def atomic_file(path: str, mode: str = "w", encoding: Optional[str] = "utf-8",
             yield f
             f.flush()
             os.fsync(f.fileno())
+        normal_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -75,20 +88,124 @@ def write_checksums(path: str) -> dict[str, str]:
     return sums
 
 
-def write_dir_atomic(path: str, fill: Callable[[str], None], checksums: bool = True) -> str:
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_mode(path: str) -> None:
+    """Give ``path`` the mode the umask gives what the user creates (mkstemp/mkdtemp and
+    safetensors create 0600/0700)."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~_umask())
+
+
+def is_own_output(path: str) -> bool:
+    """True if directory ``path`` is one gpt-compress wrote and nobody added to: its
+    ``checksums.json`` lists every file in it (subdirectories must be such outputs too)."""
+    try:
+        with open(os.path.join(path, CHECKSUMS), encoding="utf-8") as f:
+            sums = json.load(f)
+        entries = list(os.scandir(path))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(sums, dict) or not all(isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
+                                             for v in sums.values()):
+        return False
+    for e in entries:
+        if e.name == CHECKSUMS:
+            continue
+        if e.is_symlink():
+            return False
+        if e.is_dir() and not is_own_output(e.path):
+            return False
+        if not e.is_dir() and e.name not in sums:
+            return False
+    return True
+
+
+def check_output(path: str, overwrite: bool = False, flag: str = "--output") -> None:
+    """Raise ``OutputError`` unless directory ``path`` may be written: it does not exist, is an
+    empty directory, or is a gpt-compress output (``is_own_output``) and ``overwrite`` is set."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise OutputError(f"{flag} {path} is an existing file; refusing to replace it with a directory "
+                          "(choose a new directory name)")
+    cwd = os.path.abspath(os.getcwd())
+    if cwd == path or cwd.startswith(path.rstrip(os.sep) + os.sep):
+        raise OutputError(f"{flag} {path} is the current directory or contains it; choose a new directory name")
+    if not os.listdir(path):
+        return
+    if not is_own_output(path):
+        raise OutputError(f"{flag} {path} is a non-empty directory gpt-compress did not write (or files were "
+                          "added to it); refusing to replace it: choose a new or empty directory")
+    if not overwrite:
+        raise OutputError(f"{flag} {path} already holds a gpt-compress output; pass --overwrite to replace it")
+
+
+_TMP_RE = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?:(?P<pid>\d+)-)?[^/]*$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def clean_stale_temps(path: str, max_age: float = 3600.0) -> list[str]:
+    """Remove ``.NAME.tmp-*``/``.NAME.old-*`` sibling directories of ``path`` left by an
+    interrupted write: those naming a process that is gone, or (no pid in the name: older
+    layout) older than ``max_age`` seconds. Returns what was removed."""
+    parent, base = os.path.split(os.path.abspath(os.fspath(path)))
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for n in names:
+        m = _TMP_RE.match(n)
+        fp = os.path.join(parent, n)
+        if not m or m.group("name") != base or os.path.islink(fp) or not os.path.isdir(fp):
+            continue
+        pid = m.group("pid")
+        try:
+            stale = (not _pid_alive(int(pid))) if pid else time.time() - os.path.getmtime(fp) > max_age
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(fp, ignore_errors=True)
+            removed.append(fp)
+    return removed
+
+
+def write_dir_atomic(path: str, fill: Callable[[str], None], checksums: bool = True, overwrite: bool = False) -> str:
     """Create directory ``path`` atomically: ``fill(tmpdir)`` writes its files in a temporary
     sibling, ``CHECKSUMS`` is added (unless ``checksums=False``), then the sibling is renamed into
-    place, replacing an older ``path``. Returns the absolute path."""
+    place. An existing ``path`` is replaced only as ``check_output`` allows (checked before
+    ``fill`` and again before the rename). Returns the absolute path."""
     path = os.path.abspath(os.fspath(path))
+    check_output(path, overwrite)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    clean_stale_temps(path)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-", dir=parent)
     try:
         fill(tmp)
+        for root, dirs, files in os.walk(tmp):
+            for n in dirs + files:
+                normal_mode(os.path.join(root, n))
+        normal_mode(tmp)
         if checksums:
             write_checksums(tmp)
+        check_output(path, overwrite)  # again: something may have appeared there meanwhile
         if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-{os.getpid()}-", dir=parent)
             os.rename(path, os.path.join(old, "x"))
             os.rename(tmp, path)
             shutil.rmtree(old, ignore_errors=True)

@@ -4,5 +4,5 @@
 #       -o Data.data_prefix=[data/my_corpus_text_document]
 # On a CPU-only machine add -o Engine.mix_precision=fp32 (AMP needs a GPU).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m gpt_compress distill -c configs/prune_distill_gpt_345M_single_card.yaml "$@"
+source "$(dirname "$0")/_env.bash"
+gptc distill -c "$CONFIGS"/prune_distill_gpt_345M_single_card.yaml "$@"

@@ -2,5 +2,5 @@
 # Tokenize a JSONL/text corpus into a Megatron indexed dataset with the GPT-2 vocabulary.
 #   scripts/preprocess_corpus.sh --input corpus.jsonl --output-prefix data/corpus --tokenizer-dir path/to/gpt2_bpe
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m gpt_compress preprocess --append-eod --workers "${WORKERS:-1}" "$@"
+source "$(dirname "$0")/_env.bash"
+gptc preprocess --append-eod --workers "${WORKERS:-1}" "$@"

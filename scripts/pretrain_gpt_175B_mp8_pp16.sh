@@ -4,5 +4,5 @@
 #   MASTER=10.0.0.1:36789 scripts/pretrain_gpt_175B_mp8_pp16.sh -o Data.data_prefix=[data/corpus_text_document]
 set -euo pipefail
 source "$(dirname "$0")/launch.bash"
-launch_pretrain configs/pretrain_gpt_175B_mp8_pp16.yaml --master "${MASTER:?set MASTER=IP:PORT of node 0}" \
+launch_pretrain pretrain_gpt_175B_mp8_pp16.yaml --master "${MASTER:?set MASTER=IP:PORT of node 0}" \
     --nnodes "${NNODES:-16}" --devices 0,1,2,3,4,5,6,7 --log_dir output/gpt_175B_mp8_pp16/logs -- "$@"

@@ -4,5 +4,5 @@
 #       -o Data.tokenizer_dir=data/gpt2_bpe
 # On a CPU-only machine add -o Engine.mix_precision=fp32 (AMP needs a GPU).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m gpt_compress pretrain -c configs/pretrain_gpt_345M_single_card.yaml "$@"
+source "$(dirname "$0")/_env.bash"
+gptc pretrain -c "$CONFIGS"/pretrain_gpt_345M_single_card.yaml "$@"

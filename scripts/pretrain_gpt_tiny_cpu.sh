@@ -4,5 +4,5 @@
 #   gptc preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer-dir data/tok
 #   scripts/pretrain_gpt_tiny_cpu.sh -o Data.data_prefix=[data/corpus_text_document] -o Data.tokenizer_dir=data/tok
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m gpt_compress pretrain -c configs/pretrain_gpt_tiny_cpu.yaml "$@"
+source "$(dirname "$0")/_env.bash"
+gptc pretrain -c "$CONFIGS"/pretrain_gpt_tiny_cpu.yaml "$@"

@@ -5,4 +5,4 @@
 set -euo pipefail
 source "$(dirname "$0")/launch.bash"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS_PER_RANK:-1}
-launch_pretrain configs/pretrain_gpt_tiny_cpu_dp2.yaml --nproc_per_node 2 --log_dir output/gpt_tiny_cpu_dp2/logs -- "$@"
+launch_pretrain pretrain_gpt_tiny_cpu_dp2.yaml --nproc_per_node 2 --log_dir output/gpt_tiny_cpu_dp2/logs -- "$@"

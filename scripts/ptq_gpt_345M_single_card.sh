@@ -5,6 +5,6 @@
 #       -o Quant.observer=percentile --eval-wikitext ../shared/data/wikitext-2/wiki.test.raw
 # Weight-only int4 for the decode path: -o 'Quant.targets=[]' -o 'Quant.weight_only=["*"]' -o Quant.weight_bits=4
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m gpt_compress ptq -c configs/qat_gpt_345M_single_card.yaml \
+source "$(dirname "$0")/_env.bash"
+gptc ptq -c "$CONFIGS"/qat_gpt_345M_single_card.yaml \
     -o Global.output_dir=output/ptq_gpt_345M_single_card "$@"

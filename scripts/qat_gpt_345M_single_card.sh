@@ -4,5 +4,5 @@
 #   scripts/qat_gpt_345M_single_card.sh --model CKPT -o Data.data_prefix=[data/my_corpus_text_document] \
 #       --eval-wikitext ../shared/data/wikitext-2/wiki.test.raw --skip-list output/sens/skip_list.txt
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m gpt_compress qat -c configs/qat_gpt_345M_single_card.yaml "$@"
+source "$(dirname "$0")/_env.bash"
+gptc qat -c "$CONFIGS"/qat_gpt_345M_single_card.yaml "$@"

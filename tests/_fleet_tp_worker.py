@@ -8,19 +8,18 @@ import paddle
 import paddle.distributed as dist
 
 from gpt_compress.config import ModelConfig
-from gpt_compress.export.partition import _init_mp
 from gpt_compress.model.gpt import GPTForCausalLM
-from gpt_compress.parallel.pipeline import (_LossFn, _mp_group, _route_mp_collectives_through_gloo, _TokenEmbedding,
-                                            _tied_head, apply_fleet_tp)
+from gpt_compress.parallel.fleet import init_mp, mp_group, route_mp_collectives_through_gloo, shard_model
+from gpt_compress.parallel.pipeline import _LossFn, _TokenEmbedding, _tied_head
 from gpt_compress.parallel.plan import tp_split_of
 
 out, ids_path = sys.argv[1], sys.argv[2]
-_init_mp(2)
-_route_mp_collectives_through_gloo()
+init_mp(2)
+route_mp_collectives_through_gloo()
 paddle.seed(7)
 model = GPTForCausalLM(ModelConfig.from_preset("gpt-tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 rank = dist.get_rank()
-model = apply_fleet_tp(model, rank, 2)
+model = shard_model(model, rank, 2)
 data = np.load(ids_path)
 ids, labels = paddle.to_tensor(data[:, :-1]), paddle.to_tensor(data[:, 1:])
 logits = _tied_head(_TokenEmbedding(model.gpt.wte), model.gpt(ids))  # (B, T, V / 2)
@@ -32,7 +31,7 @@ for name, p in model.named_parameters():
     split = tp_split_of(name)
     if split is not None:
         parts = []
-        dist.all_gather(parts, g, group=_mp_group())
+        dist.all_gather(parts, g, group=mp_group())
         g = paddle.concat(parts, axis=split[1])
     grads[name] = g.numpy()
 if rank == 0:

@@ -47,6 +47,11 @@ def test_preset_then_explicit_keys():
     (["Engine.to_static=3"], "true or false"),
     (["Model.hidden_act=swish"], "hidden_act"),
     (["Model"], "Section.key=value"),
+    (["Pipeline.quant_variants=[{name: int8}]"], "other than base, compressed and int8"),
+    (["Pipeline.quant_variants=[{name: w8, command: export}]"], "command must be ptq or qat"),
+    (["Pipeline.quant_variants=[{name: w8, source: pruned}]"], "source must be base or float"),
+    (["Pipeline.quant_variants=[{name: w8}, {name: w8}]"], "names must be unique"),
+    (["Pipeline.quant_variants=[{name: w8, overide: []}]"], "did you mean 'overrides'"),
 ])
 def test_bad_keys_are_named(override, needle):
     with pytest.raises(ConfigError) as e:

@@ -105,6 +105,78 @@ def test_same_numbers_on_every_backend(gens, backend, wiki_part, shared_data):
     assert abs(got_l.target_ppl - ref_l.target_ppl) / ref_l.target_ppl < REL
 
 
+class FullLogits:
+    """A backend reduced to ``score``: evaluation then reduces full (B, T, V) logits in numpy,
+    the reference the position-only path must equal."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def score(self, ids, mask=None):
+        return self.gen.score(ids, mask)
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("backend", ["dygraph", "paddle", "onnx"])
+def test_fast_scoring_equals_full_logits_reference(gens, backend, wiki_part, shared_data, tmp_path):
+    """Logits only at the scored positions (body, then the head at those rows, log-sum-exp in
+    the graph), one LAMBADA pass for every protocol: the same figures as full logits to 1e-6."""
+    from gpt_compress.eval.scoring import label_logprobs, score_positions
+
+    gen, tok = gens[backend], gens["dygraph"].tokenizer
+    assert gen.scores_positions  # a float export carries the scoring programs
+    ids = np.asarray([tok.encode(open(wiki_part, encoding="utf-8").read(4000))[:2 * SEQ]]).reshape(2, SEQ)
+    logits = gen.score(ids)
+    labels = np.roll(ids, -1, axis=1)
+    labels[:, ::2] = logits.argmax(axis=-1)[:, ::2]  # greedy hits at every other position
+    select = np.zeros(ids.shape, bool)
+    select[0, 5:9], select[1, 100:] = True, True
+    lp, hit = score_positions(gen, ids, labels, select, rows=8)  # several head calls
+    ref_lp, ref_hit = label_logprobs(logits, labels)
+    np.testing.assert_allclose(lp, ref_lp[select], rtol=1e-6)
+    assert (hit == ref_hit[select]).all() and 0 < hit.sum() < hit.size
+    ref = FullLogits(gen)
+    text = tmp_path / "wiki.raw"  # ~2,000 tokens: ~40 overlapping windows
+    text.write_text(open(wiki_part, encoding="utf-8").read(8000), encoding="utf-8")
+    fast_w = evaluate_wikitext(gen, tok, str(text), "raw", seq_len=SEQ, stride=48, batch_size=8, progress=False)
+    ref_w = evaluate_wikitext(ref, tok, str(text), "raw", seq_len=SEQ, stride=48, batch_size=8, progress=False)
+    assert fast_w.num_windows > 20 and fast_w.num_scored == ref_w.num_scored
+    assert _rel(fast_w.avg_loss, ref_w.avg_loss) < 1e-6
+    # A short window truncates contexts, so the strict and non-strict sequences differ.
+    path = str(shared_data / "lambada_test.jsonl")
+    fast_l = evaluate_lambada(gen, tok, path, seq_len=64, limit=40, progress=False)
+    ref_l = evaluate_lambada(ref, tok, path, seq_len=64, limit=40, progress=False)
+    assert fast_l.truncated_contexts > 0 and fast_l.correct == ref_l.correct
+    for key in ("accuracy", "accuracy_nonstrict", "accuracy_harness"):
+        assert getattr(fast_l, key) == getattr(ref_l, key), key
+    assert _rel(fast_l.target_ppl, ref_l.target_ppl) < 1e-6
+
+
+def test_exports_without_scoring_programs_still_evaluate(dirs, gens, tmp_path, shared_data):
+    """An export from before the scoring programs (manifest without them) falls back to the
+    ``forward`` program's full logits, with the same figures."""
+    import shutil
+
+    from gpt_compress.inference.runner import Generator
+
+    old = tmp_path / "old_export"
+    shutil.copytree(dirs["export"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for name in ("forward_hidden", "score_head"):
+        del manifest["programs"][name]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    path = str(shared_data / "lambada_test.jsonl")
+    for backend in ("paddle", "onnx"):
+        gen = Generator.from_dir(str(old), backend=backend, verify=False)
+        assert not gen.scores_positions
+        got = evaluate_lambada(gen, gen.tokenizer, path, seq_len=SEQ, limit=40, progress=False)
+        ref = evaluate_lambada(gens[backend], gen.tokenizer, path, seq_len=SEQ, limit=40, progress=False)
+        assert got.correct == ref.correct and _rel(got.target_ppl, ref.target_ppl) < 1e-6
+
+
 def test_trained_model_beats_untrained_on_real_data(gens, shared_data, dirs, tmp_path):
     """Full WikiText-2 test and all 5,153 LAMBADA passages, trained vs untrained."""
     from gpt_compress.checkpoint import build_model, load_model, save_model

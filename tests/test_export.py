@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, PRUNED_FFN, PRUNED_HEADS, ROOT, model_dirs
-from gpt_compress.checkpoint import CheckpointError, sha256_file, write_json_atomic
+from gpt_compress.checkpoint import CheckpointError
+from gpt_compress.fileio import sha256_file, write_dir_atomic, write_json_atomic
 from gpt_compress.errors import ExportError
 from gpt_compress.export import export
 from gpt_compress.inference.manifest import ModelDirError, read_manifest
@@ -126,9 +127,10 @@ def test_directory_layout_and_weights_stored_once(dirs):
     m = read_manifest(path)
     files = sorted(os.listdir(path))
     assert files == sorted(["manifest.json", "checksums.json", "prefill.json", "decode.json", "forward.json",
-                            "decode_hidden.json", "lm_head.json", "fused.json", "fused.pdiparams",
+                            "decode_hidden.json", "lm_head.json", "forward_hidden.json", "score_head.json",
+                            "fused.json", "fused.pdiparams",
                             "model.pdiparams", "prefill.onnx", "decode.onnx", "forward.onnx", "model.onnx.data",
-                            "tokenizer.json", "vocab.json", "merges.txt"])
+                            "forward_hidden.onnx", "score_head.onnx", "tokenizer.json", "vocab.json", "merges.txt"])
     cfg = m.data["model"]
     from gpt_compress.config import ModelConfig
 
@@ -138,7 +140,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
     assert n_bytes <= os.path.getsize(os.path.join(path, "model.pdiparams")) < 1.05 * n_bytes
     assert n_bytes <= os.path.getsize(os.path.join(path, "model.onnx.data")) < 1.05 * n_bytes + 64 * 4096
     assert n_bytes <= os.path.getsize(os.path.join(path, "fused.pdiparams")) < 1.05 * n_bytes  # fused program
-    for prog in ("prefill", "decode", "forward"):
+    for prog in ("prefill", "decode", "forward", "forward_hidden", "score_head"):
         assert os.path.getsize(os.path.join(path, f"{prog}.onnx")) < 0.2 * n_bytes
         assert m.program(prog)["paddle"]["params"] == "model.pdiparams"
         assert m.program(prog)["onnx"]["data"] == "model.onnx.data"
@@ -153,7 +155,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
                                                                          "past_key_0", "past_value_0"]
     import onnx
 
-    for prog in ("prefill", "decode", "forward"):
+    for prog in ("prefill", "decode", "forward", "forward_hidden", "score_head"):
         model = onnx.load(os.path.join(path, f"{prog}.onnx"), load_external_data=False)
         spec = m.program(prog)
         assert [i.name for i in model.graph.input] == [i["name"] for i in spec["inputs"]]
@@ -181,15 +183,14 @@ def test_failed_export_keeps_previous_directory(dirs, tmp_path, monkeypatch):
     import gpt_compress.export.api as api
 
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "marker").write_text("old")
+    write_dir_atomic(str(out), lambda d: open(os.path.join(d, "marker"), "w").write("old"))  # an earlier output
 
     def boom(*a, **k):
         raise ExportError("simulated mismatch")
 
     monkeypatch.setattr(api, "validate_dir", boom)
     with pytest.raises(ExportError, match="simulated"):
-        export(dirs["pruned_ckpt"], str(out), formats=("paddle",))
+        export(dirs["pruned_ckpt"], str(out), formats=("paddle",), overwrite=True)
     assert (out / "marker").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

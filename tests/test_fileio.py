@@ -34,8 +34,8 @@ def test_write_dir_atomic_adds_checksums_and_replaces_only_on_success(tmp_path):
         raise RuntimeError("export failed")
 
     with pytest.raises(RuntimeError):
-        write_dir_atomic(str(out), broken)
+        write_dir_atomic(str(out), broken, overwrite=True)
     assert (out / "weights.bin").read_text() == "one"
-    write_dir_atomic(str(out), fill("three"))
+    write_dir_atomic(str(out), fill("three"), overwrite=True)
     assert (out / "weights.bin").read_text() == "three"
     assert sorted(os.listdir(tmp_path)) == ["model"]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from gpt_compress.config import ConfigError, ParallelConfig
+from gpt_compress.parallel.launch import log_tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -56,20 +57,12 @@ def _overrides(tok_dir, prefix, out, micro, parallel=()):
             *[x for p in parallel for x in ("-o", p)]]
 
 
-def _log_tail(log_dir, chars=2500):
-    parts = []
-    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
-        with open(os.path.join(log_dir, name), errors="replace") as f:
-            parts.append(f"--- {name}\n{f.read()[-chars:]}")
-    return "\n".join(parts)
-
-
 def _launch(nproc, args, log_dir, timeout=600):
     """``python -m paddle.distributed.launch --nproc_per_node N gptc ...``; fails with the rank logs."""
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
            "--log_dir", str(log_dir), GPTC, *args]
     res = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-2000:]}\n{_log_tail(log_dir)}"
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-2000:]}\n{log_tail(log_dir)}"
     return res
 
 
@@ -182,7 +175,7 @@ def _logits_in_layout(nproc, par_flags, ckpt, ids_path, out_path, log_dir):
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
            "--log_dir", str(log_dir), *args]
     res = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{res.stderr[-2000:]}\n{_log_tail(log_dir)}"
+    assert res.returncode == 0, f"{res.stderr[-2000:]}\n{log_tail(log_dir)}"
     return np.load(out_path)
 
 
@@ -220,7 +213,7 @@ def test_fleet_tensor_parallel_stage_pieces_match_dense(tmp_path):
            str(tmp_path / "logs"), os.path.join(ROOT, "tests", "_fleet_tp_worker.py"), str(tmp_path / "got.npz"),
            str(tmp_path / "ids.npy")]
     res = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{res.stderr[-2000:]}\n{_log_tail(tmp_path / 'logs')}"
+    assert res.returncode == 0, f"{res.stderr[-2000:]}\n{log_tail(tmp_path / 'logs')}"
     got = np.load(tmp_path / "got.npz")
     paddle.seed(7)
     model = GPTForCausalLM(ModelConfig.from_preset("gpt-tiny", hidden_dropout_prob=0.0,

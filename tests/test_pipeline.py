@@ -104,3 +104,40 @@ def test_pipeline_config_errors_are_named(tmp_path):
     res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-o", f"Global.output_dir={tmp_path}",
                           "--stage", "prune"], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 1 and "stage 'data' is not up to date" in res.stderr
+
+
+def test_stage_option_ignores_stale_later_stages_but_not_stale_inputs(tmp_path, monkeypatch):
+    """`--stage b` runs b when its inputs are fresh, whatever the state of stages after it."""
+    from gpt_compress.config import load_config
+    from gpt_compress.errors import PipelineError
+    from gpt_compress.pipeline import Pipeline
+    from gpt_compress.pipeline.stages import Stage
+
+    pipe = Pipeline(load_config(None, [f"Global.output_dir={tmp_path}"]))
+    ran, settings = [], {"a": 1, "b": 1, "c": 1}
+
+    monkeypatch.setattr(pipe, "stages", lambda: [Stage(name, deps, settings[name],
+                                                       (lambda n=name: ran.append(n) or {}), lambda out: None)
+                                                 for name, deps in (("a", ()), ("b", ("a",)), ("c", ("b",)))])
+    pipe.run()
+    assert ran == ["a", "b", "c"]
+    settings["c"] = 2  # the last stage is stale now
+    ran.clear()
+    pipe.run(only=["b"], force=["b"])
+    assert ran == ["b"]
+    settings["a"] = 2  # an input of b is stale: b must not run on it
+    with pytest.raises(PipelineError, match="stage 'a' is not up to date"):
+        pipe.run(only=["b"])
+
+
+def test_quant_variants_add_stages_and_the_bench_config_reads(tmp_path):
+    """configs/pipeline_compress_bench.yaml (bench/compress.py's recipe): each quant variant is a
+    `quant_NAME` stage from its source and an `eval_NAME` stage, before the report."""
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-c",
+                          os.path.join(ROOT, "configs", "pipeline_compress_bench.yaml"),
+                          "-o", f"Global.output_dir={tmp_path}", "--status"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    stages = [s["stage"] for s in json.loads(res.stdout.strip().splitlines()[-1])["stages"]]
+    variants = ("ptq-w8a8", "qat-w8a8", "woq8", "woq4")
+    assert set(stages) == ALL | {f"quant_{v}" for v in variants} | {f"eval_{v}" for v in variants}
+    assert stages[-1] == "report" and all(stages.index(f"quant_{v}") < stages.index(f"eval_{v}") for v in variants)

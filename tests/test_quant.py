@@ -69,9 +69,24 @@ def _batches(prefix, n, seq=64, batch=8, seed=0):
     return out
 
 
-def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL):
+def lm_head_flip_bound(model, flips: int = 4) -> float:
+    """The logit change of ``flips`` int8 input codes of the LM head landing on the other side of
+    a rounding boundary (float summation order differs between runtimes): one code is one
+    quantization step ``s = max|h| / 127`` of the final-norm output ``h`` (bounded by
+    ``|gamma| sqrt(H - 1) + |beta|`` per element), times the largest LM-head weight."""
+    g = model.gpt.ln_f
+    gamma, beta = np.abs(g.weight.numpy()), np.abs(g.bias.numpy())
+    h_max = float(np.max(gamma * np.sqrt(len(gamma) - 1) + beta))
+    head = model.gpt.wte.weight if model.config.tie_word_embeddings else model.lm_head.weight
+    w_max = float(np.max(np.abs(head.numpy())))
+    return flips * (h_max / 127) * w_max
+
+
+def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL, flip_bound: float = 0.0):
     """Greedy prefill + 32 decode steps and scoring on each backend vs the fake-quant dygraph
-    model: identical tokens, logits within ``atol`` x max(1, max |logit|). Returns the diffs."""
+    model: identical tokens, logits within ``atol`` x max(1, max |logit|); onnxruntime's int8
+    input kernels (weight-only with dynamic inputs) may also differ by ``flip_bound``
+    (``lm_head_flip_bound``) in absolute logits. Returns the diffs."""
     from gpt_compress.inference.dygraph import DygraphBackend
 
     ref = Generator(Recorder(DygraphBackend(qmodel)), vocab_size=1024, max_positions=128, eos_token_id=None,
@@ -92,7 +107,10 @@ def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL
         step = max(float(np.max(np.abs(a - r))) / max(1.0, float(np.max(np.abs(r))))
                    for a, r in zip(gen.backend.logits, ref.backend.logits))
         score = float(np.max(np.abs(gen.score(ids, mask) - ref_score)[mask > 0])) / max(1.0, float(np.abs(ref_score).max()))
-        assert step < atol and score < atol, (b, step, score)
+        tol = atol
+        if b == "onnx" and flip_bound:
+            tol = max(atol, min(flip_bound / max(1.0, float(np.max(np.abs(r)))) for r in ref.backend.logits))
+        assert step < tol and score < tol, (b, step, score, tol)
         diffs[b] = max(step, score)
     return diffs
 
@@ -199,7 +217,7 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
     more than skipping the 2 layers ranked best."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.inference.dygraph import DygraphBackend
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.ptq import calibrate
     from gpt_compress.qat.quantize import quantize_model
     from gpt_compress.qat.sensitivity import least_sensitive
@@ -236,7 +254,7 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
 def test_ptq_observers_clip_differently_and_keep_perplexity(dirs, shakespeare, wiki):
     from gpt_compress.checkpoint import load_model
     from gpt_compress.inference.dygraph import DygraphBackend
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.ptq import calibrate
     from gpt_compress.qat.quantize import quantize_model
 
@@ -283,7 +301,7 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.export import export_model
     from gpt_compress.inference.dygraph import DygraphBackend
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.quantize import quant_layers, quantize_model
 
     tok = Tokenizer.load(dirs["ckpt"])
@@ -291,7 +309,8 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     model.eval()
     assert len(quant_layers(model)) == 10  # 8 block Linears + token and position tables
     path = export_model(model, str(tmp_path / f"woq{bits}"), ("paddle", "onnx"), tokenizer=tok)
-    _parity(model, path, tok)
+    # onnxruntime quantizes the inputs itself (accuracy_level=4): a code may round the other way.
+    _parity(model, path, tok, flip_bound=lm_head_flip_bound(model))
     # One float32 scale per 32 weights (+12.5% over int8, +25% over int4) and the page alignment.
     onnx_ratio = os.path.getsize(os.path.join(dirs["export"], "model.onnx.data")) / \
         os.path.getsize(os.path.join(path, "model.onnx.data"))
@@ -339,7 +358,8 @@ def test_quant_config_section(tmp_path):
     for bad, needle in ((["Quant.obsrever=mse"], "did you mean 'observer'"),
                         (["Quant.observer=kl"], "abs_max, percentile, mse"),
                         (["Quant.weight_block_size=24"], "power of two"),
-                        (["Quant.weight_bits=1"], "between 2 and 8")):
+                        (["Quant.weight_bits=1"], "one of 8, 4"),
+                        (["Quant.weight_bits=6"], "one of 8, 4")):
         with pytest.raises(ConfigError, match=needle):
             build_config({}, bad)
     with pytest.raises(ConfigError, match="does not exist"):

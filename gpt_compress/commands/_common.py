@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 
@@ -9,10 +10,9 @@ import numpy as np
 
 from ..cli import add_config_arguments
 from ..config import Config, load_config
-from ..data.tokenizer import find_tokenizer  # noqa: F401  (re-exported for the commands)
 
 __all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
-           "find_tokenizer", "print_json", "lm_batches"]
+           "find_tokenizer", "print_json", "lm_batches", "add_overwrite_argument", "check_output_arg"]
 
 
 def add_training_arguments(parser) -> None:
@@ -40,15 +40,75 @@ def seed_everything(seed: int) -> None:
     paddle.seed(seed)
 
 
+def find_tokenizer(*dirs: str):
+    """``data.tokenizer.find_tokenizer``, imported when a command asks (the `tokenizers` library
+    stays out of commands that never tokenize)."""
+    from ..data.tokenizer import find_tokenizer as find
+
+    return find(*dirs)
+
+
+def _finite(obj):
+    """``obj`` with NaN/inf floats as None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def print_json(obj) -> None:
-    """One JSON line on stdout (machine-readable summary)."""
-    print(json.dumps(obj, sort_keys=True), flush=True)
+    """One JSON line on stdout (machine-readable summary; NaN/inf become null)."""
+    print(json.dumps(_finite(obj), sort_keys=True, allow_nan=False), flush=True)
+
+
+def add_overwrite_argument(parser) -> None:
+    """`--overwrite`: replace an existing --output that gpt-compress wrote (never anything else)."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --output if it is an earlier gpt-compress output (files and other "
+                             "directories are never replaced)")
+
+
+def check_output_arg(args, *inputs: str) -> None:
+    """Refuse ``args.output`` before any work: it may not be one of ``inputs``, a file, a foreign
+    directory, or an earlier output without --overwrite (``checkpoint.check_output``)."""
+    from ..fileio import check_output
+    from ..errors import OutputError
+
+    out = os.path.abspath(args.output)
+    for src in inputs:
+        if src and os.path.abspath(src) == out:
+            raise OutputError(f"--output {args.output} is the input {src}; choose a different directory")
+    check_output(out, getattr(args, "overwrite", False))
 
 
 def fail(message: str, code: int = 1) -> int:
-    """Print a user-facing error and return the exit code."""
-    print(f"error: {message}", file=sys.stderr)
-    return code
+    """Refuse the user's input: raises ``InputError`` (the CLI prints `gptc <command>: error: ...`)."""
+    from ..errors import InputError
+
+    raise InputError(message)
+
+
+def check_text_file(path: str, flag: str) -> None:
+    """Refuse a text input given as ``flag``: missing, empty, or not UTF-8 text (checked on its
+    first MiB)."""
+    from ..errors import InputError
+
+    if not os.path.isfile(path):
+        raise InputError(f"{flag} {path}: file not found")
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+    if not head.strip():
+        raise InputError(f"{flag} {path} is empty")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a character cut at the 1 MiB boundary
+            raise InputError(f"{flag} {path} is not UTF-8 text (invalid byte at offset {e.start})") from None
+    if b"\x00" in head:
+        raise InputError(f"{flag} {path} is not UTF-8 text (it holds NUL bytes)")
 
 
 def lm_batches(cfg: Config, num_train_samples: int, model_configs=()):

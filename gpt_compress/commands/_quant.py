@@ -91,7 +91,8 @@ def finish(run: QuantRun, args, extra: Optional[dict] = None) -> int:
     model, report = run.model, run.report
     model.eval()
     path = save_quantized(model, os.path.join(run.cfg.global_.output_dir, "quantized"), tokenizer=run.tokenizer,
-                          extra={"source_checkpoint": os.path.abspath(run.src), **(extra or {})})
+                          extra={"source_checkpoint": os.path.abspath(run.src), **(extra or {})},
+                          overwrite=True)  # this run's own artifact in Global.output_dir
     report.update(quantized_checkpoint=path, layers={n: m.mode for n, m in quant_layers(model).items()})
     report["fake_quant"] = run.evaluator.model(model)
     report["fake_quant"].update(deltas(report["input"], report["fake_quant"]))
@@ -223,7 +224,8 @@ def export_and_report(qmodel, args, cfg, src: str, tokenizer, evaluator: Evaluat
     if args.format != "none":
         formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
         path = export_model(qmodel, os.path.join(out_dir, "int8"), formats, tokenizer=tokenizer,
-                            source=os.path.abspath(src), validate=not args.no_validate, require_quantized=True)
+                            source=os.path.abspath(src), validate=not args.no_validate, require_quantized=True,
+                            overwrite=True)  # this run's own artifact
         quant = read_manifest(path).data["quant"]
         report["int8_export"] = {"path": path, "validation": quant.get("validation"),
                                  "onnx_ops": quant.get("onnx_ops"),

@@ -6,7 +6,7 @@ import os
 import time
 
 from ..fileio import write_json_atomic
-from ._common import fail, print_json
+from ._common import check_text_file, fail, print_json
 
 
 def add_arguments(parser) -> None:
@@ -34,11 +34,27 @@ def run(args) -> int:
     from ..inference.manifest import MANIFEST
     from ..inference.runner import Generator
 
+    check_text_file(args.data, "--data")
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 0),
+                             ("--stride", args.stride, 0), ("--limit", args.limit, 0)):
+        if value < low:
+            fail(f"{flag} {value}: must be >= {low}")
+    if not os.path.isdir(args.model):
+        fail(f"--model {args.model}: directory not found")
+    is_export = os.path.isfile(os.path.join(args.model, MANIFEST))
+    if args.backend in ("paddle", "onnx") and not is_export:
+        fail(f"--model {args.model} is a checkpoint; --backend {args.backend} runs an exported model "
+             "(make one with `gptc export`) or use --backend dygraph")
     backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, MANIFEST)) else "dygraph")
     gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
     if gen.tokenizer is None:
         return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir")
     seq_len = args.seq_len or gen.max_positions
+    if seq_len > gen.max_positions:
+        fail(f"--seq-len {seq_len} exceeds the model's context of {gen.max_positions} tokens")
+    if args.stride > seq_len:
+        fail(f"--stride {args.stride} exceeds the window of {seq_len} tokens (--seq-len, default the model's "
+             "context); use a stride <= the window")
     t0 = time.perf_counter()
     if args.task == "lambada":
         res = evaluate_lambada(gen, gen.tokenizer, args.data, seq_len=seq_len, batch_size=args.batch_size,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import time
 
-from ._common import print_json
+from ._common import add_overwrite_argument, check_output_arg, print_json
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", "--checkpoint", dest="model", required=True,
                         help="checkpoint directory (ours, or one converted from Hugging Face GPT-2)")
-    parser.add_argument("--output", required=True, help="directory to write (replaced atomically if it exists)")
+    parser.add_argument("--output", required=True, help="directory to write (a new one; an earlier export only with --overwrite)")
+    add_overwrite_argument(parser)
     parser.add_argument("--format", choices=("paddle", "onnx", "all"), default="all",
                         help="paddle: Paddle Inference programs; onnx: onnxruntime; all: both (default)")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
@@ -25,9 +26,10 @@ def run(args) -> int:
     from ..export import export
 
     formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
+    check_output_arg(args, args.model)
     t0 = time.perf_counter()
     path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset,
-                  fused=not args.no_fused)
+                  overwrite=args.overwrite, fused=not args.no_fused)
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
     print_json({"output": path, "formats": list(formats), "seconds": round(time.perf_counter() - t0, 1),
                 "files": sizes, "total_bytes": sum(sizes.values())})

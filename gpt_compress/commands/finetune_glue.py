@@ -32,6 +32,10 @@ def run(args) -> int:
     spec = task_spec(args.task)
     regression = spec.labels is None
     seed_everything(cfg.global_.seed)
+    if not os.path.isdir(args.model):
+        from ..checkpoint import CheckpointError
+
+        raise CheckpointError(f"--model {args.model}: checkpoint directory not found")
     tok = find_tokenizer(cfg.data.tokenizer_dir, args.model)
     if tok is None:
         return fail(f"{args.model} has no tokenizer; set Data.tokenizer_dir")

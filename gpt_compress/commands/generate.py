@@ -5,6 +5,7 @@ import json
 import sys
 import time
 
+from ..errors import DataError, InputError
 from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, print_json
 
 
@@ -22,15 +23,38 @@ def add_arguments(parser) -> None:
 def read_prompts_jsonl(path: str) -> list[str]:
     """Prompts from a JSONL file; a bad line is reported with file and line number."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" string ({e})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    prompt = json.loads(line)["prompt"]
+                    if not isinstance(prompt, str):
+                        raise TypeError(f"\"prompt\" is a {type(prompt).__name__}")
+                except (ValueError, KeyError, TypeError) as e:
+                    raise DataError(f"{path}:{n}: expected a JSON object with a \"prompt\" string ({e})") from None
+                prompts.append(prompt)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"--input-file {path}: {e.strerror}") from None
+    if not prompts:
+        raise DataError(f"--input-file {path} holds no prompts")
     return prompts
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    """``"464,3290"`` -> ``[464, 3290]``; the error names the bad item."""
+    ids = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise InputError(f"--prompt-ids {text!r}: {item.strip()!r} is not an integer token id") from None
+    return ids
 
 
 def run(args) -> int:
@@ -43,12 +67,13 @@ def run(args) -> int:
     if gen.seed is None:
         gen.seed = cfg.global_.seed
     model = load_model(args.model)
+    if not hasattr(model, "logits"):
+        raise InputError(f"{args.model} holds a sequence classifier (finetune-glue output); it cannot generate text")
     tok = find_tokenizer(args.tokenizer_dir, args.model)
     texts = list(args.prompt) + (read_prompts_jsonl(args.input_file) if args.input_file else [])
     if texts and tok is None:
         return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir or use --prompt-ids")
-    prompts = [tok.encode(t) for t in texts] + [[int(x) for x in p.split(",") if x.strip()]
-                                               for p in args.prompt_ids]
+    prompts = [tok.encode(t) for t in texts] + [parse_prompt_ids(p) for p in args.prompt_ids]
     if not prompts:
         return fail("give --prompt, --prompt-ids or --input-file")
     limit = model.config.max_position_embeddings
@@ -72,7 +97,7 @@ def run(args) -> int:
             sys.stdout.flush()
 
     if stream:
-        sys.stdout.write(texts[0])
+        sys.stdout.write(texts[0] if texts else tok.decode(prompts[0]))
     t0 = time.perf_counter()
     out = generate(DygraphBackend(model), prompts, gen, eos, pad, on_tokens=on_tokens)
     seconds = time.perf_counter() - t0

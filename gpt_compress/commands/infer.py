@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ._common import add_config_arguments, config_from_args, fail, print_json
-from .generate import read_prompts_jsonl
+from .generate import parse_prompt_ids, read_prompts_jsonl
 
 
 def add_arguments(parser) -> None:
@@ -53,7 +53,7 @@ def run(args) -> int:
         texts = list(args.prompt) + (read_prompts_jsonl(args.input_file) if args.input_file else [])
     except (OSError, ValueError) as e:
         return fail(str(e))
-    ids = [[int(x) for x in p.split(",") if x.strip()] for p in args.prompt_ids]
+    ids = [parse_prompt_ids(p) for p in args.prompt_ids]
     if not texts and not ids:
         return fail("give --prompt, --prompt-ids or --input-file")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import add_config_arguments, config_from_args, fail, print_json
+from .generate import parse_prompt_ids
 
 
 def add_arguments(parser) -> None:
@@ -32,7 +33,7 @@ def run(args) -> int:
     gen = cfg.generation
     if gen.seed is None:
         gen.seed = cfg.global_.seed
-    prompts = list(args.prompt) + [[int(x) for x in p.split(",") if x.strip()] for p in args.prompt_ids]
+    prompts = list(args.prompt) + [parse_prompt_ids(p) for p in args.prompt_ids]
     if not prompts:
         return fail("give --prompt or --prompt-ids")
     out = generate_tensor_parallel(args.model_dir, prompts, dataclasses.asdict(gen), log_dir=args.log_dir)

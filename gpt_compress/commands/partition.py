@@ -1,7 +1,7 @@
 """`gptc partition`: export a checkpoint as tensor-parallel rank programs (one directory per rank)."""
 from __future__ import annotations
 
-from ._common import print_json
+from ._common import add_overwrite_argument, check_output_arg, print_json
 
 
 def add_arguments(parser) -> None:
@@ -11,6 +11,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-validate", action="store_true",
                         help="skip running every rank program against the single-card logits")
     parser.add_argument("--log-dir", default=None, help="launcher logs (default: OUTPUT.logs)")
+    add_overwrite_argument(parser)
 
 
 def run(args) -> int:
@@ -19,7 +20,9 @@ def run(args) -> int:
 
     _, world = launched_world()
     if world == 1:  # started by the user: launch one process per rank, which land in the branch below
-        out = partition(args.model, args.output, args.mp_degree, validate=not args.no_validate, log_dir=args.log_dir)
+        check_output_arg(args, args.model)
+        out = partition(args.model, args.output, args.mp_degree, validate=not args.no_validate, log_dir=args.log_dir,
+                        overwrite=args.overwrite)
         print_json({"output": out, "mp_degree": args.mp_degree, "validated": not args.no_validate})
         return 0
     if world != args.mp_degree:

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-key", default="text", help="key of the document text in each JSON line")
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                         help="append <|endoftext|> to every document")
+    parser.add_argument("--split-paragraphs", action="store_true",
+                        help="plain-text inputs: one document per blank-line-separated block "
+                             "(default: one document per file)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes; 1 still encodes on all cores through the tokenizer's threads")
     parser.add_argument("--skip-bad-lines", action="store_true",
@@ -49,15 +52,12 @@ def run(args: argparse.Namespace) -> int:
     from ..data.preprocess import preprocess
 
     if args.workers < 1:
-        print("gptc preprocess: --workers must be at least 1", file=sys.stderr)
-        return 2
+        raise DataError(f"--workers {args.workers}: must be at least 1")
     try:
         summary = preprocess(args.input, args.output_prefix, load_tokenizer(args), json_key=args.json_key,
                              append_eod=args.append_eod, workers=args.workers,
-                             skip_bad_lines=args.skip_bad_lines, log_every=args.log_every)
-    except DataError as e:
-        print(f"gptc preprocess: error: {e}", file=sys.stderr)
-        return 1
+                             skip_bad_lines=args.skip_bad_lines, log_every=args.log_every,
+                             split_paragraphs=args.split_paragraphs)
     except KeyboardInterrupt:
         print("gptc preprocess: interrupted; no output was written", file=sys.stderr)
         return 130

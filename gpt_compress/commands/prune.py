@@ -9,13 +9,14 @@ import math
 import os
 import time
 
-from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, lm_batches, print_json, seed_everything
+from ._common import add_config_arguments, add_overwrite_argument, check_output_arg, config_from_args, find_tokenizer, lm_batches, print_json, seed_everything
 
 
 def add_arguments(parser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--model", required=True, help="checkpoint directory to prune")
-    parser.add_argument("--output", required=True, help="directory for the pruned checkpoint (replaced atomically)")
+    parser.add_argument("--output", required=True, help="directory for the pruned checkpoint")
+    add_overwrite_argument(parser)
 
 
 def _ppl(loss):
@@ -31,8 +32,7 @@ def run(args) -> int:
 
     cfg = config_from_args(args)
     pc = cfg.prune
-    if os.path.abspath(args.output) == os.path.abspath(args.model):
-        return fail("--output must differ from the checkpoint directory")
+    check_output_arg(args, args.model)
     if pc.criterion == "taylor" and not cfg.data.data_prefix:
         raise ConfigError("Prune.criterion=taylor scores the weights on calibration data: set Data.data_prefix "
                           "(a preprocessed dataset), or use -o Prune.criterion=magnitude")
@@ -51,7 +51,7 @@ def run(args) -> int:
     after = evaluate(pruned, causal_lm_loss, eval_batches()) if eval_batches else None
     path = save_model(pruned, args.output, tokenizer=tokenizer,
                       extra={"pruned_from": os.path.abspath(args.model), "prune": dataclasses.asdict(pc),
-                             "kept_heads": plan.keep_heads})
+                             "kept_heads": plan.keep_heads}, overwrite=args.overwrite)
     n_before, n_after = model.config.num_parameters(), pruned.config.num_parameters()
     print_json({"output": path, "criterion": pc.criterion, "scope": pc.scope, "head_ratio": pc.head_ratio,
                 "ffn_ratio": pc.ffn_ratio, **plan.summary(), "params_before": n_before, "params_after": n_after,

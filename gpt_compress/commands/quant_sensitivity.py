@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import json
 
-    from ..qat.config import write_skip_file
+    from ..qat.sensitivity import write_skip_file
     from ..qat.ptq import calibrate, w8a8_layers
     from ..qat.quantize import quantize_model
     from ..qat.sensitivity import analyze, skip_list

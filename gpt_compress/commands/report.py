@@ -31,6 +31,8 @@ def _pairs(items, what):
 def run(args) -> int:
     from ..eval.report import load_rows, write_report
 
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        fail(f"--output {args.output} is an existing file; the report needs a directory")
     try:
         logs = _pairs(args.train_log, "--train-log")
         names = _pairs(args.name, "--name")

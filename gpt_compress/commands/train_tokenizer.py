@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..data.errors import DataError
+from ._common import check_text_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,19 +25,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train, save, and print a JSON summary."""
+    from ..fileio import check_output
     from ..data.tokenizer import Tokenizer
 
-    try:
-        missing = [p for p in args.input if not os.path.isfile(p)]
-        if missing:
-            raise DataError(f"input file(s) not found: {', '.join(missing)}")
-        start = time.perf_counter()
-        tok = Tokenizer.train([os.path.abspath(p) for p in args.input], args.vocab_size,
-                              min_frequency=args.min_frequency, show_progress=sys.stderr.isatty())
-        paths = tok.save(args.output_dir)
-    except DataError as e:
-        print(f"gptc train-tokenizer: error: {e}", file=sys.stderr)
-        return 1
+    for p in args.input:
+        check_text_file(p, "--input")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        check_output(args.output_dir, flag="--output-dir")
+    if args.vocab_size < 257:
+        raise DataError(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 257 "
+                        "tokens (256 bytes + <|endoftext|>)")
+    start = time.perf_counter()
+    tok = Tokenizer.train([os.path.abspath(p) for p in args.input], args.vocab_size,
+                          min_frequency=args.min_frequency, show_progress=sys.stderr.isatty())
+    paths = tok.save(args.output_dir)
     print(json.dumps({"vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                       "seconds": round(time.perf_counter() - start, 3),
                       "files": [str(p) for p in paths]}), flush=True)

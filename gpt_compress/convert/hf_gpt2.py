@@ -13,7 +13,8 @@ import re
 
 import numpy as np
 
-from ..checkpoint import CheckpointError, write_checkpoint_dir, write_json_atomic
+from ..checkpoint import CheckpointError, assign_weights, build_model, state_dict_numpy
+from ..fileio import write_dir_atomic, write_json_atomic
 from ..config import ModelConfig
 
 # ours (per layer, "{i}") -> HF name under "transformer."
@@ -94,7 +95,10 @@ def read_hf_weights(hf_dir: str) -> dict[str, np.ndarray]:
     if os.path.isfile(st):
         from safetensors.numpy import load_file
 
-        raw = load_file(st)
+        try:
+            raw = load_file(st)
+        except Exception as e:  # safetensors raises its own error types for bad/truncated files
+            raise CheckpointError(f"{st} is not a readable safetensors file: {e}") from None
     elif os.path.isfile(binf):
         from .torch_bin import load_torch_bin
 
@@ -145,24 +149,30 @@ def ours_to_hf(ours: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.nd
 
 def load_hf_gpt2(hf_dir: str):
     """Build our ``GPTForCausalLM`` from a local Hugging Face GPT-2 directory."""
-    from ..checkpoint import assign_weights, build_model
-
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} not found: not a Hugging Face model directory")
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = config_from_hf(json.load(f))
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = config_from_hf(json.load(f))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path} is not a usable GPT-2 config ({type(e).__name__}: {e})") from None
     model = build_model(cfg, "lm")
-    assign_weights(model, hf_to_ours(read_hf_weights(hf_dir), cfg), hf_dir)
+    weights = read_hf_weights(hf_dir)
+    try:
+        ours = hf_to_ours(weights, cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{hf_dir}: weight {e} is missing for the architecture in its config.json") from None
+    except ValueError as e:
+        raise CheckpointError(f"{hf_dir}: the weights do not match the shapes its config.json implies ({e})") from None
+    assign_weights(model, ours, hf_dir)
     model.eval()
     return model
 
 
-def save_hf_gpt2(model, out_dir: str, tokenizer=None) -> str:
+def save_hf_gpt2(model, out_dir: str, tokenizer=None, overwrite: bool = False) -> str:
     """Write ``model`` as a Hugging Face GPT-2 directory (config.json + model.safetensors)."""
     from safetensors.numpy import save_file
-
-    from ..checkpoint import state_dict_numpy
 
     cfg = model.config
     hf_cfg = config_to_hf(cfg)
@@ -176,4 +186,4 @@ def save_hf_gpt2(model, out_dir: str, tokenizer=None) -> str:
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    return write_checkpoint_dir(out_dir, write)
+    return write_dir_atomic(out_dir, write, overwrite=overwrite)

@@ -61,7 +61,12 @@ class GPTDataset:
         self.name = name
         where = f"{name} split of {getattr(indexed, 'path', indexed)}"
         if len(self.documents) == 0:
-            raise DataError(f"the {where} has no documents; change the split or add data")
+            n_docs = len(getattr(indexed, "sizes", ()))
+            hint = (" (a plain-text file is one document: preprocess it with `gptc preprocess --split-paragraphs` "
+                    "to make each blank-line-separated block a document, or give several files)"
+                    if n_docs < 20 else "")
+            raise DataError(f"the {where} has no documents of the {n_docs} in the dataset; change Data.split or "
+                            f"add data{hint}")
         if self.seq_length < 1:
             raise DataError(f"seq_length must be positive, got {seq_length}")
         tokens_per_epoch = int(np.asarray(indexed.sizes)[self.documents].sum(dtype=np.int64))
@@ -71,7 +76,7 @@ class GPTDataset:
             num_samples = (tokens_per_epoch - 1) // self.seq_length
         if num_samples < 1:
             raise DataError(f"the {where} gives no sample of {self.seq_length + 1} tokens from "
-                            f"{tokens_per_epoch} tokens; lower seq_length or pass num_samples")
+                            f"{tokens_per_epoch} tokens; lower Data.seq_length or add data")
         self.num_samples = int(num_samples)
         # Enough epochs that (epochs * tokens - 1) // seq_length >= num_samples.
         self.num_epochs = max(1, math.ceil((self.num_samples * self.seq_length + 1) / tokens_per_epoch))

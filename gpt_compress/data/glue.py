@@ -60,6 +60,20 @@ class Example:
     label: float
 
 
+def _is_data_row(row: list[str], spec: TaskSpec, need: int) -> bool:
+    """Whether a first row is an example (its label parses) rather than the header."""
+    if len(row) < need:
+        return False
+    raw = row[spec.label_col].strip()
+    if spec.labels is not None:
+        return raw in spec.labels
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
+
+
 def read_tsv(path: str, spec: TaskSpec, skip_bad_lines: bool = False) -> list[Example]:
     """Examples of one TSV file; bad rows raise ``DataError`` with file and line (or are skipped)."""
     if not os.path.isfile(path):
@@ -69,8 +83,8 @@ def read_tsv(path: str, spec: TaskSpec, skip_bad_lines: bool = False) -> list[Ex
     with open(path, encoding="utf-8", newline="") as f:
         # GLUE TSVs are not CSV-quoted: quotes are literal characters.
         for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
-            if n == 1 and spec.has_header:
-                continue
+            if n == 1 and spec.has_header and not _is_data_row(row, spec, need):
+                continue  # the header (a file saved without one keeps its first example)
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue
             bad = None

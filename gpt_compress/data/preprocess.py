@@ -5,7 +5,9 @@ Inputs are files or directories (searched recursively, in sorted order):
 * ``*.jsonl``, ``*.json``, ``*.ndjson``: one JSON object per line, the document text under
   ``json_key`` (Megatron ``preprocess_data.py`` / PaddleNLP). Blank lines are ignored.
 * anything else: plain UTF-8 text, **one document per file** (Megatron and Hugging Face treat a
-  file of running text the same way); split a corpus into files to get several documents.
+  file of running text the same way); split a corpus into files to get several documents, or
+  pass ``split_paragraphs`` (``--split-paragraphs``) to make every blank-line-separated block
+  of a text file a document. A text file holding NUL bytes is refused (not text).
 
 Each document is encoded with ``<|endoftext|>`` inside the text treated as plain text (see
 ``tokenizer.py``), gets the EOD id appended when ``append_eod``, and is stored as one sequence.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -70,7 +73,22 @@ def _is_jsonl(path: Path) -> bool:
     return path.suffix.lower() in JSONL_SUFFIXES
 
 
-def _read_chunks(files: list[Path]) -> Iterator[list[tuple[int, int, bool, bytes]]]:
+def _text_records(path: Path, split_paragraphs: bool) -> Iterator[tuple[int, bytes]]:
+    """(1-based first line or 0, raw bytes) of the documents of plain-text file ``path``."""
+    raw = path.read_bytes()
+    if b"\x00" in raw:
+        raise DataError(f"{path} holds NUL bytes: it is not a text file (give JSONL or UTF-8 text)")
+    if not split_paragraphs:
+        yield 0, raw
+        return
+    line = 1
+    for block in re.split(rb"(\n[ \t\r]*\n)", raw):
+        if block.strip() and not re.fullmatch(rb"\n[ \t\r]*\n", block):
+            yield line + (len(block) - len(block.lstrip(b"\n"))), block.strip(b"\n")
+        line += block.count(b"\n")
+
+
+def _read_chunks(files: list[Path], split_paragraphs: bool = False) -> Iterator[list[tuple[int, int, bool, bytes]]]:
     """Yield chunks of records ``(file number, 1-based line or 0, is_json, raw bytes)``."""
     chunk, size = [], 0
     for fi, path in enumerate(files):
@@ -85,12 +103,12 @@ def _read_chunks(files: list[Path]) -> Iterator[list[tuple[int, int, bool, bytes
                         yield chunk
                         chunk, size = [], 0
         else:
-            raw = path.read_bytes()
-            chunk.append((fi, 0, False, raw))
-            size += len(raw)
-            if len(chunk) >= CHUNK_RECORDS or size >= CHUNK_BYTES:
-                yield chunk
-                chunk, size = [], 0
+            for lineno, raw in _text_records(path, split_paragraphs):
+                chunk.append((fi, lineno, False, raw))
+                size += len(raw)
+                if len(chunk) >= CHUNK_RECORDS or size >= CHUNK_BYTES:
+                    yield chunk
+                    chunk, size = [], 0
     if chunk:
         yield chunk
 
@@ -180,8 +198,9 @@ def _encode_in_worker(chunk):
 def preprocess(inputs: Sequence[PathLike], output_prefix: PathLike, tokenizer: Tokenizer,
                json_key: str = "text", append_eod: bool = True, workers: int = 1,
                skip_bad_lines: bool = False, log_every: int = 10000,
-               progress: Optional[bool] = None) -> dict:
-    """Tokenize ``inputs`` into ``{output_prefix}_{json_key}_document.bin/.idx``; returns a summary."""
+               progress: Optional[bool] = None, split_paragraphs: bool = False) -> dict:
+    """Tokenize ``inputs`` into ``{output_prefix}_{json_key}_document.bin/.idx``; returns a summary.
+    ``split_paragraphs``: a plain-text file gives one document per blank-line-separated block."""
     files = find_input_files(inputs)
     prefix = output_prefix_for(output_prefix, json_key)
     dtype = np.dtype(best_dtype(tokenizer.vocab_size))
@@ -194,16 +213,17 @@ def preprocess(inputs: Sequence[PathLike], output_prefix: PathLike, tokenizer: T
                disable=(not progress) if progress is not None else None, file=sys.stderr)
     next_log = log_every
     pool = None
+    made = [d for d in Path(prefix).parents if not d.exists()]  # directories we create: removed on failure
     try:
         with IndexedDatasetBuilder(prefix, dtype) as builder:
             if workers > 1:
                 pool = multiprocessing.get_context("spawn").Pool(
                     workers, initializer=_init_worker,
                     initargs=(tokenizer.to_json(), json_key, append_eod, dtype.str))
-                results = pool.imap(_encode_in_worker, _read_chunks(files), chunksize=1)
+                results = pool.imap(_encode_in_worker, _read_chunks(files, split_paragraphs), chunksize=1)
             else:
                 encoder = _ChunkEncoder(tokenizer, json_key, append_eod, dtype)
-                results = map(encoder, _read_chunks(files))
+                results = map(encoder, _read_chunks(files, split_paragraphs))
             for res in results:
                 for fi, lineno, error in res["errors"]:
                     where = f"{files[fi]}, line {lineno}"
@@ -235,6 +255,13 @@ def preprocess(inputs: Sequence[PathLike], output_prefix: PathLike, tokenizer: T
                                 f"({stats['skipped_lines']} bad lines skipped, "
                                 f"{stats['empty_documents']} empty documents); nothing was written")
             bin_path, idx_path = builder.finalize()
+    except BaseException:
+        for d in made:
+            try:
+                d.rmdir()  # only while empty
+            except OSError:
+                pass
+        raise
     finally:
         bar.close()
         if pool is not None:

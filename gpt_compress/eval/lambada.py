@@ -6,6 +6,10 @@ the text before the last occurrence of that word (stripped), target = the tokens
 token at every target position. Also reported: FleetX's non-strict variant (only the last BPE
 token of the whole text is the target), lm-evaluation-harness's split (``text.rsplit(" ", 1)``)
 and the target perplexity (exp of the mean NLL of the target tokens).
+
+All three are scored in one pass: every target ends its token sequence and the splits mostly
+give the same sequence, so each distinct sequence runs once and the LM head is applied only at
+the positions of its longest target (``scoring.score_positions``).
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from .scoring import token_logprobs
+from ..errors import DataError, InputError  # noqa: F401
+from .scoring import score_positions
 
 
 def read_lambada(path: str, limit: int | None = None) -> list[str]:
@@ -29,14 +34,14 @@ def read_lambada(path: str, limit: int | None = None) -> list[str]:
             try:
                 text = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: expected a JSON object with a \"text\" string ({e})") from None
+                raise DataError(f"{path}:{n}: expected a JSON object with a \"text\" string ({e})") from None
             if not isinstance(text, str) or not text.split():
-                raise ValueError(f"{path}:{n}: empty \"text\"")
+                raise DataError(f"{path}:{n}: empty \"text\"")
             texts.append(text)
             if limit and len(texts) >= limit:
                 break
     if not texts:
-        raise ValueError(f"{path}: no examples")
+        raise DataError(f"{path}: no examples")
     return texts
 
 
@@ -87,25 +92,28 @@ def _encode_examples(tokenizer, texts, splitter, seq_len):
     return out, truncated
 
 
-def _score_examples(backend, examples, pad_id, batch_size, progress, desc):
-    """Per example: (all target tokens greedy-correct, sum NLL of target, n target tokens)."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]) + len(examples[i][1]))
-    results = [None] * len(examples)
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress):
+def _score_sequences(backend, seqs, suffix, pad_id, batch_size, progress):
+    """Per token sequence: (log p, greedy hit) of its last ``suffix[i]`` tokens, each given the
+    tokens before it; logits are taken at those positions only (``scoring.score_positions``)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    results = [None] * len(seqs)
+    for start in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress):
         idx = order[start:start + batch_size]
-        seqs = [examples[i][0] + examples[i][1] for i in idx]
-        width = max(len(s) for s in seqs) - 1
+        width = max(len(seqs[i]) for i in idx) - 1
         ids = np.full((len(idx), width), pad_id, dtype=np.int64)
         labels = np.full((len(idx), width), pad_id, dtype=np.int64)
-        for r, s in enumerate(seqs):
+        select = np.zeros((len(idx), width), dtype=bool)
+        for r, i in enumerate(idx):
+            s = seqs[i]
             ids[r, : len(s) - 1] = s[:-1]
             labels[r, : len(s) - 1] = s[1:]
+            select[r, len(s) - 1 - suffix[i]: len(s) - 1] = True  # positions predicting the suffix
         # Right padding needs no mask: causal attention never lets a position see later pads.
-        lp, hit = token_logprobs(backend, ids, labels)
-        for r, i in enumerate(idx):
-            n_ctx, n_tgt = len(examples[i][0]), len(examples[i][1])
-            sl = slice(n_ctx - 1, n_ctx - 1 + n_tgt)  # positions predicting the target tokens
-            results[i] = (bool(hit[r, sl].all()), float(-lp[r, sl].sum()), n_tgt)
+        lp, hit = score_positions(backend, ids, labels, select)
+        off = 0
+        for i in idx:  # score_positions returns row-major order: each row's positions in turn
+            results[i] = (lp[off:off + suffix[i]], hit[off:off + suffix[i]])
+            off += suffix[i]
     return results
 
 
@@ -113,22 +121,36 @@ def evaluate_lambada(backend, tokenizer, path: str, seq_len: int = 1024, batch_s
                      limit: int | None = None, progress: bool = True) -> LambadaResult:
     """LAMBADA accuracy of ``backend`` (see module docstring)."""
     texts = read_lambada(path, limit)
-    pad = tokenizer.eod_id
     strict, truncated = _encode_examples(tokenizer, texts, split_strict, seq_len)
-    res = _score_examples(backend, strict, pad, batch_size, progress, "lambada")
     harness, _ = _encode_examples(tokenizer, texts, split_harness, seq_len)
-    same = [h == s for h, s in zip(harness, strict)]
-    # The harness split differs from the strict one only on a few texts: score just those.
-    diff = [i for i, s in enumerate(same) if not s]
-    res_h = list(res)
-    for i, r in zip(diff, _score_examples(backend, [harness[i] for i in diff], pad, batch_size, False, "")):
-        res_h[i] = r
     # Non-strict: the whole text's last BPE token is the only target.
-    nonstrict = []
-    for t in texts:
-        ids = tokenizer.encode(t)[-(seq_len + 1):]
-        nonstrict.append((ids[:-1], ids[-1:]))
-    res_n = _score_examples(backend, nonstrict, pad, batch_size, False, "")
+    nonstrict = [(ids[:-1], ids[-1:]) for ids in (tokenizer.encode(t)[-(seq_len + 1):] for t in texts)]
+    # One pass for the three protocols: each target is the end of its token sequence, and the
+    # splits mostly give the same sequence, so every distinct sequence is run once and scores
+    # the longest target that ends it.
+    index: dict[tuple, int] = {}
+    seqs, suffix = [], []
+
+    def request(context, target):
+        key = tuple(context) + tuple(target)
+        j = index.setdefault(key, len(seqs))
+        if j == len(seqs):
+            seqs.append(key)
+            suffix.append(0)
+        suffix[j] = min(max(suffix[j], len(target)), len(key) - 1)
+        return j, len(target)
+
+    requests = {name: [request(c, g) for c, g in examples]
+                for name, examples in (("strict", strict), ("harness", harness), ("nonstrict", nonstrict))}
+    scored = _score_sequences(backend, seqs, suffix, tokenizer.eod_id, batch_size, progress)
+
+    def outcome(j, n):
+        """(all target tokens greedy-correct, sum NLL of target, n target tokens)."""
+        lp, hit = scored[j]
+        k = max(len(lp) - n, 0)  # n > len(lp) only for a text of one token
+        return bool(hit[k:].all()), float(-lp[k:].sum()), n
+
+    res, res_h, res_n = ([outcome(j, n) for j, n in requests[k]] for k in ("strict", "harness", "nonstrict"))
     nll = sum(r[1] for r in res)
     ntok = sum(r[2] for r in res)
     n = len(texts)

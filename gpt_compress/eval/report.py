@@ -15,8 +15,11 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
+from ..errors import DataError
+
 # Weight files of each backend, by suffix: what a deployment has to ship and read.
 WEIGHT_SUFFIXES = {"dygraph": (".safetensors",), "paddle": (".pdiparams",), "onnx": (".onnx", ".onnx.data")}
+NOT_WEIGHTS = ("optimizer.safetensors",)  # a training checkpoint's optimizer state is not loaded to run
 
 
 @dataclass
@@ -55,7 +58,7 @@ def weight_size_mb(model_dir: str, backend: str) -> Optional[float]:
     if not os.path.isdir(model_dir):
         return None
     total = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
-                if f.endswith(suffixes) and os.path.isfile(os.path.join(model_dir, f)))
+                if f.endswith(suffixes) and f not in NOT_WEIGHTS and os.path.isfile(os.path.join(model_dir, f)))
     return round(total / 2**20, 3) if total else None
 
 
@@ -64,7 +67,7 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable result JSON ({e})") from None
+        raise DataError(f"{path}: not a readable result JSON ({e})") from None
 
 
 def rows_from_results(results: Iterable[Mapping], names: Optional[Mapping[str, str]] = None) -> list[ReportRow]:
@@ -75,7 +78,7 @@ def rows_from_results(results: Iterable[Mapping], names: Optional[Mapping[str, s
     rows: dict[tuple[str, str], ReportRow] = {}
     for r in results:
         if "model" not in r or "backend" not in r:
-            raise ValueError(f"result without 'model'/'backend': {sorted(r)[:8]}")
+            raise DataError(f"result without 'model'/'backend': {sorted(r)[:8]}")
         model = os.path.abspath(r["model"])
         key = (model, r["backend"])
         if key not in rows:
@@ -100,7 +103,7 @@ def markdown_table(rows: Sequence[ReportRow], columns: Optional[Sequence[str]] =
         columns = [c for c in COLUMNS if c in ("name", "backend") or any(getattr(r, c) is not None for r in rows)]
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
-        raise ValueError(f"unknown report column(s) {unknown}; known: {', '.join(COLUMNS)}")
+        raise DataError(f"unknown report column(s) {unknown}; known: {', '.join(COLUMNS)}")
 
     def cell(row, c):
         v = getattr(row, c)
@@ -122,7 +125,7 @@ def read_train_log(path: str) -> tuple[list[tuple[int, float]], list[tuple[int, 
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+                raise DataError(f"{path}:{n}: malformed JSON ({e.msg})") from None
             if rec.get("loss") is not None:
                 train.append((rec["step"], rec["loss"]))
             if rec.get("eval_loss") is not None:
@@ -240,7 +243,7 @@ def load_rows(result_paths: Sequence[str], names: Optional[Mapping[str, str]] = 
         items = data if isinstance(data, list) else [data]
         for d in items:
             if not isinstance(d, dict):
-                raise ValueError(f"{p}: expected a JSON object or a list of objects")
+                raise DataError(f"{p}: expected a JSON object or a list of objects")
             results.append(d)
     return rows_from_results(results, names)
 

@@ -3,7 +3,8 @@
 Windows of ``seq_len`` inputs start every ``stride`` tokens; every window but the first scores
 only its last ``stride`` positions (overlapping evaluation: each token scored once, with as
 much context as the window allows). Reports token-level perplexity and word-level perplexity
-adjusted by the token/word ratio, as FleetX does.
+adjusted by the token/word ratio, as FleetX does. Logits are taken only at the scored positions
+(``scoring.score_positions``): an overlapping window's context costs the body, not the head.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from .scoring import token_logprobs
+from ..errors import DataError, InputError  # noqa: F401
+from .scoring import score_positions
 
 INPUT_FORMATS = ("tokens", "raw", "raw-hf-rows")
 
@@ -58,7 +60,7 @@ def read_wikitext(path: str, input_format: str) -> tuple[str, int]:
     ``tokens`` (wiki.test.tokens: detokenized first), ``raw`` (the file as one string) or
     ``raw-hf-rows`` (Hugging Face's rows joined with blank lines)."""
     if input_format not in INPUT_FORMATS:
-        raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {input_format!r}")
+        raise InputError(f"input format must be one of {INPUT_FORMATS}, got {input_format!r}")
     with open(path, encoding="utf-8", newline="") as f:
         if input_format == "raw-hf-rows":
             text = "\n\n".join("" if line == " \n" else line for line in f)
@@ -115,11 +117,11 @@ def evaluate_wikitext(backend, tokenizer, path: str, input_format: str = "raw", 
     """Perplexity of ``backend`` on a WikiText file (see module docstring)."""
     stride = stride or seq_len
     if not 0 < stride <= seq_len:
-        raise ValueError(f"stride must be in (0, seq_len={seq_len}], got {stride}")
+        raise InputError(f"stride must be in (0, seq_len={seq_len}], got {stride}")
     text, n_words = read_wikitext(path, input_format)
     tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if len(tokens) < 2:
-        raise ValueError(f"{path}: fewer than two tokens to score")
+        raise DataError(f"{path}: fewer than two tokens to score")
     windows = list(build_windows(tokens, seq_len, stride, tokenizer.eod_id))
     total, scored = 0.0, 0
     for start in tqdm(range(0, len(windows), batch_size), desc="wikitext", disable=not progress):
@@ -127,9 +129,10 @@ def evaluate_wikitext(backend, tokenizer, path: str, input_format: str = "raw", 
         ids = np.stack([w[0] for w in group])
         labels = np.stack([w[1] for w in group])
         mask = np.stack([w[2] for w in group])
-        lp, _ = token_logprobs(backend, ids, labels)
-        total += float(-(lp * mask).sum())
-        scored += int(mask.sum())
+        # Logits only at the scored positions: strided windows skip the masked context.
+        lp, _ = score_positions(backend, ids, labels, mask > 0)
+        total += float(-lp.sum())
+        scored += len(lp)
     avg = total / (len(tokens) - 1)
     ratio = (len(tokens) - 1) / max(n_words - 1, 1)
     return WikitextResult(

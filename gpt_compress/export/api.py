@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 from ..checkpoint import load_model, read_config
 from ..data.tokenizer import find_tokenizer
 from ..errors import ExportError
-from ..fileio import write_dir_atomic
+from ..fileio import check_output, write_dir_atomic
 from ..inference.manifest import build_manifest, io_spec, write_manifest
 from ..qat.deploy import quant_table
 from ..qat.quantize import load_quantized, read_quant_state
@@ -51,15 +51,19 @@ def _formats(formats: Sequence[str]) -> list[str]:
 
 
 def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
-           opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, fused: bool = True) -> str:
+           opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, overwrite: bool = False,
+           fused: bool = True) -> str:
     """Export checkpoint directory ``checkpoint`` to directory ``output`` (written atomically);
     returns ``output``. A quantized checkpoint (``gptc qat/ptq``) exports int8, any other float;
     ``mp_degree > 1`` writes tensor-parallel rank directories (Paddle only). ``formats``:
     "paddle" and/or "onnx"; ``validate``: run every program against dygraph first; ``fused``: with
-    "paddle" (single card), also the fused CPU program (``fused.py``)."""
+    "paddle" (single card), also the fused CPU program (``fused.py``). An existing
+    ``output`` is replaced only if it is an earlier export and ``overwrite`` is set
+    (``fileio.check_output``): checked before any work."""
     formats = _formats(formats)
     if os.path.abspath(output) == os.path.abspath(checkpoint):
         raise ExportError("the output directory must differ from the checkpoint directory")
+    check_output(output, overwrite)
     _, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
         raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models "
@@ -67,21 +71,24 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     if mp_degree > 1:
         if formats != ["paddle"] or read_quant_state(checkpoint) is not None:
             raise ExportError("a tensor-parallel export (mp_degree > 1) is float Paddle Inference only")
-        return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir)
+        return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir, overwrite=overwrite)
     # load_* verify checksums, parameter names and shapes vs the config.
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
-                        source=os.path.abspath(checkpoint), validate=validate, opset=opset, fused=fused)
+                        source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
+                        fused=fused)
 
 
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
-                 validate: bool = True, opset: int = 17, require_quantized: bool = False, fused: bool = True) -> str:
+                 validate: bool = True, opset: int = 17, require_quantized: bool = False,
+                 overwrite: bool = False, fused: bool = True) -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
     ``static.ExportableLM``): do not train it further. Returns ``output``; an int8 manifest's
     ``quant.validation`` holds the measured max logit differences."""
     formats = _formats(formats)
+    check_output(output, overwrite)
     model.eval()
     cfg = model.config
     table = quant_table(model)
@@ -111,7 +118,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
         elif validate:
             validate_dir(tmp, ref, formats, atol=FLOAT_ATOL)
 
-    return write_dir_atomic(output, write)
+    return write_dir_atomic(output, write, overwrite=overwrite)
 
 
 def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int) -> dict:
@@ -119,7 +126,7 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int) -> 
     cfg = model.config
     # ONNX is converted from the Paddle programs; without "paddle" they live in scratch.
     pdir = out_dir if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=out_dir)
-    files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats)}
+    files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats, score=True)}
     if "onnx" in formats:
         files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
                                          tanh_gelu=cfg.hidden_act == "gelu_new")

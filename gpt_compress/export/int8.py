@@ -39,7 +39,7 @@ import paddle.nn as nn
 
 from ..errors import ExportError
 from ..inference.manifest import PROGRAMS, io_spec
-from ..qat.config import W8A8, WEIGHT_ONLY
+from ..config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
 from .onnx import convert_programs, externalize
 from .static import ExportableLM, save_paddle_programs

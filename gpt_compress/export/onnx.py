@@ -30,7 +30,7 @@ import os
 import sys
 
 from ..errors import ExportError
-from ..inference.manifest import PROGRAMS
+from ..inference.manifest import PROGRAMS, SCORE_PROGRAMS
 
 DATA_FILE = "model.onnx.data"
 ALIGN = 4096  # page-aligned offsets let onnxruntime map the data file instead of copying it
@@ -285,7 +285,7 @@ def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict
     Returns ``{program: {"model": file, "data": shared data file}}``."""
     onnx, _ = _onnx()
     models = {}
-    for name in PROGRAMS:
+    for name in [p for p in PROGRAMS + SCORE_PROGRAMS if p in paddle_files]:
         files = paddle_files[name]
         model = paddle_to_onnx(os.path.join(paddle_dir, files["model"]), os.path.join(paddle_dir, files["params"]),
                                opset)

@@ -31,7 +31,8 @@ from paddle.static import InputSpec
 from ..config import ModelConfig
 from ..errors import ExportError
 from ..fileio import sha256_file
-from ..inference.manifest import PROGRAMS, SPLIT_PROGRAMS
+from ..inference.manifest import PROGRAMS, SCORE_PROGRAMS, SPLIT_PROGRAMS
+from ..model.gpt import label_logprobs
 
 PARAMS = "model.pdiparams"
 # Column blocks of the split ``lm_head`` (``SPLIT_PROGRAMS``: Paddle's batch-1 decode runs the head,
@@ -101,6 +102,16 @@ class ExportableLM(nn.Layer):
             out += [k, v]
         return out
 
+    def _reads_all_parameters(self, x, used):
+        """``x`` plus a zero read from every parameter other than ``used`` (folded away at load) so
+        that a program using only the head has the shared model.pdiparams as its parameter file:
+        Paddle loads a combined file whole, in order."""
+        others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
+                  if t is not used]
+        if others:
+            x = x + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(x.dtype).sum() for t in others])
+        return x
+
     def lm_head(self, hidden):
         """hidden (B, hidden) -> logits (B, V) as ``HEAD_BLOCKS`` batched GEMVs over column blocks of
         the head weight. The blocked (K, hidden, V/K) copy is computed from the parameter alone, so
@@ -111,13 +122,7 @@ class ExportableLM(nn.Layer):
         k, (h, v) = HEAD_BLOCKS, head.shape
         n = -(-v // k)
         w = paddle.concat([head, paddle.zeros([h, n * k - v], dtype=head.dtype)], axis=1) if n * k != v else head
-        blocks = paddle.transpose(w.reshape([h, k, n]), [1, 0, 2])  # (K, hidden, n)
-        # Read every other parameter too (a folded-away zero) so that this program's parameter
-        # file is the shared model.pdiparams: Paddle loads a combined file whole, in order.
-        others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
-                  if t is not head]
-        if others:
-            blocks = blocks + 0.0 * paddle.add_n([t.reshape([-1])[:1].astype(head.dtype).sum() for t in others])
+        blocks = self._reads_all_parameters(paddle.transpose(w.reshape([h, k, n]), [1, 0, 2]), head)  # (K, hidden, n)
         x = paddle.expand(hidden.unsqueeze(0), [k, -1, h])  # (K, B, hidden)
         y = paddle.transpose(paddle.matmul(x, blocks), [1, 0, 2])  # (B, K, n)
         return y.reshape([-1, k * n])[:, :v]
@@ -125,6 +130,16 @@ class ExportableLM(nn.Layer):
     def forward(self, input_ids, attention_mask):
         """Scoring: (B, T) ids and mask -> logits (B, T, V)."""
         return self._logits(self.model.gpt(input_ids, attention_mask=attention_mask))
+
+    def forward_hidden(self, input_ids, attention_mask):
+        """Scoring, body only: (B, T) ids and mask -> final hidden states (B, T, hidden)."""
+        return self.model.gpt(input_ids, attention_mask=attention_mask)
+
+    def score_head(self, hidden, labels):
+        """Scoring, head only, at the scored positions: hidden (N, hidden), labels (N,) ->
+        [log p(label) (N,) float64, argmax (N,) int64] (``model.gpt.label_logprobs``)."""
+        hidden = self._reads_all_parameters(hidden, self.head_weight())  # (N, hidden): the zero costs nothing
+        return label_logprobs(self._logits(hidden), labels)
 
     def prefill(self, input_ids, attention_mask):
         """Prompt (B, T) -> [last logits (B, V), k_0, v_0, k_1, ...], each cache (B, H_i, T, D)."""
@@ -142,21 +157,26 @@ def _input_specs(cfg: ModelConfig):
              InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"past_value_{i}"))
             for i in range(cfg.num_layers)]
     return {"forward": [ids, mask], "prefill": [ids, mask], "decode": [ids, mask, past],
-            "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")]}
+            "decode_hidden": [ids, mask, past], "lm_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden")],
+            "forward_hidden": [ids, mask],
+            "score_head": [InputSpec([None, cfg.hidden_size], "float32", "hidden"),
+                           InputSpec([None], "int64", "labels")]}
 
 
 def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None,
-                         split_decode: bool = True) -> dict[str, dict[str, str]]:
+                         split_decode: bool = True, score: bool = False) -> dict[str, dict[str, str]]:
     """``paddle.jit.save`` the three programs of ``model`` into ``out_dir`` with one shared
     params file. Returns ``{program: {"model": file, "params": file}}`` (names relative to out_dir).
     ``model`` is mutated (see ``ExportableLM``); pass a model you will not train further.
     ``wrapper``: an ``ExportableLM`` subclass instance around ``model`` (tensor-parallel shards).
     ``split_decode``: also save ``SPLIT_PROGRAMS`` (Paddle Inference's batch-1 decode path) when
-    the wrapper's head is a plain matmul."""
+    the wrapper's head is a plain matmul. ``score``: also save ``SCORE_PROGRAMS`` (evaluation
+    computes logits only at the positions it scores)."""
     model.eval()
     wrapper = wrapper or ExportableLM(model)
     specs = _input_specs(model.config)
     names = list(PROGRAMS) + (list(SPLIT_PROGRAMS) if split_decode and wrapper.head_weight() is not None else [])
+    names += list(SCORE_PROGRAMS) if score else []
     for name in names:
         setattr(wrapper, name, paddle.jit.to_static(getattr(wrapper, name), input_spec=specs[name], full_graph=True))
     scratch = tempfile.mkdtemp(prefix=".jit-", dir=out_dir)

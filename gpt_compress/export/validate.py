@@ -16,13 +16,17 @@ import paddle
 
 from ..errors import ExportError
 from ..inference.manifest import read_manifest
-from ..inference.predictor import PaddleBackend
 
 
 def _backend(fmt: str):
+    # Both imported when an export is validated, not with this module: onnxruntime is optional
+    # (the `onnx` extra), and loading Paddle Inference before ``reference`` runs changes the
+    # dygraph reference's float rounding (seen as different int8 validation differences).
     if fmt == "paddle":
+        from ..inference.predictor import PaddleBackend
+
         return PaddleBackend
-    from ..inference.ort import OrtBackend  # onnxruntime is optional (the `onnx` extra)
+    from ..inference.ort import OrtBackend
 
     return OrtBackend
 
@@ -52,13 +56,21 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     got = [(logits, full[:, -1]), (backend.score(ids, mask), full)]
     logits, _ = backend.decode(nxt, np.concatenate([mask, np.ones_like(nxt)], 1), cache)
     got.append((logits, step))
+    if getattr(backend, "scores_positions", False):  # the scoring programs, at the real positions
+        real, labels = mask > 0, np.roll(ids, -1, axis=1)
+        lp, _ = backend.head_scores(backend.hidden_states(ids, mask)[real], labels[real])
+        top = full.max(axis=-1, keepdims=True)
+        ref_lp = np.take_along_axis(full, labels[..., None], -1)[..., 0] - top[..., 0] - np.log(
+            np.exp(full - top).sum(-1, dtype=np.float64))
+        got.append((lp, ref_lp[real]))
     # Padded query rows attend to nothing real; their logits are meaningless, compare real rows.
     diffs = [float(np.max(np.abs(np.where(mask[..., None] > 0, a - b, 0) if a.ndim == 3 else a - b)))
              for a, b in got]
     scale = max(1.0, float(np.max(np.abs(full))))
     if max(diffs) > atol * scale:
         raise ExportError(f"{where}: exported logits differ from dygraph by {max(diffs):.3g} "
-                          f"(prefill, score, decode: {', '.join(f'{d:.3g}' for d in diffs)}; "
+                          f"(prefill, score, decode[, scoring programs' log-probabilities]: "
+                          f"{', '.join(f'{d:.3g}' for d in diffs)}; "
                           f"tolerance {atol * scale:.3g})")
     return max(diffs)
 

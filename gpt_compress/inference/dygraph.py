@@ -4,9 +4,13 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..model.gpt import label_logprobs
+
 
 class DygraphBackend:
     """Decode with a ``GPTForCausalLM`` in eager mode; the cache is a list of (k, v) tensors."""
+
+    scores_positions = True  # hidden_states + head_scores: evaluation takes logits only where it scores
 
     def __init__(self, model):
         self.model = model
@@ -37,3 +41,16 @@ class DygraphBackend:
         """Full-sequence logits (B, T, V) float32."""
         mask = None if attention_mask is None else paddle.to_tensor(attention_mask)
         return self.model(paddle.to_tensor(input_ids), attention_mask=mask).astype("float32").numpy()
+
+    @paddle.no_grad()
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Final hidden states (B, T, hidden) float32."""
+        mask = None if attention_mask is None else paddle.to_tensor(attention_mask)
+        return self.model.gpt(paddle.to_tensor(input_ids), attention_mask=mask).astype("float32").numpy()
+
+    @paddle.no_grad()
+    def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """hidden (N, hidden), labels (N,) -> log p(label) (N,) float64, argmax (N,) int64."""
+        logits = self.model.logits(paddle.to_tensor(np.ascontiguousarray(hidden, dtype=np.float32)))
+        lp, top = label_logprobs(logits.astype("float32"), paddle.to_tensor(np.asarray(labels, dtype=np.int64)))
+        return lp.numpy(), top.numpy()

@@ -8,7 +8,7 @@ onnxruntime nor the model code, so a serving process stays free of the training 
 An export directory holds::
 
     manifest.json      what is in the directory (this module's ``MANIFEST``)
-    checksums.json     sha256 of every file (written by ``checkpoint.write_checkpoint_dir``)
+    checksums.json     sha256 of every file (written by ``fileio.write_dir_atomic``)
     prefill.json, decode.json, forward.json, model.pdiparams   Paddle Inference (--format paddle)
     decode_hidden.json, lm_head.json                            (Paddle, same model.pdiparams)
     prefill.onnx, decode.onnx, forward.onnx, model.onnx.data   onnxruntime (--format onnx)
@@ -23,6 +23,11 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
 * Paddle only, optional (fp32 heads): ``decode_hidden`` (``decode`` with the last hidden state
   (B,hidden) in place of the logits) and ``lm_head(hidden (B,hidden)) -> logits (B,V)``, which
   Paddle Inference runs with different thread counts for batch-1 decode (``predictor.py``)
+* Optional, float exports (``SCORE_PROGRAMS``): ``forward_hidden(input_ids, attention_mask) ->
+  hidden (B,T,hidden)`` and ``score_head(hidden (N,hidden), labels (N,)) -> logprob (N,) float64,
+  argmax (N,) int64``: evaluation takes logits only where it scores. Without them (exports from
+  before, int8, tensor-parallel) it uses ``forward``; the format version is unchanged because
+  readers of either age ignore or do without them.
 
 ``H_i`` may differ per layer (structurally pruned models).
 
@@ -47,6 +52,9 @@ MANIFEST = "manifest.json"
 PROGRAMS = ("prefill", "decode", "forward")
 # Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
 SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
+# Optional scoring programs (every format; float exports from this version on): evaluation runs
+# the body, then the head only at the positions it scores (see the list above).
+SCORE_PROGRAMS = ("forward_hidden", "score_head")
 BACKENDS = ("paddle", "onnx")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt")
 TP_FORMAT = "gpt-compress-tp-inference"
@@ -111,7 +119,8 @@ class Manifest:
 
 
 def verify_files(path: str, names: Optional[list[str]] = None) -> None:
-    """Check sizes/sha256 of ``names`` (default: all) against ``checksums.json``; the error names the file."""
+    """Check sizes/sha256 of ``names`` (default: all; ``manifest.json`` always) against ``checksums.json``;
+    the error names the file."""
     sums_path = os.path.join(path, CHECKSUMS)
     try:
         with open(sums_path, encoding="utf-8") as f:
@@ -120,6 +129,8 @@ def verify_files(path: str, names: Optional[list[str]] = None) -> None:
         raise ModelDirError(f"{sums_path} is missing: {path} is not a complete export") from None
     except ValueError as e:
         raise ModelDirError(f"{sums_path} is not valid JSON ({e}); re-export the model") from None
+    if names is not None and MANIFEST not in names:
+        names = [MANIFEST, *names]  # the manifest says what the files are: another model's must not pass
     for name in names if names is not None else sorted(sums):
         fp = os.path.join(path, name)
         if name not in sums:
@@ -180,6 +191,12 @@ def io_spec(cfg) -> dict[str, dict]:
         "lm_head": {"inputs": [hidden], "outputs": [last]},
         "forward": {"inputs": [ids, mask],
                     "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", "vocab"]}]},
+        "forward_hidden": {"inputs": [ids, mask], "outputs": [
+            {"name": "hidden", "dtype": "float32", "shape": ["batch", "seq", cfg.hidden_size]}]},
+        "score_head": {"inputs": [{"name": "hidden", "dtype": "float32", "shape": ["rows", cfg.hidden_size]},
+                                  {"name": "labels", "dtype": "int64", "shape": ["rows"]}],
+                       "outputs": [{"name": "logprob", "dtype": "float64", "shape": ["rows"]},
+                                   {"name": "argmax", "dtype": "int64", "shape": ["rows"]}]},
     }
 
 
@@ -202,6 +219,10 @@ def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Se
     {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
+    # The scoring programs, when every format has them (older exports and int8 / tensor-parallel
+    # ones do not: evaluation then falls back to ``forward``).
+    programs.update({name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}}
+                     for name in SCORE_PROGRAMS if all(name in files[fmt] for fmt in formats)})
     if "paddle" in formats:  # the split decode, when saved (Paddle only)
         programs.update({name: {**spec[name], "paddle": files["paddle"][name]}
                          for name in SPLIT_PROGRAMS if name in files["paddle"]})

@@ -17,7 +17,7 @@ from typing import Optional, Union
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import Manifest, ModelDirError, read_manifest, verify_files
+from .manifest import SCORE_PROGRAMS, Manifest, ModelDirError, read_manifest, verify_files
 
 GRAPH_OPT = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -47,7 +47,11 @@ class OrtBackend:
     def __init__(self, model_dir: Union[str, Manifest], threads: int = 0, graph_opt: str = "all",
                  providers: Optional[list] = None, verify: bool = True):
         self.manifest = model_dir if isinstance(model_dir, Manifest) else read_manifest(model_dir)
-        self._files = {name: self.manifest.files("onnx", name) for name in ("prefill", "decode", "forward")}
+        programs = self.manifest.data["programs"]
+        # Exports from before the scoring programs (and int8 ones) score through ``forward``.
+        self.scores_positions = all("onnx" in programs.get(p, {}) for p in SCORE_PROGRAMS)
+        names = ("prefill", "decode", "forward") + (SCORE_PROGRAMS if self.scores_positions else ())
+        self._files = {name: self.manifest.files("onnx", name) for name in names}
         if verify:
             names = sorted({os.path.basename(p) for f in self._files.values() for p in f.values()})
             verify_files(self.manifest.path, names)
@@ -72,7 +76,8 @@ class OrtBackend:
         sess = self.session(name)
         binding = sess.io_binding()
         for k, a in arrays.items():
-            binding.bind_cpu_input(k, np.ascontiguousarray(a, dtype=np.int64))
+            dtype = np.float32 if a.dtype == np.float32 else np.int64  # hidden states, else ids / masks / labels
+            binding.bind_cpu_input(k, np.ascontiguousarray(a, dtype=dtype))
         for k, v in (values or {}).items():
             binding.bind_ortvalue_input(k, v)
         for out in self.manifest.program(name)["outputs"]:
@@ -98,8 +103,20 @@ class OrtBackend:
         rows = np.asarray(rows, dtype=np.int64)
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in cache]
 
-    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
-        """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
+    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None,
+              program: str = "forward") -> np.ndarray:
+        """Full-sequence logits (B, T, V) float32 from the ``forward`` program (``program``: another
+        whole-sequence program, ``forward_hidden``)."""
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
-        return self._run("forward", {"input_ids": input_ids, "attention_mask": attention_mask})[0].numpy()
+        return self._run(program, {"input_ids": input_ids, "attention_mask": attention_mask})[0].numpy()
+
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Final hidden states (B, T, hidden) float32 from ``forward_hidden`` (``scores_positions``)."""
+        return self.score(input_ids, attention_mask, "forward_hidden")
+
+    def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """hidden (N, hidden) float32, labels (N,) -> log p(label) (N,) float64, argmax (N,) int64
+        from ``score_head``: logits exist only for these N rows, inside onnxruntime."""
+        outs = self._run("score_head", {"hidden": hidden, "labels": labels})
+        return outs[0].numpy(), outs[1].numpy()

@@ -56,10 +56,11 @@ prefer_mkl_avx2()  # before Paddle's first matmul (MKL reads it once): AVX2 kern
 import paddle  # noqa: E402
 import paddle.inference as pi  # noqa: E402
 
-from .manifest import SPLIT_PROGRAMS, Manifest, ModelDirError, read_manifest, verify_files  # noqa: E402
+from .manifest import SCORE_PROGRAMS, SPLIT_PROGRAMS, Manifest, ModelDirError, read_manifest, verify_files  # noqa: E402
 
 ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward",
-         "decode_hidden": "decode_hidden", "lm_head": "lm_head"}
+         "decode_hidden": "decode_hidden", "lm_head": "lm_head", "forward_hidden": "forward_hidden",
+         "score_head": "score_head"}
 
 
 @dataclass
@@ -82,7 +83,8 @@ def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
     fused = ("add_norm_fuse_pass",) if "avx512f" in cpu_flags() else ()
     return {"prefill": ProgramOptions(onednn=True), "decode": ProgramOptions(threads=1, passes=fused),
             "decode_batched": ProgramOptions(onednn=True), "forward": ProgramOptions(onednn=True),
-            "decode_hidden": ProgramOptions(threads=1, passes=fused), "lm_head": ProgramOptions()}
+            "decode_hidden": ProgramOptions(threads=1, passes=fused), "lm_head": ProgramOptions(),
+            "forward_hidden": ProgramOptions(onednn=True), "score_head": ProgramOptions()}
 
 
 def _threads(n: int) -> int:
@@ -152,6 +154,9 @@ class PaddleBackend:
         # Exports from before the split (or int8 / tensor-parallel ones) lack these programs.
         self.split_head = split_head and device != "gpu" and all(p in self.manifest.data["programs"] for p in SPLIT_PROGRAMS)
         programs += list(SPLIT_PROGRAMS) if self.split_head else []
+        # Exports from before the scoring programs (and int8 / tensor-parallel ones) score through ``forward``.
+        self.scores_positions = all("paddle" in self.manifest.data["programs"].get(p, {}) for p in SCORE_PROGRAMS)
+        programs += list(SCORE_PROGRAMS) if self.scores_positions else []
         self._files = {name: self.manifest.files("paddle", name) for name in programs}
         if verify:
             names = sorted({os.path.basename(p) for f in self._files.values() for p in f.values()})
@@ -219,6 +224,15 @@ class PaddleBackend:
         """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
         return self._call(self._score, input_ids, attention_mask)
 
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Final hidden states (B, T, hidden) float32 from ``forward_hidden`` (``scores_positions``)."""
+        return self._call(self._score, input_ids, attention_mask, "forward_hidden")
+
+    def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """hidden (N, hidden) float32, labels (N,) -> log p(label) (N,) float64, argmax (N,) int64
+        from ``score_head``: logits exist only for these N rows."""
+        return self._call(self._head_scores, hidden, labels)
+
     def _prefill(self, input_ids, attention_mask):
         outs = self._run("prefill", {"input_ids": self._tensor(input_ids),
                                      "attention_mask": self._tensor(attention_mask)})
@@ -260,9 +274,14 @@ class PaddleBackend:
         idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64), place=self._place)
         return PaddleCache([paddle.index_select(t, idx, axis=0) for t in cache.tensors], cache.length)
 
-    def _score(self, input_ids, attention_mask):
+    def _score(self, input_ids, attention_mask, role: str = "forward"):
+        """A whole-sequence program: ``forward`` (logits) or ``forward_hidden`` (hidden states)."""
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
-        outs = self._run("forward", {"input_ids": self._tensor(input_ids),
-                                     "attention_mask": self._tensor(attention_mask)})
+        outs = self._run(role, {"input_ids": self._tensor(input_ids), "attention_mask": self._tensor(attention_mask)})
         return outs[0].numpy()
+
+    def _head_scores(self, hidden, labels):
+        hidden = paddle.to_tensor(np.ascontiguousarray(hidden, dtype=np.float32), place=self._place)
+        outs = self._run("score_head", {"hidden": hidden, "labels": self._tensor(labels)})
+        return outs[0].numpy(), outs[1].numpy()

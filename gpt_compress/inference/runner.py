@@ -5,6 +5,9 @@
     for piece in gen.stream_text("ROMEO:", max_new_tokens=32):  # text as it is produced
         print(piece, end="", flush=True)
     logits = gen.score(input_ids, attention_mask)               # (B, T, V) for evaluation
+    if gen.scores_positions:                                    # logits only where they are scored:
+        hidden = gen.hidden_states(input_ids, attention_mask)   # (B, T, hidden), then for chosen rows
+        logprob, argmax = gen.head_scores(hidden[sel], labels[sel])  # (N,) each
 
 Decoding itself (greedy, sampling, top-k/top-p, repetition penalty, beam search) is
 ``model/generation.py``, shared by all backends; a backend only runs the network.
@@ -222,6 +225,36 @@ class Generator:
     def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Logits (B, T, V) float32 for every position of ``input_ids`` (B, T); ``attention_mask``
         marks real tokens (left or right padding)."""
+        input_ids, attention_mask = self._check_scoring(input_ids, attention_mask)
+        with self._lock:
+            return self.backend.score(input_ids, attention_mask)
+
+    @property
+    def scores_positions(self) -> bool:
+        """True when the backend has ``hidden_states`` + ``head_scores`` (float exports from the
+        scoring programs on, and dygraph); else evaluation takes ``score``'s full logits."""
+        return bool(getattr(self.backend, "scores_positions", False))
+
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Final hidden states (B, T, hidden) float32 (needs ``scores_positions``)."""
+        input_ids, attention_mask = self._check_scoring(input_ids, attention_mask)
+        with self._lock:
+            return self.backend.hidden_states(input_ids, attention_mask)
+
+    def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The LM head at N chosen positions: hidden (N, hidden), labels (N,) -> log p(label) (N,)
+        float64 and the argmax token (N,) int64; the (N, V) logits never leave the backend."""
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        labels = np.asarray(labels, dtype=np.int64)
+        if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
+            raise InputError(f"head_scores wants hidden (N, hidden) and labels (N,), got {hidden.shape} "
+                             f"and {labels.shape}")
+        if labels.size and (labels.min() < 0 or labels.max() >= self.vocab_size):
+            raise InputError(f"labels has token ids outside the vocabulary [0, {self.vocab_size})")
+        with self._lock:
+            return self.backend.head_scores(hidden, labels)
+
+    def _check_scoring(self, input_ids, attention_mask):
         input_ids = np.asarray(input_ids, dtype=np.int64)
         if input_ids.ndim != 2 or input_ids.size == 0:
             raise InputError(f"input_ids must be a non-empty (batch, seq) array, got shape {input_ids.shape}")
@@ -234,8 +267,7 @@ class Generator:
             attention_mask = np.asarray(attention_mask, dtype=np.int64)
             if attention_mask.shape != input_ids.shape:
                 raise InputError(f"attention_mask shape {attention_mask.shape} != input_ids shape {input_ids.shape}")
-        with self._lock:
-            return self.backend.score(input_ids, attention_mask)
+        return input_ids, attention_mask
 
 
 __all__ = ["Generator", "Generated", "InputError", "ModelDirError", "BACKENDS"]

@@ -69,11 +69,11 @@ def run_rank(model_dir: str, request: str, output: str) -> None:
     import paddle.distributed as dist
 
     from ..config import GenerationConfig
-    from ..export.partition import _init_mp
+    from ..parallel.fleet import init_mp
     from .runner import Generator
 
     top = read_tp_manifest(model_dir)
-    _init_mp(int(top["mp_degree"]))
+    init_mp(int(top["mp_degree"]))
     with open(request, encoding="utf-8") as f:
         req = json.load(f)
     rank = dist.get_rank()
@@ -97,8 +97,7 @@ def generate_tensor_parallel(model_dir: str, prompts, generation: Optional[dict]
     """Generate with a tensor-parallel export: launches its ``mp_degree`` ranks and returns rank 0's
     ``{"sequences", "texts", "prompt_tokens", "seconds"}``. ``prompts``: strings (needs the
     tokenizer) or token-id lists; ``generation``/``overrides``: ``GenerationConfig`` fields."""
-    from ..export.partition import _log_tail
-    from ..parallel.launch import launch_command
+    from ..parallel.launch import launch_command, log_tail
 
     top = read_tp_manifest(model_dir)
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -114,7 +113,7 @@ def generate_tensor_parallel(model_dir: str, prompts, generation: Optional[dict]
                                                      "--request", req, "--output", result], log_dir=log_dir)
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if res.returncode != 0 or not os.path.isfile(result):
-            raise RuntimeError(f"tensor-parallel generation failed (exit {res.returncode}):\n{_log_tail(log_dir)}")
+            raise RuntimeError(f"tensor-parallel generation failed (exit {res.returncode}):\n{log_tail(log_dir)}")
         with open(result, encoding="utf-8") as f:
             return json.load(f)
 

@@ -15,12 +15,14 @@ when no running beam can beat its worst finished one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..config import GenerationConfig
+from ..config import ConfigError, GenerationConfig
+from ..errors import InputError
 
 NEG_INF = -np.inf
 
@@ -49,9 +51,9 @@ class GenerationOutput:
 def pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Left-pad prompts into ids (B, T) int64 and attention mask (B, T) int64."""
     if not prompts:
-        raise ValueError("no prompts given")
+        raise InputError("no prompts given")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: every prompt needs at least one token")
+        raise InputError("empty prompt: every prompt needs at least one token")
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(prompts), width), dtype=np.int64)
@@ -124,6 +126,18 @@ def _processed(logits, seen, step, cfg, eos):
     return scores
 
 
+def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: GenerationConfig,
+                eos_token_id: Optional[int], rng: np.random.Generator) -> np.ndarray:
+    """The token (B,) chosen from each row of ``logits`` (B, V) at generation step ``step``
+    (greedy or sampling, after the logits processors); ``seen`` (B, V) marks tokens already in
+    each row (repetition penalty). Sampling draws one number per row from ``rng``."""
+    scores = _processed(logits, seen, step, cfg, eos_token_id)
+    if cfg.decode_strategy == "greedy":
+        return np.argmax(scores, axis=-1)
+    scores = apply_top_p(apply_top_k(scores / cfg.temperature, cfg.top_k), cfg.top_p)
+    return _sample(_softmax(scores), rng)
+
+
 def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                   eos_token_id: Optional[int], pad_token_id: int) -> Iterator[np.ndarray]:
     """Greedy or sampling decode; yields the new token of every row at each step (B,).
@@ -141,14 +155,7 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
     for step in range(cfg.max_new_tokens):
-        scores = _processed(logits, seen, step, cfg, eos_token_id)
-        if cfg.decode_strategy == "greedy":
-            nxt = np.argmax(scores, axis=-1)
-        else:
-            if cfg.temperature <= 0:
-                raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
-            scores = apply_top_p(apply_top_k(scores / cfg.temperature, cfg.top_k), cfg.top_p)
-            nxt = _sample(_softmax(scores), rng)
+        nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng)
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
         seen[np.arange(batch), nxt] |= unfinished
         yield nxt
@@ -170,6 +177,7 @@ def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: G
     ids, mask = pad_left(prompts, pad_token_id)
     batch = ids.shape[0]
     logits, cache = backend.prefill(ids, mask)  # one prefill per prompt, then copy rows
+    check_beam_budget(cfg, batch, ids.shape[1], logits.shape[-1], cache)
     rows = np.repeat(np.arange(batch), nb)
     cache = backend.reorder_cache(cache, rows)
     logits, mask = logits[rows], mask[rows]
@@ -232,16 +240,52 @@ def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: G
     return GenerationOutput(sequences=[[int(t) for t in s] for _, s in best], scores=[float(s) for s, _ in best])
 
 
+def _nbytes(obj) -> int:
+    """Bytes held by a (nested list/tuple of) numpy arrays or tensors."""
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    shape = getattr(obj, "shape", None)
+    try:
+        shape = shape() if callable(shape) else shape  # onnxruntime's OrtValue.shape() is a method
+        return int(np.prod(shape)) * 4 if shape is not None else 0
+    except (TypeError, ValueError):
+        return 0  # a cache type we cannot size: the vocabulary term of the estimate still applies
+
+
+def memory_limit() -> int:
+    """Bytes beam search may plan to use: half the machine's RAM, at most 8 GiB."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return min(ram // 2, 8 << 30)
+
+
+def check_beam_budget(cfg: GenerationConfig, batch: int, prompt_len: int, vocab: int, cache) -> None:
+    """Refuse a beam search that cannot fit: more beams than vocabulary entries, or an estimated
+    peak (per row: scores over the vocabulary + the KV cache at full length) over ``memory_limit``."""
+    nb = cfg.num_beams
+    if nb > vocab:
+        raise ConfigError(f"Generation.num_beams={nb} exceeds the model's vocabulary of {vocab} tokens")
+    rows = batch * nb
+    per_token = _nbytes(cache) / max(batch * prompt_len, 1)
+    need = rows * (vocab * 25 + 2 * per_token * (prompt_len + cfg.max_new_tokens))
+    limit = memory_limit()
+    if need > limit:
+        raise ConfigError(f"Generation.num_beams={nb} x {batch} prompt(s) x {prompt_len + cfg.max_new_tokens} "
+                          f"tokens needs about {need / 2**30:.1f} GiB, over the {limit / 2**30:.1f} GiB allowed; "
+                          "lower Generation.num_beams or Generation.max_new_tokens")
+
+
 def generate(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
              eos_token_id: Optional[int], pad_token_id: int,
              on_tokens: Optional[Callable[[np.ndarray], None]] = None) -> GenerationOutput:
     """Decode ``prompts`` (lists of token ids) with ``cfg``; ``on_tokens`` receives each step's
     new tokens (B,) as they are produced (greedy/sampling)."""
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    cfg.__post_init__()  # fields may have been set after construction: check them again
     if cfg.decode_strategy == "beam_search":
-        if cfg.num_beams < 1:
-            raise ValueError(f"num_beams must be >= 1, got {cfg.num_beams}")
         return beam_search(backend, prompts, cfg, eos_token_id, pad_token_id)
     out: list[list[int]] = [[] for _ in prompts]
     alive = [True] * len(prompts)

@@ -4,6 +4,12 @@
     par = build_parallel(dims, cfg)        # None for one process
     model = par.apply(model)               # before the optimizer is built
     fit(model, par.loss_fn, batches, cfg, parallel=par)
+
+``plan.py``: ``TP_PLAN`` (which sublayer splits how), the shard math, the auto-parallel engine;
+``fleet.py``: fleet start-up and the one tensor-parallel layer swap (pipeline stages with mp,
+tensor-parallel inference exports); ``pipeline.py``: pp; ``loss.py``: vocab-parallel
+cross-entropy; ``launch.py``: process layout and launch command lines. Nothing here imports
+``export/``, ``inference/`` or ``commands/``.
 """
 from __future__ import annotations
 

@@ -129,3 +129,12 @@ def launch_command(nproc_per_node: int, gptc_args: Sequence[str], *, nnodes: int
     if log_dir:
         cmd += ["--log_dir", log_dir]
     return cmd + [gptc_executable(), *gptc_args]
+
+
+def log_tail(log_dir: str, chars: int = 3000) -> str:
+    """The last ``chars`` characters of every file in the launcher's ``log_dir`` (for error messages)."""
+    parts = []
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), encoding="utf-8", errors="replace") as f:
+            parts.append(f"--- {name}\n{f.read()[-chars:]}")
+    return "\n".join(parts)

@@ -8,128 +8,34 @@ gradient between the two. Each stage trains only its own parameters: the others 
 this process (``stop_gradient``) so the optimizer and the clip never see them.
 
 Fleet's 1F1B schedule runs the micro-batches (``PipelineParallel.forward_backward_pipeline``);
-the trainer's optimizer, clipping and LR schedule stay the same. CPU/gloo needs two settings
-(checked with Paddle 3.3.1): ``pp_configs.use_batch_p2p_comm=False`` (gloo refuses
-"send with sync_op and use_calc_stream") and ``ParallelEnv._device_id`` (read by
-``PipelineLayer`` even on CPU: "'ParallelEnv' object has no attribute '_device_id'").
+the trainer's optimizer, clipping and LR schedule stay the same. With ``mp > 1`` each stage's
+layers are fleet's tensor-parallel ones (``fleet.shard_model``) and the last stage's loss is the
+vocab-parallel cross-entropy of ``loss.py``. Fleet start-up and its CPU/gloo settings:
+``fleet.py``.
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Iterator
 
 import numpy as np
 import paddle
 import paddle.nn as nn
 
+from ..checkpoint import assign_weights, load_weights, verify_checksums
 from ..config import Config, ConfigError
+from ..train.checkpoint import (OPTIMIZER, STATE, _load_optimizer, _optimizer_tensors, load_training_checkpoint,
+                                set_rng_state)
 from ..train.loss import _masked_mean_ce
-from .plan import check_divisible
+from .fleet import init_hybrid, mp_group, shard_model
+from .loss import vocab_parallel_cross_entropy
+from .plan import check_divisible, shard_weights, tp_split_of
 
 
 def init_fleet(cfg: Config) -> None:
-    """``fleet.init`` with a dp x pp x mp hybrid topology and the pipeline's micro-batching."""
-    import paddle.distributed as dist
-    from paddle.distributed import fleet
-
-    par = cfg.parallel
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": par.dp_degree, "mp_degree": par.mp_degree, "pp_degree": par.pp_degree,
-                               "sharding_degree": 1,
-                               "pp_configs": {"use_batch_p2p_comm": paddle.is_compiled_with_cuda()}}
-    micro, acc = micro_batches(cfg)
-    strategy.pipeline_configs = {"accumulate_steps": acc, "micro_batch_size": micro}
-    if not paddle.is_compiled_with_cuda() and not hasattr(dist.ParallelEnv, "_device_id"):
-        dist.ParallelEnv._device_id = 0  # PipelineLayer reads it; a CPU process has no device id
-    fleet.init(is_collective=True, strategy=strategy)
-    if par.mp_degree > 1:
-        tracker = fleet.meta_parallel.get_rng_state_tracker()
-        if "model_parallel_rng" not in tracker.states_:
-            tracker.add("model_parallel_rng", cfg.global_.seed + 1
-                        + fleet.get_hybrid_communicate_group().get_model_parallel_rank())
-        if not paddle.is_compiled_with_cuda():
-            _route_mp_collectives_through_gloo()
-
-
-class _AllReduce(paddle.autograd.PyLayer):
-    """Sum over the model-parallel group; the gradient passes through (the sum is replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        import paddle.distributed as dist
-
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy
-
-
-class _Identity(paddle.autograd.PyLayer):
-    """Identity whose gradient is summed over the model-parallel group (input of a column split)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, dy):
-        import paddle.distributed as dist
-
-        g = dy.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g
-
-
-def _route_mp_collectives_through_gloo() -> None:
-    """gloo refuses fleet's model-parallel all-reduce ("ProcessGroupGLOO does not support
-    all_reduce with ... use_calc_stream"): run fleet's ``_mp_allreduce`` / ``_c_identity`` as
-    ordinary ``paddle.distributed.all_reduce`` calls with the same autograd rules."""
-    from paddle.distributed.fleet.layers.mpu import mp_ops
-
-    def mp_allreduce(tensor, op=None, group=None, use_calc_stream=True, use_model_parallel=True,
-                     skip_c_identity_dynamic=False):
-        return _AllReduce.apply(tensor, group)
-
-    def c_identity(tensor, group=None, skip_c_identity_dynamic=False):
-        return _Identity.apply(tensor, group)
-
-    mp_ops._mp_allreduce, mp_ops._c_identity = mp_allreduce, c_identity
-
-
-def _mp_group():
-    from paddle.distributed import fleet
-
-    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
-
-
-def apply_fleet_tp(model, mp_rank: int, mp: int):
-    """Swap ``TP_PLAN``'s layers of the one model for fleet's tensor-parallel layers holding this
-    rank's blocks (column: ``ColumnParallelLinear``, row: ``RowParallelLinear``, vocab:
-    ``VocabParallelEmbedding``). Parameter names stay the model's; shapes become local."""
-    from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                        VocabParallelEmbedding)
-
-    from ..checkpoint import assign_weights, state_dict_numpy
-    from ..export.partition import shard_weights
-
-    local = shard_weights(state_dict_numpy(model), mp_rank, mp)
-    cfg = model.config
-    for block in model.gpt.blocks:
-        attn, mlp = block.attn, block.mlp
-        inner, ffn = attn.num_heads * attn.head_dim, mlp.fc_in.weight.shape[1]
-        attn.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * inner, has_bias=True, gather_output=False)
-        attn.out = RowParallelLinear(inner, cfg.hidden_size, has_bias=True, input_is_parallel=True)
-        attn.num_heads //= mp
-        mlp.fc_in = ColumnParallelLinear(cfg.hidden_size, ffn, has_bias=True, gather_output=False)
-        mlp.fc_out = RowParallelLinear(ffn, cfg.hidden_size, has_bias=True, input_is_parallel=True)
-    model.gpt.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-    if not cfg.tie_word_embeddings:
-        model.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, has_bias=False, gather_output=False)
-    assign_weights(model, local, f"model-parallel rank {mp_rank} of {mp}")
-    return model
+    """``fleet.init`` for ``cfg``'s dp x pp x mp layout and the pipeline's micro-batching."""
+    init_hybrid(cfg, *micro_batches(cfg))
 
 
 def micro_batches(cfg: Config) -> tuple[int, int]:
@@ -202,7 +108,7 @@ def _tied_head(shared, hidden):
     if getattr(shared.embedding, "is_mp", False):
         from paddle.distributed.fleet.layers.mpu import mp_ops
 
-        hidden = mp_ops._c_identity(hidden, group=_mp_group())  # its gradient sums over the vocab slices
+        hidden = mp_ops._c_identity(hidden, group=mp_group())  # its gradient sums over the vocab slices
     return paddle.matmul(hidden, shared.weight, transpose_y=True)  # (B, T, H) -> (B, T, V [/ mp])
 
 
@@ -236,7 +142,7 @@ class Pipeline:
         par = self.cfg.parallel
         check_divisible(model.config, par)
         if par.mp_degree > 1:
-            model = apply_fleet_tp(model, self.dims.mp_rank, par.mp_degree)
+            model = shard_model(model, self.dims.mp_rank, par.mp_degree)
         if model.config.num_layers < par.pp_degree:
             raise ConfigError(f"pp_degree {par.pp_degree} exceeds Model.num_layers {model.config.num_layers}")
         vpp = par.virtual_pp_degree
@@ -353,15 +259,13 @@ class Pipeline:
 
     def _whole(self, name: str, t: paddle.Tensor, param_shape) -> np.ndarray:
         """``t`` (a parameter or a moment of ``name``) with its model-parallel blocks joined."""
-        from .plan import tp_split_of
-
         split = tp_split_of(name) if self.cfg.parallel.mp_degree > 1 else None
         if split is None or tuple(t.shape) != tuple(param_shape):
             return np.ascontiguousarray(t.numpy())
         import paddle.distributed as dist
 
         parts: list = []
-        dist.all_gather(parts, t.detach(), group=_mp_group())
+        dist.all_gather(parts, t.detach(), group=mp_group())
         return np.ascontiguousarray(np.concatenate([x.numpy() for x in parts], axis=split[1]))
 
     def gather_model(self, model) -> dict:
@@ -371,8 +275,6 @@ class Pipeline:
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         """Optimizer moments of all stages, whole, keyed like a single-process checkpoint."""
-        from ..train.checkpoint import _optimizer_tensors  # noqa: PLC0415 (one owner of the key mapping)
-
         shapes = {n: p.shape for n, p in model.named_parameters()}
         tensors, extra = _optimizer_tensors(model, optimizer, to_numpy=lambda t: t)
         whole = {k: self._whole(k.split("::", 1)[0], t, shapes[k.split("::", 1)[0]])
@@ -382,14 +284,7 @@ class Pipeline:
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
         """Every stage holds the whole model: load it all (this rank's blocks under mp); the
         stage's optimizer keeps the moments of its own parameters."""
-        import json
-        import os
-
         from safetensors.numpy import load_file
-
-        from ..checkpoint import assign_weights, load_weights, verify_checksums
-        from ..export.partition import shard_weights
-        from ..train.checkpoint import OPTIMIZER, STATE, _load_optimizer, load_training_checkpoint, set_rng_state
 
         mp = self.cfg.parallel.mp_degree
         if mp == 1:
@@ -414,7 +309,7 @@ class Pipeline:
 class _LossFn(nn.Layer):
     """Last stage: logits (B, T, V [/ mp]) and labels (B, T) -> mean CE over counted positions.
     Under mp the logits are this rank's vocabulary slice (``ParallelCrossEntropy`` has no CPU
-    kernel): max, sum of exponentials and the label's logit are combined over the mp group."""
+    kernel): ``loss.vocab_parallel_cross_entropy`` over the mp group."""
 
     def __init__(self, mp: int = 1):
         super().__init__()
@@ -423,21 +318,4 @@ class _LossFn(nn.Layer):
     def forward(self, logits, labels):
         if self.mp == 1:
             return _masked_mean_ce(logits, labels, None)
-        import paddle.distributed as dist
-        from paddle.distributed.fleet.layers.mpu import mp_ops
-
-        group = _mp_group()
-        vocab = logits.shape[-1]  # local slice
-        start = group.rank * vocab
-        logits = logits.reshape([-1, vocab]).astype("float32")  # (N, V/mp)
-        labels = labels.reshape([-1])
-        m = paddle.max(logits.detach(), axis=-1, keepdim=True)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # global max: a constant
-        sumexp = mp_ops._mp_allreduce(paddle.sum(paddle.exp(logits - m), axis=-1), group=group)  # (N,)
-        local = labels - start
-        mine = paddle.logical_and(local >= 0, local < vocab)
-        picked = paddle.take_along_axis(logits, paddle.clip(local, 0, vocab - 1).unsqueeze(-1), axis=-1).squeeze(-1)
-        target = mp_ops._mp_allreduce(picked * mine.astype("float32"), group=group)  # (N,)
-        valid = (labels != -100).astype("float32")
-        per = paddle.log(sumexp) + m.squeeze(-1) - target
-        return paddle.sum(per * valid) / paddle.clip(paddle.sum(valid), min=1.0)
+        return vocab_parallel_cross_entropy(logits, labels, group=mp_group())

@@ -17,17 +17,25 @@ unchanged:
   split along the vocabulary and ``vocab_parallel_cross_entropy`` never gathers them.
 
 Pipeline parallelism uses fleet's ``PipelineLayer`` instead (``parallel/pipeline.py``): auto-parallel
-pipelining crashes on CPU (see ``docs/PARALLEL.md``).
+pipelining crashes on CPU (``docs/PADDLE_CPU.md``). Pipeline stages with ``mp > 1`` and
+tensor-parallel inference exports use fleet's layers, swapped in by ``fleet.shard_model`` from
+the same ``TP_PLAN``, with each rank's block of the weights cut by ``shard_weights`` and its
+shard's config given by ``rank_config``.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 from typing import Optional
 
 import numpy as np
 import paddle
 
+from ..checkpoint import WEIGHTS, check_state_dict, load_weights, verify_checksums
 from ..config import ConfigError, ModelConfig, ParallelConfig
+from ..train.checkpoint import OPTIMIZER, STATE, _optimizer_tensors, set_rng_state
+from .loss import vocab_parallel_lm_loss
 
 # Tensor-parallel plan: regex fully matching a ``named_sublayers()`` name of GPTForCausalLM -> split.
 #   "column": Linear weight (in, out) split on out (and its bias);  "row": split on in (bias kept whole)
@@ -54,6 +62,31 @@ def tp_split_of(param_name: str) -> Optional[tuple[str, int]]:
                 return (kind, 0) if attr == "weight" else None
             return kind, 0  # vocab embedding rows
     return None
+
+
+def shard_weights(weights: dict[str, np.ndarray], rank: int, mp: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s block of every public parameter in ``weights``, following ``TP_PLAN``."""
+    out = {}
+    for name, arr in weights.items():
+        split = tp_split_of(name)
+        if split is None:
+            out[name] = arr
+            continue
+        _, axis = split
+        n = arr.shape[axis] // mp
+        idx = [slice(None)] * arr.ndim
+        idx[axis] = slice(rank * n, (rank + 1) * n)
+        out[name] = np.ascontiguousarray(arr[tuple(idx)])
+    return out
+
+
+def rank_config(cfg: ModelConfig, mp: int) -> ModelConfig:
+    """The ``ModelConfig`` of one rank's shard: heads, FFN width and vocabulary divided by ``mp``."""
+    data = cfg.to_dict()
+    data["layer_num_heads"] = [cfg.heads(i) // mp for i in range(cfg.num_layers)]
+    data["layer_ffn_sizes"] = [cfg.ffn(i) // mp for i in range(cfg.num_layers)]
+    data["vocab_size"] = cfg.vocab_size // mp
+    return ModelConfig.from_dict(data, source=f"rank shard (mp {mp})")
 
 
 def check_divisible(model_cfg: ModelConfig, par: ParallelConfig) -> None:
@@ -162,8 +195,6 @@ class AutoParallel:
 
     def loss_fn(self, model, batch: dict) -> paddle.Tensor:
         """Mean next-token cross-entropy over the global micro-batch, replicated on every rank."""
-        from .loss import vocab_parallel_lm_loss
-
         mask = batch.get("loss_mask")
         loss = vocab_parallel_lm_loss(model, self.to_dist(batch["input_ids"]),
                                       self.to_dist(batch["labels"].astype(np.int64)),
@@ -185,20 +216,12 @@ class AutoParallel:
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         """Optimizer moments gathered to whole tensors, keyed like a single-process checkpoint."""
-        from ..train.checkpoint import _optimizer_tensors
-
         return _optimizer_tensors(model, optimizer, self.gather_numpy)
 
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
         """Resume: every rank reads the single-process-layout checkpoint and keeps its blocks of the
         weights and optimizer moments; scheduler, RNG and data position as in one process."""
-        import json
-        import os
-
         from safetensors.numpy import load_file
-
-        from ..checkpoint import WEIGHTS, check_state_dict, load_weights, verify_checksums
-        from ..train.checkpoint import OPTIMIZER, STATE, set_rng_state
 
         verify_checksums(path)
         weights = load_weights(path)

@@ -7,6 +7,7 @@ Each stage writes into its own directory under ``Global.output_dir`` (OUT):
     pretrain/   `gptc pretrain` run (or the --init_from checkpoint, converted if Hugging Face)
     prune/      `gptc prune` output          distill/  `gptc distill` run (student = prune/)
     qat/        `gptc qat` run; qat/int8 = the int8 export
+    quant_NAME/ each ``Pipeline.quant_variants`` entry: a `gptc ptq` or `gptc qat` run and its export
     export/     base/ and compressed/ (`gptc export`)
     eval/       one JSON per artifact: WikiText-style PPL, LAMBADA, decode speed per backend
     report/     report.md, results.json, loss_curves.png, size_vs_quality.png, speed_vs_quality.png
@@ -206,7 +207,16 @@ class Pipeline:
             artifacts.append(("compressed", "export_compressed"))
         if p.qat:
             artifacts.append(("int8", "qat"))
+        for v in p.quant_variants:
+            src = "pretrain" if v.source == "base" else last_float
+            st.append(Stage(f"quant_{v.name}", (src, "data"),
+                            {**self._stage_raw(f"quant_{v.name}", v.overrides, QAT_SECTIONS), "command": v.command,
+                             "formats": p.formats},
+                            (lambda v=v, src=src: self._run_quant(v, src)), lambda o: verify_export(o["export"]),
+                            self.path(f"quant_{v.name}"), resumable=v.command == "qat"))
+            artifacts.append((v.name, f"quant_{v.name}"))
         eval_settings = {k: getattr(p, k) for k in ("eval_wikitext", "eval_input_format", "eval_max_chars",
+                                                    "eval_heldout",
                                                     "eval_lambada", "lambada_limit", "eval_seq_len", "formats",
                                                     "speed_prompt_tokens", "speed_new_tokens", "speed_reps")}
         for name, src in artifacts:
@@ -301,7 +311,7 @@ class Pipeline:
             src = os.path.abspath(self.p.init_from)
             if os.path.isfile(os.path.join(src, CHECKSUMS)):
                 return {"checkpoint": src, "train_log": None}
-            conv = gptc(["convert", "--from-hf", src, "--output", os.path.join(d, "model")], "pretrain")
+            conv = gptc(["convert", "--from-hf", src, "--output", os.path.join(d, "model"), "--overwrite"], "pretrain")
             return {"checkpoint": conv.get("output", os.path.join(d, "model")), "train_log": None}
         conf = os.path.join(d, "config.yaml")
         write_stage_config(self.cfg, self.p.pretrain_overrides,
@@ -315,7 +325,7 @@ class Pipeline:
         conf = os.path.join(d, "config.yaml")
         write_stage_config(self.cfg, self.p.prune_overrides, {**self._data_overrides(), "Global.output_dir": d}, conf)
         res = gptc(["prune", "-c", conf, "--model", self.outputs("pretrain")["checkpoint"],
-                    "--output", os.path.join(d, "model")], "prune")
+                    "--output", os.path.join(d, "model"), "--overwrite"], "prune")
         return {"checkpoint": res["output"], "summary": res}
 
     def _run_distill(self) -> dict:
@@ -339,11 +349,23 @@ class Pipeline:
         return {"export": res["int8_export"]["path"], "checkpoint": res.get("quantized_checkpoint"),
                 "train_log": os.path.join(d, "train_log.jsonl"), "summary": res}
 
+    def _run_quant(self, v, src_stage: str) -> dict:
+        """A ``Pipeline.quant_variants`` entry: `gptc ptq|qat` of ``src_stage``'s checkpoint, exported."""
+        d = self.path(f"quant_{v.name}")
+        conf = os.path.join(d, "config.yaml")
+        write_stage_config(self.cfg, v.overrides, {**self._data_overrides(), "Global.output_dir": d,
+                                                   "Engine.resume": "auto", "Engine.init_from": ""}, conf)
+        fmt = "all" if len(self.p.formats) == 2 else self.p.formats[0]
+        res = gptc([v.command, "-c", conf, "--model", self.outputs(src_stage)["checkpoint"], "--format", fmt,
+                    *self._progress_flag()], f"quant_{v.name}")
+        return {"export": res["int8_export"]["path"], "checkpoint": res.get("quantized_checkpoint"),
+                "summary": res}
+
     def _run_export(self, src_stage: str, name: str) -> dict:
         out = self.path("export", name)
         fmt = "all" if len(self.p.formats) == 2 else self.p.formats[0]
-        res = gptc(["export", "--model", self.outputs(src_stage)["checkpoint"], "--output", out, "--format", fmt],
-                   f"export_{name}")
+        res = gptc(["export", "--model", self.outputs(src_stage)["checkpoint"], "--output", out, "--format", fmt,
+                    "--overwrite"], f"export_{name}")
         return {"export": res["output"], "checkpoint": self.outputs(src_stage)["checkpoint"], "summary": res}
 
     # evaluation and report ----------------------------------------------------------
@@ -354,6 +376,14 @@ class Pipeline:
 
         src = self.p.eval_wikitext or self.outputs("data").get("heldout")
         return write_text_prefix(src, self.p.eval_max_chars, self.path("eval", "ppl_text.txt")) if src else src
+
+    @functools.cached_property
+    def _heldout_text(self) -> Optional[str]:
+        """The held-out corpus documents (``Pipeline.eval_heldout``), sliced like the perplexity text."""
+        from ..eval.wikitext import write_text_prefix
+
+        src = self.outputs("data").get("heldout")
+        return write_text_prefix(src, self.p.eval_max_chars, self.path("eval", "heldout_text.txt")) if src else src
 
     def _run_eval(self, name: str, src_stage: str) -> dict:
         from ..eval.lambada import evaluate_lambada
@@ -372,6 +402,10 @@ class Pipeline:
             if text:
                 r = evaluate_wikitext(gen, gen.tokenizer, text, fmt, seq_len=seq, batch_size=8, progress=False)
                 results.append({**base, "task": "wikitext", "data": text, **r.to_dict()})
+            heldout = self._heldout_text if self.p.eval_heldout and self.p.eval_wikitext else None
+            if heldout:
+                r = evaluate_wikitext(gen, gen.tokenizer, heldout, "raw", seq_len=seq, batch_size=8, progress=False)
+                results.append({**base, "task": "heldout", "data": heldout, **r.to_dict()})
             if self.p.eval_lambada:
                 r = evaluate_lambada(gen, gen.tokenizer, self.p.eval_lambada, seq_len=seq, batch_size=16,
                                      limit=self.p.lambada_limit or None, progress=False)
@@ -380,7 +414,7 @@ class Pipeline:
             s = measure_speed(gen, prompt, self.p.speed_new_tokens, self.p.speed_reps)
             results.append({**base, "task": "speed", **s.to_dict()})
             _say(f"eval_{name} [{backend}]: " + ", ".join(
-                f"{r['task']} " + (f"ppl {r['ppl']:.3f}" if r["task"] == "wikitext" else
+                f"{r['task']} " + (f"ppl {r['ppl']:.3f}" if r["task"] in ("wikitext", "heldout") else
                                    f"acc {r['accuracy']:.4f}" if r["task"] == "lambada" else
                                    f"{r['decode_tokens_per_s']} tok/s, prefill {r['prefill_ms']} ms")
                 for r in results if r["backend"] == backend))
@@ -414,7 +448,7 @@ class Pipeline:
         evals = [s for s in self.stamps_names() if s.startswith("eval_")]
         names, paths = {}, []
         labels = {"base": "base (fp32)", "compressed": "pruned+distilled (fp32)" if self.p.distill else "pruned (fp32)",
-                  "int8": "QAT int8"}
+                  "int8": "QAT int8", **{v.name: v.label or v.name for v in self.p.quant_variants}}
         for s in evals:
             o = self.outputs(s)
             paths.append(o["result"])
@@ -504,7 +538,19 @@ class Pipeline:
         run_ids: dict[str, str] = {}
         summary = {}
         t_all = time.perf_counter()
+        needed = None  # --stage X: X and what it reads; later (or unrelated) stale stages do not matter
+        if only is not None:
+            by_name = {s.name: s for s in stages}
+            needed, todo = set(), list(only)
+            while todo:
+                n = todo.pop()
+                if n not in needed:
+                    needed.add(n)
+                    todo.extend(by_name[n].deps)
         for s in stages:
+            if needed is not None and s.name not in needed:
+                summary[s.name] = {"ran": False}
+                continue
             fp = fingerprint(s.settings, {d: run_ids.get(d, "") for d in s.deps})
             fresh, why = self._freshness(s, fp)
             if s.name in force:

@@ -1,7 +1,7 @@
 """Quantization: QAT, PTQ, weight-only and sensitivity analysis as ``model -> model`` transforms.
 
-``config.py`` (the ``Quant`` section, pure Python), ``quantize.py`` (fake-quant layers and the
-transform), ``ptq.py`` (calibration observers), ``sensitivity.py`` (per-layer ranking),
-``deploy.py`` (int8 Paddle model); the int8 exporter is ``gpt_compress/export/int8.py``.
-This package's ``__init__`` imports nothing, so reading the config stays free of Paddle.
+The ``Quant`` section (``QuantConfig``) lives with the other sections in ``gpt_compress/config.py``;
+here: ``quantize.py`` (fake-quant layers and the transform), ``ptq.py`` (calibration observers),
+``sensitivity.py`` (per-layer ranking, the skip file), ``deploy.py`` (int8 Paddle model); the
+int8 exporter is ``gpt_compress/export/int8.py``.
 """

@@ -21,7 +21,7 @@ import paddle
 import paddle.nn as nn
 
 from ..checkpoint import assign_weights, build_model, state_dict_numpy
-from .config import W8A8
+from ..config import W8A8
 from .quantize import (HeadInputQuant, QuantEmbedding, QuantLinear, fake_quant_act, fake_quant_dynamic,
                        quant_layers)
 

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import paddle
 
-from .config import W8A8, QuantConfig
+from ..config import W8A8, QuantConfig
 from .quantize import QuantLinear, qmax, quant_layers
 
 BINS = 2048

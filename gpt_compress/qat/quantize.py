@@ -40,8 +40,8 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from ..config import ConfigError
-from .config import W8A8, WEIGHT_ONLY, QuantConfig
+from ..checkpoint import CONFIG, CheckpointError, load_model, save_model
+from ..config import W8A8, WEIGHT_ONLY, ConfigError, QuantConfig
 
 
 def qmax(bits: int) -> int:
@@ -325,16 +325,15 @@ def quant_state(model) -> dict:
     return {"config": dataclasses.asdict(model.quant_config), "layers": layers}
 
 
-def save_quantized(model, path: str, tokenizer=None, extra: Optional[dict] = None) -> str:
+def save_quantized(model, path: str, tokenizer=None, extra: Optional[dict] = None, overwrite: bool = False) -> str:
     """A checkpoint directory of a fake-quant model (see above); returns its path."""
-    from ..checkpoint import save_model
-
-    return save_model(model, path, tokenizer=tokenizer, extra={"quant": quant_state(model), **(extra or {})})
+    return save_model(model, path, tokenizer=tokenizer, extra={"quant": quant_state(model), **(extra or {})},
+                      overwrite=overwrite)
 
 
 def read_quant_state(path: str) -> Optional[dict]:
     """The "quant" entry of a checkpoint's config.json, or None for a float checkpoint."""
-    fp = os.path.join(path, "config.json")
+    fp = os.path.join(path, CONFIG)
     if not os.path.isfile(fp):
         return None
     with open(fp, encoding="utf-8") as f:
@@ -343,8 +342,6 @@ def read_quant_state(path: str) -> Optional[dict]:
 
 def load_quantized(path: str, verify: bool = True):
     """Rebuild the fake-quant model saved by ``save_quantized`` (eval mode, scales restored)."""
-    from ..checkpoint import CheckpointError, load_model
-
     state = read_quant_state(path)
     if state is None:
         raise CheckpointError(f"{path} is a float checkpoint (config.json has no 'quant' entry)")
@@ -364,6 +361,4 @@ def load_quantized(path: str, verify: bool = True):
 
 def load_any(path: str, verify: bool = True):
     """A checkpoint as its model: fake-quant if it was saved quantized, else float."""
-    from ..checkpoint import load_model
-
     return load_quantized(path, verify) if read_quant_state(path) else load_model(path, verify=verify)

@@ -10,8 +10,10 @@ ranked by ``delta_loss`` (quantized minus float). ``skip_list`` turns the rankin
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Iterable, Optional
 
+from ..fileio import write_text_atomic
 from .quantize import quant_layers
 
 
@@ -66,3 +68,10 @@ def least_sensitive(ranking: dict, n: int) -> Iterable[str]:
     """The ``n`` layers that cost least (a control for the skip list: skipping these instead
     should help less)."""
     return [r["layer"] for r in ranking["layers"][::-1][:n]]
+
+
+def write_skip_file(path: str, names: list[str], header: str = "") -> str:
+    """Write ``names`` one per line (what ``Quant.skip_file`` reads); returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_text_atomic(path, "".join(f"# {line}\n" for line in header.splitlines()) + "".join(n + "\n" for n in names))
+    return path

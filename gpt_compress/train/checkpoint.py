@@ -1,7 +1,7 @@
 """Training checkpoints: model + optimizer + LR schedule + RNG + data position + config.
 
 Each checkpoint is ``OUTPUT/checkpoints/step_XXXXXXXX/`` written atomically with checksums
-(``checkpoint.write_checkpoint_dir``): ``model.safetensors`` and ``config.json`` (loadable by
+(``fileio.write_dir_atomic``): ``model.safetensors`` and ``config.json`` (loadable by
 ``load_model`` as is), ``optimizer.safetensors`` (moments keyed by public parameter names, so
 they survive a rebuild in another process), ``trainer_state.json`` (step, scheduler, RNG
 states, consumed samples, run config) and the tokenizer files. Keep-last-k; ``resume auto``
@@ -21,8 +21,8 @@ import numpy as np
 import paddle
 
 from ..checkpoint import (CheckpointError, FORMAT, FORMAT_VERSION, WEIGHTS, CONFIG, assign_weights,
-                          load_weights, state_dict_numpy, verify_checksums, write_checkpoint_dir,
-                          write_json_atomic)
+                          load_weights, state_dict_numpy, verify_checksums)
+from ..fileio import write_dir_atomic, write_json_atomic
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "trainer_state.json"
@@ -119,7 +119,7 @@ def save_training_checkpoint(output_dir: str, step: int, model, optimizer, sched
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    path = write_checkpoint_dir(os.path.join(root, f"step_{step:08d}"), write)
+    path = write_dir_atomic(os.path.join(root, f"step_{step:08d}"), write, overwrite=True)
     for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path

@@ -7,7 +7,7 @@ VisualDL when installed), atomic checkpoints and exact resume.
 """
 from __future__ import annotations
 
-from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
+from ..errors import DataError, Interrupted, TrainingDiverged  # noqa: F401  (TrainingDiverged re-exported)
 
 import json
 import math
@@ -140,6 +140,14 @@ def compile_body(model, parallel=None) -> None:
     paddle.jit.to_static(model.gpt, full_graph=True)
 
 
+def _next_batch(batches, step: int, consumed: int):
+    try:
+        return next(batches)
+    except StopIteration:
+        raise DataError(f"the training data ran out at step {step + 1} after {consumed} samples; a resumed run "
+                        "must keep Engine.global_batch_size and Engine.max_steps of the run it continues") from None
+
+
 def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]], cfg: Config,
         eval_batches: Optional[Callable[[], Iterable[Batch]]] = None, tokenizer=None,
         samples_per_micro_batch: Optional[int] = None, tokens_per_sample: Optional[int] = None,
@@ -199,7 +207,7 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
                 total = parallel.forward_backward(batches, accumulate)
             for _ in range(0 if hasattr(parallel, "forward_backward") else accumulate):
                 with paddle.amp.auto_cast(enable=amp_dtype is not None, dtype=amp_dtype or "float16", level="O1"):
-                    loss = loss_fn(model, next(batches)) / accumulate
+                    loss = loss_fn(model, _next_batch(batches, step, consumed)) / accumulate
                 (scaler.scale(loss) if scaler else loss).backward()
                 total += float(loss)
             if scaler:
@@ -238,6 +246,11 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
             if (eng.save_steps > 0 and step % eng.save_steps == 0) or step == eng.max_steps:
                 ckpt = save_training_checkpoint(out, step, model, optimizer, scheduler, consumed, run_config,
                                                 tokenizer, keep=eng.keep_checkpoint_max, parallel=parallel)
+    except KeyboardInterrupt:
+        saved = (f"the last checkpoint is {ckpt}; continue with --resume auto (-o Engine.resume=auto; "
+                 "same config and output_dir)"
+                 if ckpt else "no checkpoint was saved yet (Engine.save_steps sets how often)")
+        raise Interrupted(f"interrupted at step {step} of {eng.max_steps}: {saved}") from None
     finally:
         logger.close()
     skip = min(len(tps_hist) - 1, 2)  # the first steps include warm-up work

@@ -1,0 +1,244 @@
+"""Serving benchmark: `gptc serve` under 1, 4, 16 and 64 concurrent streaming clients, with
+continuous batching and, in the same run, the same server with ``--max-batch 1`` as the
+baseline; prints one JSON object and a Markdown table.
+
+    OMP_NUM_THREADS=2 python bench/serve.py                      # gpt-bench, 20 s per level
+    OMP_NUM_THREADS=2 python bench/serve.py --soak 600 --soak-clients 8   # + a 10-minute soak
+
+Each client is a closed loop (asyncio + httpx): it sends a greedy streaming request, reads it
+to the end, sends the next. Requests cycle through a fixed mix of prompt and output lengths
+(``MIX``; ``min_tokens = max_tokens`` so every request produces exactly its output length).
+A level runs ``--duration`` seconds; then the clients are cancelled (their streams closed,
+which the server notices and frees the slots) and the server is idle before the next level.
+
+Figures: output tokens/s (tokens received by all clients during the level / its duration),
+p50/p99 time to first token (request sent -> first token received; requests that never got a
+token before the level ended are counted in ``unserved``, not in the percentiles) and
+inter-token latency (gaps between a request's tokens), errors (non-200 answers, error events,
+transport errors). The soak runs ``--soak-clients`` clients for ``--soak`` seconds against the
+batched server after ``--soak-warmup`` seconds of the same load, and reports the server's RSS
+(``/proc/PID/status``) then, every 60 s and at the end.
+
+The model is a random-init ``--preset`` exported like bench/decode.py does (``prepare``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+from decode import ROOT, prepare  # bench/decode.py: random-init checkpoint + export of a preset
+
+MIX = [(16, 32), (64, 64), (128, 32), (32, 128), (256, 16), (48, 96)]  # (prompt tokens, output tokens)
+LEVELS = (1, 4, 16, 64)
+
+
+class Stats:
+    """What the clients of one level measured."""
+
+    def __init__(self):
+        self.tokens = 0
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.errors = 0
+        self.requests = 0
+        self.unserved = 0
+
+    def summary(self, seconds: float) -> dict:
+        def pct(xs, q):
+            return round(float(np.percentile(xs, q)) * 1000, 1) if xs else None
+
+        return {"output_tokens_per_s": round(self.tokens / seconds, 1), "requests_started": self.requests,
+                "ttft_p50_ms": pct(self.ttft, 50), "ttft_p99_ms": pct(self.ttft, 99),
+                "itl_p50_ms": pct(self.itl, 50), "itl_p99_ms": pct(self.itl, 99),
+                "errors": self.errors, "unserved": self.unserved}
+
+
+def start_server(model_dir: str, backend: str, max_batch: int, log_path: str) -> tuple[subprocess.Popen, str]:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gpt_compress", "serve", "--model-dir", model_dir,
+                             "--backend", backend, "--port", "0", "--max-batch", str(max_batch),
+                             "--max-queue", "256", "--timeout", "0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    url = json.loads(proc.stdout.readline())["url"]
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited; see {log_path}")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server not ready")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], out: int, stats: Stats) -> None:
+    body = {"prompt": prompt, "max_tokens": out, "min_tokens": out, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    last = None
+    stats.requests += 1
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                stats.errors += 1
+                await r.aread()
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    stats.errors += 1
+                    return
+                n = len(event["choices"][0].get("token_ids", [])) if event["choices"] else 0
+                if n:
+                    now = time.perf_counter()
+                    if last is None:
+                        stats.ttft.append(now - t0)
+                    else:
+                        stats.itl.append(now - last)
+                    last = now
+                    stats.tokens += n
+    except asyncio.CancelledError:
+        if last is None:
+            stats.unserved += 1
+        raise
+    except httpx.HTTPError:
+        stats.errors += 1
+
+
+async def client_loop(url: str, rng: np.random.Generator, offset: int, vocab: int, stats: Stats) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+        i = offset
+        while True:
+            plen, out = MIX[i % len(MIX)]
+            i += 1
+            await one_request(client, url, rng.integers(0, vocab, plen).tolist(), out, stats)
+
+
+async def run_level(url: str, clients: int, seconds: float, vocab: int, seed: int = 0) -> Stats:
+    stats = Stats()
+    rng = np.random.default_rng(seed)
+    tasks = [asyncio.create_task(client_loop(url, rng, c, vocab, stats)) for c in range(clients)]
+    await asyncio.sleep(seconds)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return stats
+
+
+async def soak(url: str, pid: int, clients: int, seconds: float, vocab: int) -> tuple[Stats, list[float]]:
+    """``run_level`` for ``seconds``, sampling the server's RSS every 60 s."""
+    samples: list[float] = []
+
+    async def sample():
+        while True:
+            await asyncio.sleep(60)
+            samples.append(round(rss_mb(pid), 1))
+
+    sampler = asyncio.create_task(sample())
+    stats = await run_level(url, clients, seconds, vocab, seed=7)
+    sampler.cancel()
+    return stats, samples
+
+
+def wait_idle(url: str, timeout: float = 120) -> None:
+    """Until the server has no running or waiting sequence (cancelled streams have left)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = httpx.get(url + "/metrics").text
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith(("gptc_running_batch_size ", "gptc_queue_depth "))}
+        if not any(values.values()):
+            return
+        time.sleep(0.2)
+
+
+def table(results: dict) -> str:
+    rows = ["| clients | server | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors | unserved |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
+    for level in results["levels"]:
+        for name in ("batched", "max_batch_1"):
+            r = level[name]
+            rows.append(f"| {level['clients']} | {name} | {r['output_tokens_per_s']} | {r['ttft_p50_ms']} / "
+                        f"{r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p99_ms']} | {r['errors']} | "
+                        f"{r['unserved']} |")
+        rows.append(f"| {level['clients']} | **ratio** | **{level['throughput_ratio']}x** | | | | |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt-bench")
+    p.add_argument("--backend", default="paddle", choices=("paddle", "onnx"))
+    p.add_argument("--max-batch", type=int, default=32, help="the batched server's --max-batch")
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent clients per level")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per level and server")
+    p.add_argument("--soak", type=float, default=0.0, help="soak seconds against the batched server (0: none)")
+    p.add_argument("--soak-clients", type=int, default=8)
+    p.add_argument("--soak-warmup", type=float, default=60.0, help="seconds of soak load before the first RSS")
+    p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
+    a = p.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    from gpt_compress.config import ModelConfig
+
+    vocab = ModelConfig.from_preset(a.preset).vocab_size
+    workdir = a.workdir or tempfile.mkdtemp(prefix="bench-serve-")
+    os.makedirs(workdir, exist_ok=True)
+    _, model_dir = prepare(workdir, a.preset)
+    levels = [int(x) for x in a.levels.split(",")]
+    results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "mix": MIX, "duration_s": a.duration,
+               "threads": os.environ.get("OMP_NUM_THREADS", ""), "levels": [{"clients": c} for c in levels]}
+    servers = {"batched": a.max_batch, "max_batch_1": 1}
+    for name, max_batch in servers.items():
+        proc, url = start_server(model_dir, a.backend, max_batch, os.path.join(workdir, f"{name}.log"))
+        try:
+            asyncio.run(run_level(url, min(max_batch, 8), 3.0, vocab, seed=99))  # warm-up (kernels per shape)
+            wait_idle(url)
+            for entry in results["levels"]:
+                stats = asyncio.run(run_level(url, entry["clients"], a.duration, vocab))
+                entry[name] = stats.summary(a.duration)
+                print(json.dumps({"server": name, "clients": entry["clients"], **entry[name]}), file=sys.stderr)
+                wait_idle(url)
+            if name == "batched" and a.soak > 0:
+                asyncio.run(run_level(url, a.soak_clients, a.soak_warmup, vocab, seed=6))  # to a steady state
+                wait_idle(url)
+                rss0 = rss_mb(proc.pid)
+                stats, samples = asyncio.run(soak(url, proc.pid, a.soak_clients, a.soak, vocab))
+                wait_idle(url)
+                rss1 = rss_mb(proc.pid)
+                results["soak"] = {"seconds": a.soak, "clients": a.soak_clients, "warmup_s": a.soak_warmup,
+                                   **stats.summary(a.soak), "rss_start_mb": round(rss0, 1),
+                                   "rss_end_mb": round(rss1, 1), "rss_growth_pct": round(100 * (rss1 - rss0) / rss0, 2),
+                                   "rss_every_60s_mb": samples}
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    for entry in results["levels"]:
+        b, s = entry["batched"]["output_tokens_per_s"], entry["max_batch_1"]["output_tokens_per_s"]
+        entry["throughput_ratio"] = round(b / s, 2) if s else None
+    print(json.dumps(results))
+    print(table(results), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

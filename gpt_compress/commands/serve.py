@@ -1,0 +1,113 @@
+"""`gptc serve`: serve an exported model over an OpenAI-compatible HTTP API (continuous
+batching, streaming, Prometheus metrics); see ``gpt_compress/serve``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+
+from ._common import add_config_arguments, config_from_args
+from .infer import _backend_options
+
+# flag -> Serve field
+FLAGS = {"backend": "backend", "host": "host", "port": "port", "max_batch": "max_batch", "max_queue": "max_queue",
+         "timeout": "request_timeout", "model_name": "model_name", "threads": "threads",
+         "grace_period": "grace_period", "step_delay": "step_delay"}
+
+
+def add_arguments(parser) -> None:
+    add_config_arguments(parser)  # the Serve section: -o Serve.max_batch=8
+    parser.add_argument("--model-dir", required=True, help="exported model directory (`gptc export`)")
+    parser.add_argument("--backend", choices=("paddle", "onnx"), default=None, help="default: Serve.backend")
+    parser.add_argument("--host", default=None, help="address to bind (default Serve.host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default Serve.port; 0 picks a free one)")
+    parser.add_argument("--max-batch", type=int, default=None, help="sequences decoded together (1: no batching)")
+    parser.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot before 429")
+    parser.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (0: none)")
+    parser.add_argument("--model-name", default=None, help="model id in /v1/models (default: directory name)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of every program (0: defaults)")
+    parser.add_argument("--grace-period", type=float, default=None,
+                        help="seconds SIGTERM waits for in-flight requests")
+    parser.add_argument("--step-delay", type=float, default=None, help=argparse.SUPPRESS)  # tests and demos only: Serve.step_delay
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $GPTC_API_KEY, see Serve.api_key_env)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (the process then dies of it);
+        a drained server exits 0 instead."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    return Server
+
+
+def _paddle_serving_options(options) -> dict:
+    """Paddle Inference without oneDNN for prefill and decode: oneDNN builds its kernels per input
+    shape, and under continuous batching the shapes change almost every step (rows join and
+    leave, prompts have any length). Rebuilds cost 0.5-1.4 s per new shape on the contended
+    2-core machine and made the batched server slower than one sequence at a time; MKL's
+    batched decode measured as fast as oneDNN's at 16 rows (89 vs 102 ms per step, contended)."""
+    from ..inference.predictor import ProgramOptions, default_options
+
+    options = dict(options or default_options())
+    for role in ("prefill", "decode_batched"):
+        options[role] = ProgramOptions(**{**options[role].__dict__, "onednn": False})
+    return {"options": options, "batched_from": 1 << 30}
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from ..inference.manifest import read_manifest
+    from ..inference.runner import Generator
+    from ..serve.app import create_app
+
+    cfg = config_from_args(args).serve
+    changes = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
+    cfg = dataclasses.replace(cfg, **changes)  # __post_init__ checks the result
+    manifest = read_manifest(args.model_dir)  # a wrong directory fails now, with the usual message
+    name = cfg.model_name or os.path.basename(manifest.path.rstrip(os.sep))
+    api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+    options = _backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads))
+    if cfg.backend == "paddle":
+        options.update(_paddle_serving_options(options.get("options")))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    fatal: list[str] = []
+    server: list[uvicorn.Server] = []
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        if server:
+            server[0].should_exit = True
+
+    def load():
+        return Generator.from_dir(manifest.path, backend=cfg.backend, verify=not args.no_verify, **options)
+
+    app = create_app(load, cfg, name, api_key, on_fatal=on_fatal)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=cfg.grace_period, lifespan="on")
+    server.append(_server_class()(config))
+    print(json.dumps({"event": "listening", "url": f"http://{cfg.host}:{port}", "port": port, "model": name,
+                      "backend": cfg.backend, "max_batch": cfg.max_batch, "api_key": bool(api_key)}), flush=True)
+    server[0].run(sockets=[sock])
+    if fatal:
+        print(f"gptc serve: error: {fatal[0]}", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,307 @@
+"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+The model loads in a background thread after the server starts listening: ``/health``
+answers 503 ``{"status": "loading"}`` until the engine runs, then 200. Every endpoint but
+``/health`` needs ``Authorization: Bearer <key>`` when an API key is set.
+
+A request becomes one engine ``Request`` per prompt and choice (``n``); their events come
+back from the engine thread through ``loop.call_soon_threadsafe`` into an asyncio queue.
+A streaming client that disconnects cancels its requests (the engine drops them before its
+next step); a non-streaming one is noticed within ``DISCONNECT_POLL`` seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import ConfigError, GptcError
+from .config import ServeConfig
+from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
+from .metrics import Metrics
+from .protocol import (CompletionRequest, completion_body, completion_id, error_body, usage,
+                       validation_message)
+
+log = logging.getLogger("gptc.serve")
+DISCONNECT_POLL = 0.5  # seconds between disconnect checks of a non-streaming request
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def _error(status: int, message: str, param: Optional[str] = None, headers=None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
+
+
+class State:
+    """What the endpoints share: the loaded generator and engine (None while loading)."""
+
+    def __init__(self, cfg: ServeConfig, model_name: str, api_key: str):
+        self.cfg, self.model_name, self.api_key = cfg, model_name, api_key
+        self.metrics = Metrics()
+        self.engine: Optional[Engine] = None
+        self.load_error: Optional[str] = None
+        self.created = int(time.time())
+
+
+def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, api_key: str = "",
+               on_fatal: Optional[Callable[[str], None]] = None) -> FastAPI:
+    """The application. ``load()`` returns a ``Generator`` (called on a background thread at
+    startup); ``on_fatal(message)`` is called if it fails (the command stops the server)."""
+    state = State(cfg, model_name, api_key)
+
+    def loader():
+        try:
+            gen = load()
+            gen.generate([[0]], max_new_tokens=2)  # creates the predictors before the first request
+            state.engine = Engine(gen, cfg.max_batch, cfg.max_queue, state.metrics, cfg.step_delay,
+                                  cfg.prefill_budget, cfg.admit_wait_steps).start()
+            log.info("model %s loaded; serving", model_name)
+        except Exception as e:  # GptcError for a bad directory, anything else from the backend
+            state.load_error = f"{type(e).__name__}: {e}" if not isinstance(e, GptcError) else str(e)
+            log.error("could not load the model: %s", state.load_error)
+            if on_fatal is not None:
+                on_fatal(state.load_error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=loader, name="gptc-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.stop()
+
+    app = FastAPI(title="gpt-compress", lifespan=lifespan)
+    app.state.serve = state
+
+    @app.middleware("http")
+    async def auth_and_count(request: HttpRequest, call_next):
+        path = request.url.path
+        if state.api_key and path != "/health":
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {state.api_key}":
+                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                state.metrics.requests.labels(endpoint=path, status="401").inc()
+                return response
+        response = await call_next(request)
+        if path.startswith("/v1/"):
+            state.metrics.requests.labels(endpoint=path, status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return _error(e.status, e.message, e.param, e.headers)
+
+    @app.get("/health")
+    async def health():
+        if state.engine is not None:
+            return {"status": "ok", "model": model_name}
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        engine = _engine(state)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
+                                            "owned_by": "gpt-compress",
+                                            "max_model_len": engine.gen.max_positions}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        engine = _engine(state)
+        req = await _parse(request)
+        if req.model is not None and req.model != model_name:
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                           "model")
+        if req.n > cfg.max_n:
+            raise ApiError(400, f"n={req.n} is more than this server allows (Serve.max_n={cfg.max_n})", "n")
+        prompts = _encode(engine, req, cfg)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        max_tokens = req.max_tokens or cfg.max_tokens_default
+        for i, ids in enumerate(prompts):
+            for j in range(req.n):
+                seed = None if req.seed is None else req.seed + j
+                try:
+                    gcfg = request_config(max_tokens, req.temperature, req.top_p, max(req.top_k, 0),
+                                          req.repetition_penalty, seed, req.min_tokens)
+                except ConfigError as e:  # what the field constraints let through (e.g. infinity)
+                    raise ApiError(400, str(e)) from None
+                index = i * req.n + j
+                reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop or [],
+                                    timeout=cfg.request_timeout))
+        try:
+            for r in reqs:
+                engine.submit(r)
+        except QueueFull as e:
+            _cancel(reqs)
+            raise ApiError(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"}) from None
+        except EngineStopped as e:
+            _cancel(reqs)
+            raise ApiError(503, str(e)) from None
+        echo = [engine.gen.tokenizer.decode(p) if req.echo and engine.tokenizer is not None else ""
+                for p in prompts for _ in range(req.n)]
+        prompt_tokens = sum(len(p) for p in prompts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(reqs, events, echo, model_name, prompt_tokens if include_usage else None),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, reqs, events, echo, model_name, prompt_tokens)
+
+    return app
+
+
+def _engine(state: State) -> Engine:
+    if state.engine is None:
+        raise ApiError(503, "the model is still loading" if state.load_error is None
+                       else f"the model failed to load: {state.load_error}")
+    return state.engine
+
+
+async def _parse(request: HttpRequest) -> CompletionRequest:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = CompletionRequest.model_validate(data)
+    except ValidationError as e:
+        message, field = validation_message(e)
+        raise ApiError(400, message, field) from None
+    bad = req.unsupported()
+    if bad is not None:
+        raise ApiError(400, bad[1], bad[0])
+    return req
+
+
+def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[list[int]]:
+    """Token ids of every prompt, checked against the vocabulary and the context."""
+    gen = engine.gen
+    prompts = req.prompts()
+    if not prompts:
+        raise ApiError(400, "prompt is empty", "prompt")
+    max_tokens = req.max_tokens or cfg.max_tokens_default
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) and gen.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+        ids = gen.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        if not ids:
+            raise ApiError(400, f"prompt {i} is empty: it needs at least one token", "prompt")
+        bad = [t for t in ids if not 0 <= t < gen.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt {i} has token ids outside the vocabulary [0, {gen.vocab_size}): "
+                           f"{bad[:5]}", "prompt")
+        if len(ids) + max_tokens > gen.max_positions:
+            raise ApiError(400, f"prompt {i} has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                           f"{len(ids) + max_tokens} > the model's context of {gen.max_positions} tokens",
+                           "max_tokens")
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
+        out.append(ids)
+    return out
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    def emit(event):
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+        except RuntimeError:  # the event loop is closed (server stopped)
+            pass
+    return emit
+
+
+def _cancel(reqs) -> None:
+    for r in reqs:
+        r.cancelled = True
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: Optional[int]):
+    """Server-sent events: a chunk per token, one with each choice's finish_reason, the usage
+    when ``prompt_tokens`` is given (``stream_options.include_usage``), then ``[DONE]``."""
+    cid = completion_id()
+    open_, completion_tokens = len(reqs), 0
+    try:
+        for index, text in enumerate(echo):
+            if text:
+                yield _sse(completion_body(cid, model, [{"index": index, "text": text, "logprobs": None,
+                                                         "finish_reason": None}], None))
+        while open_:
+            index, ev = await events.get()
+            if isinstance(ev, Token):
+                choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": None,
+                          "token_ids": [ev.token_id]}
+            elif isinstance(ev, Finished):
+                open_ -= 1
+                completion_tokens += ev.completion_tokens
+                choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason,
+                          "token_ids": []}
+            else:
+                yield _sse(error_body(ev.message, kind="server_error" if ev.status >= 500 else
+                                      "invalid_request_error", code=str(ev.status)))
+                break
+            yield _sse(completion_body(cid, model, [choice], None))
+        else:
+            if prompt_tokens is not None:
+                yield _sse(completion_body(cid, model, [], usage(prompt_tokens, completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        _cancel(reqs)  # client gone (or an error): the engine drops what is still running
+
+
+async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: int):
+    """The whole response once every choice has finished (or the first failure)."""
+    texts = list(echo)
+    token_ids: list[list[int]] = [[] for _ in reqs]
+    reasons: list[Optional[str]] = [None] * len(reqs)
+    completion_tokens = 0
+    open_ = len(reqs)
+    try:
+        while open_:
+            try:
+                index, ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if isinstance(ev, Token):
+                texts[index] += ev.text
+                token_ids[index].append(ev.token_id)
+            elif isinstance(ev, Finished):
+                texts[index] += ev.text
+                reasons[index] = ev.reason
+                completion_tokens += ev.completion_tokens
+                open_ -= 1
+            elif isinstance(ev, Failed):
+                return _error(ev.status, ev.message)
+    finally:
+        _cancel(reqs)
+    choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i],
+                "token_ids": token_ids[i]} for i in range(len(reqs))]
+    return JSONResponse(completion_body(completion_id(), model, choices, usage(prompt_tokens, completion_tokens)))

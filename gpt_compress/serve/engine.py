@@ -1,0 +1,361 @@
+"""The engine: one loop, on its own thread, owns the backend and schedules every request.
+
+Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
+
+1. drops requests that were cancelled (client gone) or ran past their deadline,
+2. admits waiting requests while the batch has room and the iteration's prompt tokens stay
+   within ``prefill_budget`` (so that running sequences are not stalled by a burst of
+   arrivals): each is prefilled alone, then they join the running batch together
+   (``BatchDecoder.join``); their first tokens are chosen at once. While a large batch runs,
+   a lone arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the
+   running count is waiting), because every join copies the batch's cache,
+3. chooses every running request's next token from its logits with the decoding code of
+   ``model/generation.py`` (``next_tokens``: greedy, sampling, top-k/top-p, repetition penalty;
+   each request has its own seeded generator, so a seeded request samples what
+   ``Generator.generate`` samples for it alone),
+4. removes finished requests (EOS, ``max_tokens``, a stop string) from the batch at once,
+5. runs one ``decode`` step for the rest.
+
+Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
+layer forwards them into its event loop). An exception while prefilling or sampling one
+request fails that request only; one in the batched decode step fails the requests of that
+step (it cannot be attributed to one of them) and the loop goes on serving.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..config import GenerationConfig
+from ..model.generation import next_tokens
+from .batch import BatchDecoder
+
+log = logging.getLogger("gptc.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is full (HTTP 429)."""
+
+
+class EngineStopped(Exception):
+    """The engine no longer accepts requests (shutting down; HTTP 503)."""
+
+
+@dataclass
+class Token:
+    """A new token; ``text`` is the piece of text it completes (may be "" while held back)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass
+class Finished:
+    """The request ended normally; ``reason`` is "stop" (EOS or a stop string) or "length"."""
+
+    reason: str
+    text: str  # text not yet sent in a Token event (the tail held back for stop strings)
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    """The request failed: ``status`` is the HTTP status to report (500, 503, 504)."""
+
+    status: int
+    message: str
+
+
+@dataclass
+class Request:
+    """One sequence to generate. ``cfg`` holds max_new_tokens, strategy and sampling settings."""
+
+    prompt: list[int]
+    cfg: GenerationConfig
+    emit: Callable[[Any], None]
+    stop: list[str] = field(default_factory=list)
+    timeout: float = 0.0  # seconds from submission; 0: none
+    cancelled: bool = False  # set by the caller (any thread): the engine drops it before the next step
+    # engine state
+    id: int = 0
+    submitted: float = 0.0
+    submitted_step: int = 0  # the engine's decode step count at submission
+    tokens: list[int] = field(default_factory=list)
+    logits: Optional[np.ndarray] = None
+    seen: Optional[np.ndarray] = None
+    rng: Optional[np.random.Generator] = None
+    shown: int = 0  # characters of the decoded text already emitted
+    last_token_at: float = 0.0
+
+
+class Engine:
+    """Continuous batching over a ``Generator``'s backend (see the module docstring)."""
+
+    def __init__(self, generator, max_batch: int = 16, max_queue: int = 64, metrics=None,
+                 step_delay: float = 0.0, prefill_budget: int = 256, admit_wait_steps: int = 4):
+        self.gen = generator
+        self.tokenizer = generator.tokenizer
+        vocab = generator.vocab_size
+        eos = generator.eos_token_id
+        self.eos = eos if eos is not None and 0 <= eos < vocab else None  # as Generator._prepare
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.metrics = metrics
+        self.step_delay = step_delay
+        self.prefill_budget = prefill_budget
+        self.admit_wait_steps = admit_wait_steps
+        self.batch = BatchDecoder(generator.backend)
+        self._pending: collections.deque[Request] = collections.deque()
+        self._running: dict[int, Request] = {}
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="gptc-engine", daemon=True)
+        self.steps = 0
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still waiting or running fail with 503."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (any thread). Raises QueueFull or EngineStopped."""
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            free = self.max_batch - len(self._running)
+            if len(self._pending) >= self.max_queue + max(free, 0):
+                raise QueueFull(f"{len(self._pending)} requests are waiting (Serve.max_queue={self.max_queue})")
+            req.id, req.submitted, req.submitted_step = next(self._ids), time.monotonic(), self.steps
+            self._pending.append(req)
+            self._cond.notify_all()
+        self._gauges()
+        return req
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            try:
+                self._iteration()
+            except Exception as e:  # a bug of the loop itself: fail what is running, keep serving
+                log.exception("engine step failed")
+                self._fail_all(500, f"internal error: {type(e).__name__}: {e}")
+        self._fail_all(503, "the server shut down before this request finished")
+        with self._cond:
+            pending, self._pending = list(self._pending), collections.deque()
+        for req in pending:
+            req.emit(Failed(503, "the server shut down before this request started"))
+
+    def _iteration(self) -> None:
+        now = time.monotonic()
+        self._drop_expired(now)
+        self._admit()
+        done: list[int] = []
+        for rid, req in list(self._running.items()):
+            if req.logits is None:
+                continue
+            try:
+                if self._choose(req):
+                    done.append(rid)
+            except Exception as e:
+                log.exception("request %d failed", rid)
+                self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+                done.append(rid)
+        self._leave(done)
+        if self._running:
+            tokens = {rid: req.tokens[-1] for rid, req in self._running.items()}
+            if self.metrics is not None:
+                self.metrics.batch_size.observe(len(tokens))
+            try:
+                logits = self.batch.step(tokens)
+            except Exception as e:
+                log.exception("decode step failed")
+                self._fail_all(500, f"decode step failed: {type(e).__name__}: {e}")
+                return
+            self.steps += 1
+            for rid, row in logits.items():
+                self._running[rid].logits = row
+            if self.step_delay:
+                time.sleep(self.step_delay)
+        self._gauges()
+
+    def _drop_expired(self, now: float) -> None:
+        gone = []
+        for rid, req in self._running.items():
+            if req.cancelled:
+                gone.append(rid)
+                self._count("cancelled")
+            elif req.timeout and now - req.submitted > req.timeout:
+                self._finish(req, Failed(504, f"request timed out after {req.timeout:g} s"))
+                gone.append(rid)
+        self._leave(gone)
+        with self._cond:
+            keep = collections.deque()
+            for req in self._pending:
+                if req.cancelled:
+                    self._count("cancelled")
+                elif req.timeout and now - req.submitted > req.timeout:
+                    self._finish(req, Failed(504, f"request timed out after {req.timeout:g} s while queued"))
+                else:
+                    keep.append(req)
+            self._pending = keep
+
+    def _admit(self) -> None:
+        """Prefill waiting requests (alone, one by one) while the batch has room and this
+        iteration's prompt tokens stay within ``prefill_budget`` (at least one request is
+        admitted: the running sequences wait for these prefills), then join them together."""
+        with self._cond:
+            if (self._running and self._pending and len(self._pending) < max(1, len(self._running) // 4)
+                    and self.steps - self._pending[0].submitted_step < self.admit_wait_steps):
+                return  # a join copies the batch's cache: let a few arrivals gather (a few steps at most)
+        joining: list[tuple[Request, tuple]] = []
+        budget = self.prefill_budget
+        while len(self._running) + len(joining) < self.max_batch and (budget > 0 or not joining):
+            with self._cond:
+                if not self._pending:
+                    break
+                req = self._pending.popleft()
+            try:
+                req.logits, state = self.batch.prefill(req.prompt)
+            except Exception as e:
+                log.exception("prefill of request %d failed", req.id)
+                self._finish(req, Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
+                continue
+            joining.append((req, state))
+            budget -= len(req.prompt)
+        if not joining:
+            return
+        try:
+            self.batch.join([(req.id, state) for req, state in joining])
+        except Exception as e:
+            log.exception("joining the batch failed")
+            for req, _ in joining:
+                self._finish(req, Failed(500, f"joining the batch failed: {type(e).__name__}: {e}"))
+            return
+        for req, _ in joining:
+            req.rng = np.random.default_rng(req.cfg.seed)
+            req.seen = np.zeros((1, req.logits.shape[-1]), dtype=bool)
+            if req.cfg.repetition_penalty != 1.0:
+                req.seen[0, req.prompt] = True
+            self._running[req.id] = req
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(req.prompt))
+
+    def _choose(self, req: Request) -> bool:
+        """Pick, record and emit the next token of ``req``; True when it has finished."""
+        step = len(req.tokens)
+        tok = int(next_tokens(req.logits[None], req.seen, step, req.cfg, self.eos, req.rng)[0])
+        req.logits = None
+        req.seen[0, tok] = True
+        req.tokens.append(tok)
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc()
+            if step == 0:
+                self.metrics.ttft.observe(now - req.submitted)
+            else:
+                self.metrics.itl.observe(now - req.last_token_at)
+        req.last_token_at = now
+        if self.eos is not None and tok == self.eos:
+            req.emit(Token(tok, ""))
+            self._finish(req, Finished("stop", self._rest(req, req.tokens[:-1]), len(req.tokens)))
+            return True
+        piece, stopped = self._text(req)
+        req.emit(Token(tok, piece))
+        if stopped:
+            self._finish(req, Finished("stop", "", len(req.tokens)))
+            return True
+        if len(req.tokens) >= req.cfg.max_new_tokens:
+            self._finish(req, Finished("length", self._rest(req, req.tokens), len(req.tokens)))
+            return True
+        return False
+
+    # ------------------------------------------------------------------ text and stop strings
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+
+    def _text(self, req: Request) -> tuple[str, bool]:
+        """The text piece to emit now, and whether a stop string ended the request. Text that
+        ends inside a multi-byte character, or could be the start of a stop string, is held."""
+        text = self._decode(req.tokens)
+        hits = [i for i in (text.find(s, max(0, req.shown - len(s))) for s in req.stop) if i >= 0]
+        if hits:
+            end = min(hits)
+            piece = text[req.shown:max(end, req.shown)]
+            req.shown = max(end, req.shown)
+            return piece, True
+        if text.endswith("\ufffd"):
+            return "", False
+        hold = max((k for s in req.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        end = max(len(text) - hold, req.shown)
+        piece, req.shown = text[req.shown:end], end
+        return piece, False
+
+    def _rest(self, req: Request, tokens: list[int]) -> str:
+        text = self._decode(tokens)
+        rest = text[req.shown:]
+        req.shown = len(text)
+        return rest
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _finish(self, req: Request, event) -> None:
+        self._count("ok" if isinstance(event, Finished) else f"error_{event.status}")
+        req.emit(event)
+
+    def _leave(self, rids) -> None:
+        if not rids:
+            return
+        self.batch.remove(rids)
+        for rid in rids:
+            self._running.pop(rid, None)
+
+    def _fail_all(self, status: int, message: str) -> None:
+        reqs = list(self._running.values())
+        self._leave(list(self._running))
+        for req in reqs:
+            self._finish(req, Failed(status, message))
+
+    def _count(self, status: str) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_requests.labels(status=status).inc()
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._pending))
+            self.metrics.running.set(len(self._running))
+
+
+def request_config(max_tokens: int, temperature: float, top_p: float, top_k: int, repetition_penalty: float,
+                   seed: Optional[int], min_tokens: int = 0) -> GenerationConfig:
+    """The GenerationConfig of an OpenAI-style request: temperature 0 is greedy, else sampling."""
+    return dataclasses.replace(
+        GenerationConfig(), decode_strategy="greedy" if temperature == 0 else "sampling",
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, temperature=temperature if temperature > 0 else 1.0,
+        top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed)

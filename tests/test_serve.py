@@ -1,0 +1,334 @@
+"""`gptc serve`: real server processes on free loopback ports, real HTTP clients (httpx, the
+official `openai` client). The tiny export is the one test_export/test_inference build.
+
+Servers: ``server`` (Paddle Inference, the default backend; continuous batching up to 8; an
+API key), ``slow`` (onnxruntime, one sequence at a time, one waiting slot, 0.1 s slept per
+step so that requests stay in flight; a 5 s timeout) and, for SIGTERM, a server of its own."""
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from _export_helpers import ENV, ROOT, model_dirs
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-17"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, shakespeare):
+    return model_dirs(tmp_path_factory, shakespeare)["export"]
+
+
+class Server:
+    """A `gptc serve` subprocess; ``url`` once it is listening, ``ready()`` waits for /health."""
+
+    def __init__(self, model_dir: str, log_path, *args: str, env: dict = None):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpt_compress", "serve", "--model-dir", model_dir,
+                                      "--port", "0", *args], env={**ENV, **(env or {})}, cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()
+        assert line, f"server exited: {open(log_path).read()[-3000:]}"
+        self.info = json.loads(line)
+        self.url = self.info["url"]
+        assert self.url.startswith("http://127.0.0.1:")  # loopback by default
+        self.log_path = log_path
+
+    def ready(self, timeout: float = 300.0) -> "Server":
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, open(self.log_path).read()[-3000:]
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("server not ready")
+
+    def metric(self, name: str, headers=None) -> float:
+        text = httpx.get(self.url + "/metrics", headers=headers).text
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(export_dir, tmp_path_factory):
+    s = Server(export_dir, tmp_path_factory.mktemp("serve") / "server.log", "--max-batch", "8",
+               "--max-queue", "64", env={"GPTC_API_KEY": KEY})
+    yield s.ready()
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def slow(export_dir, tmp_path_factory):
+    s = Server(export_dir, tmp_path_factory.mktemp("serve") / "slow.log", "--backend", "onnx", "--max-batch", "1",
+               "--max-queue", "1", "--step-delay", "0.1", "--timeout", "5")
+    yield s.ready()
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gen(export_dir):
+    """The server's backend as `gptc serve` configures it, in this process."""
+    from gpt_compress.commands.serve import _paddle_serving_options
+    from gpt_compress.inference.runner import Generator
+
+    return Generator.from_dir(export_dir, backend="paddle", **_paddle_serving_options(None))
+
+
+def _complete(url, headers=None, **body):
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+
+
+def test_openai_client_plain_and_streamed_equal_generator(server, gen):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["export"]
+    cases = [dict(temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 20, "repetition_penalty": 1.3}),
+             dict(temperature=0.0)]
+    for case in cases:
+        extra = case.get("extra_body", {})
+        sampling = dict(decode_strategy="sampling", temperature=case["temperature"], top_p=case["top_p"],
+                        seed=case["seed"], **extra) if case["temperature"] else {}
+        ref = gen.generate("ROMEO:", max_new_tokens=24, **sampling)
+        want = gen.tokenizer.decode([t for t in ref.sequences[0] if t != gen.eos_token_id])
+        plain = client.completions.create(model="export", prompt="ROMEO:", max_tokens=24, **case)
+        assert plain.choices[0].text == want
+        assert plain.choices[0].model_extra["token_ids"] == ref.sequences[0]
+        assert plain.usage.prompt_tokens == ref.prompt_tokens[0]
+        assert plain.usage.completion_tokens == len(ref.sequences[0])
+        chunks = list(client.completions.create(model="export", prompt="ROMEO:", max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True}, **case))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens == len(ref.sequences[0])
+        assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    # The raw stream: server-sent events ending with `data: [DONE]`.
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH,
+                      json={"prompt": "ROMEO:", "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    # n choices per prompt, echo, stop strings.
+    out = _complete(server.url, AUTH, prompt=["ROMEO:", "To be"], max_tokens=5, n=2, seed=3,
+                    echo=True).json()
+    assert len(out["choices"]) == 4 and out["choices"][2]["text"].startswith("To be")
+    greedy = gen.generate("ROMEO:", max_new_tokens=24).texts[0]
+    stop = greedy[5:7]
+    cut = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=24, temperature=0, stop=[stop]).json()
+    assert cut["choices"][0]["text"] == greedy[:greedy.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_greedy_requests_equal_each_alone(server, gen):
+    base = gen.tokenizer.encode("ROMEO: I say to thee, my lord, the king is come; " * 3)
+    jobs = [(base[i:i + 2 + 4 * i], 8 + 3 * i) for i in range(16)]  # prompt 2..62 tokens, 8..53 new
+
+    async def one(client, prompt, max_tokens):
+        r = await client.post(server.url + "/v1/completions", headers=AUTH, timeout=300,
+                              json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                    "min_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            alone = [await one(client, p, m) for p, m in jobs]
+            steps = server.metric("gptc_decode_batch_size_count", AUTH)
+            single = server.metric('gptc_decode_batch_size_bucket{le="1.0"}', AUTH)
+            together = await asyncio.gather(*[one(client, p, m) for p, m in jobs])
+            return alone, together, steps, single
+
+    alone, together, steps, single = asyncio.run(run())
+    assert together == alone
+    assert [len(t) for t in alone] == [m for _, m in jobs]
+    assert alone[0] == gen.generate([jobs[0][0]], max_new_tokens=jobs[0][1], min_new_tokens=jobs[0][1]).sequences[0]
+    # Decode steps of the concurrent run that had more than one sequence in the batch.
+    batched = (server.metric("gptc_decode_batch_size_count", AUTH) - steps
+               - (server.metric('gptc_decode_batch_size_bucket{le="1.0"}', AUTH) - single))
+    assert batched > 0
+    assert server.metric("gptc_running_batch_size", AUTH) == 0
+
+
+BAD = [  # (raw body or JSON, status, words the message must contain)
+    (b'{"prompt": "ROMEO:", ', 400, "malformed JSON"),
+    (b'["ROMEO:"]', 400, "JSON object"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": {"text": "x"}}, 400, "prompt"),
+    ({"prompt": "ROMEO:", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "ROMEO:", "max_tokens": 127}, 400, "127"),  # + prompt > the context of 128
+    ({"prompt": "ROMEO:", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "ROMEO:", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "ROMEO:", "top_k": -5}, 400, "top_k"),
+    ({"prompt": "ROMEO:", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": "ROMEO:", "max_tokns": 4}, 400, "max_tokns"),
+    ({"prompt": "ROMEO:", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "ROMEO:", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "ROMEO:", "n": 100}, 400, "max_n"),
+    ({"prompt": "ROMEO:", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "ROMEO:", "model": "gpt-4"}, 404, "gpt-4"),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_goes_on(server):
+    assert len(BAD) >= 12
+    for body, status, words in BAD:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, **kw)
+        assert r.status_code == status, (body, r.text)
+        assert words in r.json()["error"]["message"], (body, r.text)
+        ok = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=2)
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
+    assert "prompt 0 has 2 tokens and max_tokens is 127" in _complete(
+        server.url, AUTH, prompt="ROMEO:", max_tokens=127).json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/completions", headers=AUTH).status_code == 405
+
+
+def test_api_key(server):
+    assert httpx.get(server.url + "/health").status_code == 200  # /health needs no key
+    for headers in (None, {"Authorization": "Bearer wrong"}):
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(server.url + path, headers=headers)
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        assert _complete(server.url, headers, prompt="ROMEO:", max_tokens=2).status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+    assert _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=2).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").completions.create(
+            model="export", prompt="ROMEO:", max_tokens=2)
+
+
+def _next_event(lines):
+    for line in lines:
+        if line.startswith("data: "):
+            return json.loads(line[6:])
+    raise AssertionError("no event")
+
+
+LONG = {"prompt": "ROMEO:", "max_tokens": 100, "min_tokens": 100, "temperature": 0, "stream": True}
+
+
+def test_cancelled_stream_frees_its_slot(slow):
+    before = slow.metric("gptc_generation_tokens_total")
+    cancelled = slow.metric('gptc_engine_requests_total{status="cancelled"}')
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", slow.url + "/v1/completions", json=LONG) as r:
+            assert "token_ids" in _next_event(r.iter_lines())["choices"][0]
+        # The client is gone: a later request (one slot only) is admitted and finishes.
+        r = client.post(slow.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "min_tokens": 3})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+    assert slow.metric('gptc_engine_requests_total{status="cancelled"}') == cancelled + 1
+    assert slow.metric("gptc_generation_tokens_total") - before < 100  # the stream stopped early
+
+
+def test_queue_full_gets_429_with_retry_after(slow):
+    with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+        with a.stream("POST", slow.url + "/v1/completions", json=LONG) as running:
+            held = running.iter_lines()  # kept referenced: a closed iterator closes the connection
+            _next_event(held)  # this request holds the one batch slot
+            with b.stream("POST", slow.url + "/v1/completions", json=LONG):  # waits in the one queue slot
+                end = time.monotonic() + 60
+                while slow.metric("gptc_queue_depth") < 1 and time.monotonic() < end:
+                    time.sleep(0.05)
+                r = httpx.post(slow.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
+                assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+                assert "busy" in r.json()["error"]["message"]
+    assert _complete(slow.url, prompt="ROMEO:", max_tokens=2).status_code == 200
+
+
+def test_request_timeout(slow):
+    r = _complete(slow.url, prompt="ROMEO:", max_tokens=100, min_tokens=100)  # 100 steps x 0.1 s > 5 s
+    assert r.status_code == 504 and "timed out after 5 s" in r.json()["error"]["message"]
+    assert _complete(slow.url, prompt="ROMEO:", max_tokens=2).status_code == 200
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(export_dir, tmp_path):
+    s = Server(export_dir, tmp_path / "drain.log", "--backend", "onnx", "--step-delay", "0.05").ready()
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={**LONG, "max_tokens": 30, "min_tokens": 30}) as r:
+            lines = r.iter_lines()
+            events = [_next_event(lines)]
+            s.proc.send_signal(signal.SIGTERM)
+            lines = [line for line in lines if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        events += [json.loads(line[6:]) for line in lines[:-1]]
+        assert sum(len(e["choices"][0]["token_ids"]) for e in events) == 30  # all of it, after SIGTERM
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(s.url + "/health")
+    finally:
+        s.stop()
+
+
+def test_an_exception_in_one_request_fails_only_that_request(export_dir):
+    """In-process: a backend whose prefill raises for one prompt; the engine keeps serving."""
+    import queue
+
+    from gpt_compress.inference.runner import Generator
+    from gpt_compress.serve.engine import Engine, Failed, Finished, Request, request_config
+
+    gen = Generator.from_dir(export_dir, backend="onnx")
+    prompts = [[5, 6, 7], [13, 14], [8, 9, 10, 11]]
+    want = {i: gen.generate([prompts[i]], max_new_tokens=6, min_new_tokens=6).sequences[0] for i in (0, 2)}
+    real_prefill = gen.backend.prefill
+
+    def prefill(ids, mask):
+        if 13 in ids:
+            raise RuntimeError("boom")
+        return real_prefill(ids, mask)
+
+    gen.backend.prefill = prefill
+    engine = Engine(gen, max_batch=4, max_queue=8).start()
+    try:
+        events = queue.Queue()
+        for i, p in enumerate(prompts):
+            engine.submit(Request(p, request_config(6, 0.0, 1.0, 0, 1.0, None, 6),
+                                  emit=lambda ev, i=i: events.put((i, ev))))
+        ends, tokens = {}, {0: [], 2: []}
+        while len(ends) < 3:
+            i, ev = events.get(timeout=60)
+            if isinstance(ev, (Failed, Finished)):
+                ends[i] = ev
+            else:
+                tokens[i].append(ev.token_id)
+        assert isinstance(ends[1], Failed) and ends[1].status == 500 and "boom" in ends[1].message
+        for i in (0, 2):
+            assert isinstance(ends[i], Finished)
+            assert tokens[i] == want[i]
+    finally:
+        engine.stop()
+
+
+def test_serve_config_section_and_cli_errors(export_dir, tmp_path):
+    from gpt_compress.config import ConfigError, load_config
+
+    cfg = load_config(None, ["Serve.max_batch=4", "Serve.backend=onnx"]).serve
+    assert (cfg.max_batch, cfg.backend, cfg.host) == (4, "onnx", "127.0.0.1")
+    with pytest.raises(ConfigError, match="max_batch"):
+        load_config(None, ["Serve.max_batch=0"])
+    proc = subprocess.run([sys.executable, "-m", "gpt_compress", "serve", "--model-dir", str(tmp_path)],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "gptc serve: error:" in proc.stderr and "manifest.json" in proc.stderr
