@@ -160,7 +160,7 @@ def prepare_int(workdir: str, preset: str, ckpt: str, bits: int) -> str:
     from gpt_compress.checkpoint import load_model
     from gpt_compress.export import export_model
     from gpt_compress.inference.manifest import MANIFEST
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.quantize import quantize_model
 
     out = os.path.join(workdir, f"{preset}-int{bits}")

@@ -111,7 +111,7 @@ def test_saved_fused_program_is_the_custom_ops_and_its_inputs(dirs):
 
 def _quantized(ckpt, shakespeare, mode):
     from gpt_compress.checkpoint import load_model
-    from gpt_compress.qat.config import QuantConfig
+    from gpt_compress.config import QuantConfig
     from gpt_compress.qat.ptq import calibrate
     from gpt_compress.qat.quantize import quantize_model
     from test_quant import _batches

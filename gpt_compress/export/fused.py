@@ -62,7 +62,7 @@ def _packed(codes_nk: np.ndarray, scales_nb: np.ndarray, bits: int):
 def linear_spec(layer, name: str) -> dict:
     """One Linear as the op stores it: weight (N, K), scales, bias, bits, input mode ``act``
     (-1 float inputs, 0 dynamic int8 per token and block, > 0 the W8A8 input scale)."""
-    from ..qat.config import W8A8
+    from ..config import W8A8
     from ..qat.quantize import QuantLinear
 
     bias = layer.bias.numpy().astype(np.float32) if layer.bias is not None else None
