@@ -6,8 +6,8 @@ it). The KV cache is ours: per layer a key and a value tensor (B, H_i, capacity,
 at prefill with room for ``reserve`` more positions and grown (one copy) only when a decode
 passes the capacity; the ops write each step's keys/values into it in place. The operator
 library is loaded before the predictor is created (``kernels.load_ops``); the ops use OpenMP
-threads (``threads``, default $OMP_NUM_THREADS or all cores; one setting per process, passed
-as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
+threads (``threads``, ``DEFAULT_THREADS`` = 1, 0 for $OMP_NUM_THREADS or all cores; one setting
+per process, passed as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
 
 ``paddle_backend`` picks this backend or the unfused ``PaddleBackend``: ``fused=None`` (default)
 uses the fused program on CPU when the export has one and falls back, with a warning naming
@@ -28,6 +28,11 @@ from ..errors import KernelError
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
+# OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores). 1 by default: on the shared 2-core
+# machines here (load ~12) two threads made a gpt-bench step 10-20x slower than one (every op's
+# barrier waits for a descheduled thread; bench/decode.py, 2026-11-22), while one thread ran
+# ~10 ms steps. On a quiet machine threads=0 may pay off for the LM head: measure it.
+DEFAULT_THREADS = 1
 
 
 @dataclass
@@ -52,7 +57,7 @@ def _threads(n: int) -> int:
 class FusedBackend:
     """``DecodeBackend`` + ``score`` running ``fused.json`` with Paddle Inference on CPU."""
 
-    def __init__(self, model_dir: Union[str, Manifest], verify: bool = True, threads: int = 0,
+    def __init__(self, model_dir: Union[str, Manifest], verify: bool = True, threads: int = DEFAULT_THREADS,
                  reserve: int = RESERVE):
         from ..kernels import load_ops
 
