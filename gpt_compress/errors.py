@@ -62,5 +62,9 @@ class TrainingDiverged(GptcError, RuntimeError):
     """The loss became NaN/inf or spiked; the last good checkpoint is kept."""
 
 
+class InsufficientMemory(ConfigError):
+    """The command would not fit in the memory available (a pre-flight estimate, ``memory.py``)."""
+
+
 class KernelError(GptcError, RuntimeError):
     """gpt-compress's fused CPU operators could not be built or loaded (the message names why)."""

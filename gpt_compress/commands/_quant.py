@@ -49,6 +49,11 @@ def prepare(args, cfg):
     if args.skip_list:
         cfg.quant.skip_file = args.skip_list
     cfg.quant.all_skips()  # a missing skip file fails now, before any work
+    from ..memory import check_fits, model_config_of
+
+    sized = model_config_of(src)
+    if sized is not None:
+        check_fits("ptq", sized, what=src)
     model = load_model(src)
     cfg.model = model.config
     tokenizer = find_tokenizer(cfg.data.tokenizer_dir, src)

@@ -45,6 +45,11 @@ def run(args) -> int:
     if args.backend in ("paddle", "onnx") and not is_export:
         fail(f"--model {args.model} is a checkpoint; --backend {args.backend} runs an exported model "
              "(make one with `gptc export`) or use --backend dygraph")
+    from ..memory import check_fits, model_config_of
+
+    sized = model_config_of(args.model)
+    if sized is not None:
+        check_fits("eval", sized, batch=args.batch_size, seq=args.seq_len or None, what=args.model)
     backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, MANIFEST)) else "dygraph")
     gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
     if gen.tokenizer is None:

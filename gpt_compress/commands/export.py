@@ -24,7 +24,11 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..export import export
+    from ..memory import check_fits, model_config_of
 
+    model = model_config_of(args.model)
+    if model is not None:
+        check_fits("export", model, what=args.model)
     formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
     check_output_arg(args, args.model)
     t0 = time.perf_counter()

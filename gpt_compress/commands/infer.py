@@ -56,6 +56,11 @@ def run(args) -> int:
     ids = [parse_prompt_ids(p) for p in args.prompt_ids]
     if not texts and not ids:
         return fail("give --prompt, --prompt-ids or --input-file")
+    from ..memory import check_fits, model_config_of
+
+    sized = model_config_of(args.model_dir)
+    if sized is not None:
+        check_fits("infer", sized, batch=len(texts) + len(ids), seq=1, what=args.model_dir)
     try:
         gen = Generator.from_dir(args.model_dir, backend=args.backend, tokenizer=args.tokenizer_dir,
                                  verify=not args.no_verify, **_backend_options(args))

@@ -14,8 +14,11 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..checkpoint import build_model, save_model
 
+    from ..memory import check_fits
+
     cfg = config_from_args(args)
     check_output_arg(args)
+    check_fits("init", cfg.model)
     seed_everything(cfg.global_.seed)
     model = build_model(cfg.model, args.head)
     tok = find_tokenizer(cfg.data.tokenizer_dir)

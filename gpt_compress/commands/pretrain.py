@@ -26,6 +26,10 @@ def run(args) -> int:
     if not data.data_prefix:
         raise ConfigError("Data.data_prefix is empty: point it at a preprocessed dataset prefix "
                           "(see `gptc preprocess`)")
+    from ..memory import check_fits, model_config_of
+
+    sized = (eng.init_from and model_config_of(eng.init_from)) or cfg.model
+    check_fits("pretrain", sized, batch=eng.micro_batch_size, seq=data.seq_length, recompute=cfg.model.recompute)
     dims = init_distributed(cfg)  # checks Parallel against the launch; gloo/NCCL when launched
     seed_everything(cfg.global_.seed)
     tokenizer = find_tokenizer(data.tokenizer_dir)

@@ -19,6 +19,7 @@ against the dygraph model (``validate.py``); a directory that fails is never ren
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -35,7 +36,7 @@ from .fused import try_save_fused
 from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
 from .partition import partition
-from .static import save_paddle_programs
+from .static import program_weights, save_paddle_programs
 from .validate import reference, validate_dir
 
 FORMATS = ("paddle", "onnx")
@@ -76,17 +77,19 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
                         source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
-                        fused=fused)
+                        free_weights=True, fused=fused)
 
 
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
-                 overwrite: bool = False, fused: bool = True) -> str:
+                 overwrite: bool = False, free_weights: bool = False, fused: bool = True) -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
     ``static.ExportableLM``): do not train it further. Returns ``output``; an int8 manifest's
-    ``quant.validation`` holds the measured max logit differences."""
+    ``quant.validation`` holds the measured max logit differences. ``free_weights``: release the
+    float model's parameters once its Paddle programs are on disk (it is unusable afterwards), so
+    that converting and validating do not hold a dygraph copy too."""
     formats = _formats(formats)
     check_output(output, overwrite)
     model.eval()
@@ -105,7 +108,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
             if ops is not None:
                 extra["quant"]["onnx_ops"] = ops
         else:
-            files, extra = _float_programs(model, tmp, formats, opset), {}
+            files, extra = _float_programs(model, tmp, formats, opset, free_weights), {}
         tok_files = [os.path.basename(p) for p in tokenizer.save(tmp)] if tokenizer is not None else None
         manifest = {**build_manifest(cfg, files, formats, tok_files, source), **extra}
         if fused_info:
@@ -121,15 +124,19 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     return write_dir_atomic(output, write, overwrite=overwrite)
 
 
-def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int) -> dict:
+def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int, free_weights: bool = False) -> dict:
     """Float programs of ``model`` for ``formats`` in ``out_dir``: ``{format: {program: files}}``."""
     cfg = model.config
     # ONNX is converted from the Paddle programs; without "paddle" they live in scratch.
     pdir = out_dir if "paddle" in formats else tempfile.mkdtemp(prefix=".paddle-", dir=out_dir)
     files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats, score=True)}
-    if "onnx" in formats:
+    if "onnx" in formats:  # weights attached from the model, one tensor at a time
         files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
-                                         tanh_gelu=cfg.hidden_act == "gelu_new")
+                                         tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model))
+    if free_weights:  # the programs read model.pdiparams / model.onnx.data from now on
+        for p in model.parameters():
+            p._clear_data()
+        gc.collect()
     if pdir != out_dir:
         shutil.rmtree(pdir)
     return files

@@ -38,11 +38,11 @@ import numpy as np
 import paddle.nn as nn
 
 from ..errors import ExportError
-from ..inference.manifest import PROGRAMS, io_spec
+from ..inference.manifest import io_spec
 from ..config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
-from .onnx import convert_programs, externalize
-from .static import ExportableLM, save_paddle_programs
+from .onnx import convert_programs
+from .static import ExportableLM, program_weights, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
 W8A8_ATOL = 2e-3  # fake-quant dygraph vs int8 backends, x max(1, max |logit|): see tests/test_quant.py
@@ -94,11 +94,11 @@ def _nk(entry: dict) -> tuple[np.ndarray, np.ndarray]:
 class _Rewriter:
     """Rewrites one ONNX graph; new initializers are named after the layer."""
 
-    def __init__(self, model, table: list[dict]):
+    def __init__(self, model, table: list[dict], base_dir: str = ""):
         from onnx import numpy_helper
 
         self.model, self.graph = model, model.graph
-        self.to_array = numpy_helper.to_array
+        self.to_array = lambda t: numpy_helper.to_array(t, base_dir)
         self.from_array = numpy_helper.from_array
         self.inits = {t.name: t for t in self.graph.initializer}
         self.index: dict[str, tuple[dict, str]] = {}
@@ -215,10 +215,11 @@ class _Rewriter:
             op.domain, op.version = ORT_DOMAIN, 1
 
 
-def rewrite_onnx(model, table: list[dict]) -> dict:
+def rewrite_onnx(model, table: list[dict], base_dir: str = "") -> dict:
     """Rewrite the quantized weights of ONNX ``model`` in place (see the module docstring); raises
-    ``ExportError`` naming any quantized layer not found. Returns {op: count}."""
-    rw = _Rewriter(model, table)
+    ``ExportError`` naming any quantized layer not found. Returns {op: count}. ``base_dir``: where
+    external tensors' locations resolve."""
+    rw = _Rewriter(model, table, base_dir)
     rw.run()
     missing = [e["name"] for e in table if not rw.uses[e["name"]]]
     if missing:
@@ -228,24 +229,22 @@ def rewrite_onnx(model, table: list[dict]) -> dict:
 
 
 def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: int) -> tuple:
-    """Float export of the dequantized weights, rewritten to int8, written to ``out_dir``."""
-    import onnx
+    """Float export of the dequantized weights, rewritten to int8 program by program as it is
+    converted (``onnx.convert_programs``' ``transform``), written to ``out_dir``."""
 
     cfg = qmodel.config
-    pdir, odir = os.path.join(work, "paddle"), os.path.join(work, "onnx")
+    pdir = os.path.join(work, "paddle")
     os.makedirs(pdir)
-    os.makedirs(odir)
-    pfiles = save_paddle_programs(fake_quant_float_model(qmodel), pdir, split_decode=False)
-    files = convert_programs(pdir, pfiles, odir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new")
-    models, ops = {}, {}
-    for name in PROGRAMS:
-        model = onnx.load(os.path.join(odir, files[name]["model"]))  # with its external data
+    fmodel = fake_quant_float_model(qmodel)
+    pfiles = save_paddle_programs(fmodel, pdir, split_decode=False)
+    ops = {}
+
+    def rewrite(name, model, base_dir):
         model.graph.name = name
-        ops[name] = rewrite_onnx(model, table)
-        models[name] = model
-    externalize(models, out_dir)
-    for name, model in models.items():
-        onnx.save_model(model, os.path.join(out_dir, files[name]["model"]))
+        ops[name] = rewrite_onnx(model, table, base_dir)
+
+    files = convert_programs(pdir, pfiles, out_dir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new",
+                             transform=rewrite, weights=program_weights(fmodel))
     return files, ops
 
 

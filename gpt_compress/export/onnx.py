@@ -20,14 +20,24 @@ What we do to paddle2onnx's output, each step a function below:
   onnxruntime pre-packs it (same bytes on disk).
 * ``externalize``: all weights go to one ``model.onnx.data``, deduplicated by content across
   the three programs; each ``.onnx`` file keeps only its graph (~60 KB for ``gpt-bench``).
+
+Memory: paddle2onnx converts each program's **graph alone** (no params file) and the
+parameters are attached from the model (``attach_weights``; paddle2onnx itself holds ~5 copies
+of the weights while converting: 6.9 GB RSS for one gpt-345M program). Programs are converted
+**one at a time** and each one's weights are appended to the data file **tensor by tensor**
+(``DataFile``) before the next is converted. When paddle2onnx does read a params file past
+protobuf's 2 GB limit, it writes the weights to the ``external_file`` we give it;
+``tensor_bytes`` reads them back one tensor at a time.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import math
 import os
 import sys
+from typing import Callable, Optional
 
 from ..errors import ExportError
 from ..inference.manifest import PROGRAMS, SCORE_PROGRAMS
@@ -62,19 +72,52 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17):
+def paddle_to_onnx(model_file: str, params_file: str, opset: int = 17, external_file: str = ""):
     """One Paddle program -> an in-memory ``onnx.ModelProto`` (nothing installed, nothing optimized
-    beyond paddle2onnx's own C++ passes)."""
+    beyond paddle2onnx's own C++ passes). ``external_file``: where paddle2onnx writes the weights
+    when the model is past 2 GB (then its tensors are external, see ``tensor_bytes``)."""
     onnx, paddle2onnx = _onnx()
+    from paddle2onnx.utils import logging as p2o_logging
+
+    level = p2o_logging.log_level
+    if not os.path.isfile(params_file):  # on purpose (see convert_program): no "will not contain weights"
+        p2o_logging.log_level = 0
     try:
         with _stdout_to_stderr():
+            # Without its params file the graph reads undefined weights: paddle2onnx's checker would
+            # report each (we check the graph once the weights are attached).
             raw = paddle2onnx.export(model_file, params_file, save_file=None, opset_version=opset,
-                                     auto_upgrade_opset=False, enable_onnx_checker=True, enable_optimize=True)
+                                     auto_upgrade_opset=False, enable_onnx_checker=os.path.isfile(params_file),
+                                     enable_optimize=True, external_file=external_file)
     except Exception as e:  # paddle2onnx logs the real error, then fails on its undefined result
         raise ExportError(f"paddle2onnx could not convert {model_file}: {e}") from None
+    finally:
+        p2o_logging.log_level = level
     if not raw:
         raise ExportError(f"paddle2onnx returned an empty model for {model_file}")
-    return onnx.load_from_string(raw)
+    model = onnx.load_from_string(raw)
+    del raw  # the parsed copy is all we keep (one copy of the weights, not two)
+    return model
+
+
+def _is_external(t) -> bool:
+    return t.data_location == 1  # TensorProto.EXTERNAL
+
+
+def tensor_bytes(t, base_dir: str = "") -> bytes:
+    """The raw bytes of tensor ``t``: its ``raw_data``, or read from its external file (relative
+    locations resolve against ``base_dir``)."""
+    if not _is_external(t):
+        return t.raw_data
+    info = {e.key: e.value for e in t.external_data}
+    path = info["location"] if os.path.isabs(info["location"]) else os.path.join(base_dir, info["location"])
+    with open(path, "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        return f.read(int(info["length"])) if "length" in info else f.read()
+
+
+def _large(t) -> bool:
+    return _is_external(t) or len(t.raw_data) >= MIN_EXTERNAL_BYTES
 
 
 def constants_to_initializers(model) -> None:
@@ -84,7 +127,7 @@ def constants_to_initializers(model) -> None:
     keep = []
     for node in graph.node:
         if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value" \
-                and len(node.attribute[0].t.raw_data) >= MIN_EXTERNAL_BYTES:
+                and _large(node.attribute[0].t):
             t = node.attribute[0].t
             t.name = node.output[0]
             graph.initializer.append(t)
@@ -247,62 +290,130 @@ def split_shared_weights(model) -> int:
     return split
 
 
+class DataFile:
+    """``DATA_FILE`` in ``out_dir``, written tensor by tensor: ``add(model)`` moves the large
+    initializers of one model into it (each distinct tensor once across all models added, at
+    page-aligned offsets) and leaves the model holding only references."""
+
+    def __init__(self, out_dir: str):
+        self.path = os.path.join(out_dir, DATA_FILE)
+        self._f = open(self.path, "wb")
+        self._offsets: dict[str, tuple[int, int]] = {}
+
+    def add(self, model, base_dir: str = "") -> None:
+        """Externalize ``model``'s large initializers (external ones are read from ``base_dir``)."""
+        for t in model.graph.initializer:
+            if not _large(t):
+                continue
+            data = tensor_bytes(t, base_dir)
+            key = hashlib.sha256(data).hexdigest() + f":{t.data_type}"
+            if key not in self._offsets:
+                self._f.write(b"\0" * ((-self._f.tell()) % ALIGN))
+                self._offsets[key] = (self._f.tell(), len(data))
+                self._f.write(data)
+            del data
+            offset, length = self._offsets[key]
+            t.ClearField("raw_data")
+            t.data_location = 1  # TensorProto.EXTERNAL
+            del t.external_data[:]
+            for k, v in (("location", DATA_FILE), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+
+    def flush(self) -> None:
+        """Make what was added so far visible to readers of the file."""
+        self._f.flush()
+
+    def close(self) -> int:
+        """Flush to disk; returns the file size."""
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+        return os.path.getsize(self.path)
+
+
 def externalize(models: dict, out_dir: str) -> int:
     """Move large initializers of all ``models`` into one ``DATA_FILE`` in ``out_dir``, each
     distinct tensor once. Returns the data file size."""
-    from onnx import TensorProto
+    data = DataFile(out_dir)
+    for model in models.values():
+        data.add(model)
+    return data.close()
 
-    offsets: dict[str, tuple[int, int]] = {}
-    path = os.path.join(out_dir, DATA_FILE)
-    with open(path, "wb") as f:
-        for model in models.values():
-            for t in model.graph.initializer:
-                if t.data_location == TensorProto.EXTERNAL or len(t.raw_data) < MIN_EXTERNAL_BYTES:
-                    continue
-                key = hashlib.sha256(t.raw_data).hexdigest() + f":{t.data_type}"
-                if key not in offsets:
-                    pad = (-f.tell()) % ALIGN
-                    f.write(b"\0" * pad)
-                    offsets[key] = (f.tell(), len(t.raw_data))
-                    f.write(t.raw_data)
-                offset, length = offsets[key]
-                t.ClearField("raw_data")
-                t.data_location = TensorProto.EXTERNAL
-                del t.external_data[:]
-                for k, v in (("location", DATA_FILE), ("offset", str(offset)), ("length", str(length))):
-                    entry = t.external_data.add()
-                    entry.key, entry.value = k, v
-        f.flush()
-        os.fsync(f.fileno())
-    return os.path.getsize(path)
+
+def attach_weights(model, weights: Callable[[str], "np.ndarray"]) -> int:
+    """Add an initializer for every tensor the graph reads but nothing defines (the parameters of
+    a program converted without its params file), its value ``weights(name)``. Returns how many."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    defined = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | \
+        {t.name for t in graph.initializer}
+    missing = sorted({i for n in graph.node for i in n.input if i and i not in defined})
+    for name in missing:
+        graph.initializer.append(numpy_helper.from_array(weights(name), name))
+    return len(missing)
+
+
+def convert_program(paddle_dir: str, files: dict, io: dict, scratch: str, opset: int = 17,
+                    tanh_gelu: bool = False, weights: Optional[Callable] = None):
+    """One exported Paddle program -> a cleaned-up ``onnx.ModelProto`` (see the module docstring).
+    With ``weights`` (parameter name -> array) paddle2onnx converts the graph alone and the
+    parameters are attached one by one: paddle2onnx holds ~5 copies of the weights while it
+    converts (6.9 GB RSS for one gpt-345M program), the graph alone takes ~0.3 GB. Without,
+    past 2 GB the weights come back external, in ``scratch`` (pass it to ``DataFile.add``)."""
+    params = os.path.join(paddle_dir, files["params"]) if weights is None else os.path.join(scratch, "none.pdiparams")
+    model = paddle_to_onnx(os.path.join(paddle_dir, files["model"]), params, opset,
+                           external_file=os.path.join(scratch, DATA_FILE))
+    if weights is not None:
+        attach_weights(model, weights)
+    constants_to_initializers(model)
+    rename_io(model, io)
+    if tanh_gelu:
+        fix_tanh_gelu(model)
+    drop_output_identities(model)
+    split_shared_weights(model)
+    return model
 
 
 def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict, opset: int = 17,
-                     tanh_gelu: bool = False) -> dict:
+                     tanh_gelu: bool = False, transform: Optional[Callable] = None,
+                     weights: Optional[Callable] = None) -> dict:
     """Convert the exported Paddle programs in ``paddle_dir`` to ``{name}.onnx`` files plus one
-    shared ``model.onnx.data`` in ``out_dir``; ``io`` is ``inference.manifest.io_spec(cfg)``; ``tanh_gelu``:
-    the model uses ``gelu_new`` (see ``fix_tanh_gelu``).
+    shared ``model.onnx.data`` in ``out_dir``, one program at a time (its weights streamed into
+    the data file before the next is converted); ``io`` is ``inference.manifest.io_spec(cfg)``;
+    ``tanh_gelu``: the model uses ``gelu_new`` (see ``fix_tanh_gelu``); ``transform(name, model,
+    base_dir)`` rewrites each converted graph before it is written (the int8 export);
+    ``weights``: parameter name -> array, to attach the weights ourselves (``convert_program``).
     Returns ``{program: {"model": file, "data": shared data file}}``."""
+    import shutil
+    import tempfile
+
     onnx, _ = _onnx()
-    models = {}
-    for name in [p for p in PROGRAMS + SCORE_PROGRAMS if p in paddle_files]:
-        files = paddle_files[name]
-        model = paddle_to_onnx(os.path.join(paddle_dir, files["model"]), os.path.join(paddle_dir, files["params"]),
-                               opset)
-        constants_to_initializers(model)
-        rename_io(model, io[name])
-        if tanh_gelu:
-            fix_tanh_gelu(model)
-        drop_output_identities(model)
-        split_shared_weights(model)
-        try:
-            onnx.checker.check_model(model)
-        except onnx.checker.ValidationError as e:
-            raise ExportError(f"the converted {name} program is not valid ONNX: {e}") from None
-        models[name] = model
-    externalize(models, out_dir)
+    data = DataFile(out_dir)
     out = {}
-    for name, model in models.items():
-        onnx.save_model(model, os.path.join(out_dir, f"{name}.onnx"))
-        out[name] = {"model": f"{name}.onnx", "data": DATA_FILE}
+    try:
+        for name in [p for p in PROGRAMS + SCORE_PROGRAMS if p in paddle_files]:
+            scratch = tempfile.mkdtemp(prefix=f".onnx-{name}-", dir=out_dir)
+            try:
+                model = convert_program(paddle_dir, paddle_files[name], io[name], scratch, opset, tanh_gelu,
+                                        weights)
+                if transform is not None:
+                    transform(name, model, scratch)
+                data.add(model, scratch)
+                path = os.path.join(out_dir, f"{name}.onnx")
+                onnx.save_model(model, path)
+                del model
+                gc.collect()
+                data.flush()
+                try:  # the saved graph: its external data is checked on disk, never loaded
+                    onnx.checker.check_model(path)
+                except onnx.checker.ValidationError as e:
+                    raise ExportError(f"the converted {name} program is not valid ONNX: {e}") from None
+                out[name] = {"model": f"{name}.onnx", "data": DATA_FILE}
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    finally:
+        data.close()
     return out

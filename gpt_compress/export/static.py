@@ -203,3 +203,17 @@ def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return files
+
+
+def program_weights(model):
+    """Parameter name as the saved programs read it -> its value (numpy), for converting the
+    programs to ONNX without paddle2onnx loading the params file (``onnx.convert_program``).
+    Call after ``save_paddle_programs(model, ...)``: the names are those of the mutated model."""
+    tensors = {t.name: t for t in list(model.parameters()) + [b for b in model.buffers() if b.persistable]}
+
+    def get(name: str):
+        if name not in tensors:
+            raise ExportError(f"the exported program reads {name!r}, which is no parameter of the model")
+        return tensors[name].numpy()
+
+    return get

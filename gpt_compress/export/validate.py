@@ -9,6 +9,7 @@ a directory that fails is never renamed into place.
 """
 from __future__ import annotations
 
+import gc
 from typing import Sequence
 
 import numpy as np
@@ -52,9 +53,14 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     """Compare a runner's prefill/decode/score with dygraph ``ref``; raise ``ExportError`` beyond
     ``atol`` (relative to the logits' magnitude). Returns the max abs diff."""
     ids, mask, full, nxt, step = ref
+    # One program's runtime at a time: each predictor/session holds its own copy of the weights.
+    release = getattr(backend, "release", lambda: None)
     logits, cache = backend.prefill(ids, mask)
+    release()
     got = [(logits, full[:, -1]), (backend.score(ids, mask), full)]
+    release()
     logits, _ = backend.decode(nxt, np.concatenate([mask, np.ones_like(nxt)], 1), cache)
+    release()
     got.append((logits, step))
     if getattr(backend, "scores_positions", False):  # the scoring programs, at the real positions
         real, labels = mask > 0, np.roll(ids, -1, axis=1)
@@ -81,12 +87,16 @@ def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hin
     manifest = read_manifest(path)
     out = {}
     for fmt in formats:
+        backend = _backend(fmt)(manifest, verify=False)
         try:
-            out[fmt] = validate_backend(_backend(fmt)(manifest, verify=False), ref, f"{path} ({fmt})", atol=atol)
+            out[fmt] = validate_backend(backend, ref, f"{path} ({fmt})", atol=atol)
         except ExportError as e:
             if not hint:
                 raise
             raise ExportError(f"{e}. {hint}") from None
+        finally:
+            del backend  # one runtime at a time
+            gc.collect()
     if "paddle" in formats and manifest.data.get("fused"):
         from ..inference.fused import FusedBackend
 

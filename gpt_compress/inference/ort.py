@@ -72,6 +72,10 @@ class OrtBackend:
                                     f"{e}") from None
         return self._sessions[name]
 
+    def release(self) -> None:
+        """Drop the sessions (and the weights they hold); they are re-created on next use."""
+        self._sessions.clear()
+
     def _run(self, name: str, arrays: dict[str, np.ndarray], values: dict[str, ort.OrtValue] = None):
         sess = self.session(name)
         binding = sess.io_binding()

@@ -192,6 +192,10 @@ class PaddleBackend:
                                     f"{files['params']}: {e}") from None
         return self._predictors[role]
 
+    def release(self) -> None:
+        """Drop the predictors (each holds its own copy of the weights); re-created on next use."""
+        self._call(self._predictors.clear)
+
     def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
         pred = self._predictor(role)
         outs = pred.run([feeds[n] for n in pred.get_input_names()])

@@ -1,0 +1,198 @@
+"""Pre-flight memory check: refuse a command that cannot fit before it starts, not by being killed.
+
+``estimate(command, model, ...)`` gives the peak resident memory a command needs, from the model
+config alone (nothing allocated), as a sum of named parts; ``check_fits`` compares it with the
+memory this process may still use (``available_bytes``: ``MemAvailable`` of the machine, and the
+limit of the memory cgroup it runs in, v1 or v2, whichever is smaller) and raises
+``InsufficientMemory`` naming the command, the model, the estimate and what to change.
+
+The multiples of the float32 weight bytes ``W`` come from the peaks ``bench/scale.py``
+measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
+
+* ``init``: the model plus the copy being written (measured 1.5 W; 2 W);
+* ``pretrain``: weights, gradients and the two AdamW moments (4 W) and the optimizer's
+  temporaries (measured 5.0 W in all) plus activations: with ``Model.recompute`` only each
+  block's input is kept, and one block's internals are rebuilt during backward; the
+  (micro batch x sequence x vocab) logits, their softmax and gradient come on top;
+* ``export``: the largest of saving the Paddle programs, converting one program to ONNX with
+  the model alive, and validating one runtime at a time (measured 4.7 W);
+* ``ptq``: the float model, its quantized copy and the int8 export (4.8 W);
+* ``eval`` / ``infer``: one runtime's weights (2 W: onnxruntime pre-packs its MatMul weights;
+  Paddle Inference holds one copy per program in use) plus one batch of logits (x3 while
+  scoring: logits, shifted, exponentiated).
+
+``GPTC_SKIP_MEMORY_CHECK=1`` skips the check (the estimate is deliberately pessimistic).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import InsufficientMemory
+
+GB = 1 << 30
+BASE_BYTES = 1 * GB  # Python, Paddle, onnxruntime and their libraries, before any weight
+WEIGHT_MULTIPLE = {"init": 2.0, "pretrain": 5.0, "export": 4.8, "ptq": 4.8, "eval": 2.0, "infer": 2.0}
+
+
+@dataclass
+class Estimate:
+    """Estimated peak resident bytes of one command, by part."""
+
+    command: str
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """Sum of the parts."""
+        return sum(self.parts.values())
+
+    def to_dict(self) -> dict:
+        """JSON form (GB, two decimals)."""
+        return {"command": self.command, "total_gb": round(self.total / GB, 2),
+                "parts_gb": {k: round(v / GB, 2) for k, v in self.parts.items()}}
+
+
+def weight_bytes(model) -> int:
+    """float32 bytes of the parameters of ``model`` (a ``ModelConfig``)."""
+    return 4 * model.num_parameters()
+
+
+def activation_bytes(model, batch: int, seq: int, recompute: str = "none") -> int:
+    """Training activations kept for backward (float32). Per block without recompute: Megatron's
+    ``s b h (34 + 5 a s / h)`` bytes at 16 bits, doubled for float32; with recompute the block
+    inputs (``s b h`` each) plus one block's full set rebuilt during backward."""
+    h, a = model.hidden_size, model.num_attention_heads
+    per_block = 2 * seq * batch * h * (34 + 5 * a * seq / h)
+    if recompute == "none":
+        blocks = model.num_layers * per_block
+    else:
+        blocks = model.num_layers * 4 * seq * batch * h + per_block
+    logits = 3 * 4 * batch * seq * model.vocab_size  # logits, softmax and their gradient
+    return int(blocks + logits)
+
+
+def estimate(command: str, model, batch: int = 1, seq: Optional[int] = None, recompute: str = "none") -> Estimate:
+    """Peak bytes of ``command`` (a key of ``WEIGHT_MULTIPLE``) for ``model`` (a ``ModelConfig``);
+    ``batch``/``seq``: the micro batch and sequence length (training) or the scoring batch."""
+    seq = seq or model.max_position_embeddings
+    w = weight_bytes(model)
+    est = Estimate(command, {"runtime": BASE_BYTES, "weights": int(WEIGHT_MULTIPLE[command] * w)})
+    if command == "pretrain":
+        est.parts["activations"] = activation_bytes(model, batch, seq, recompute)
+    elif command in ("eval", "infer"):
+        est.parts["logits"] = 3 * 4 * batch * seq * model.vocab_size
+    return est
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat(path: str) -> dict[str, int]:
+    out = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if value.strip().isdigit():
+                    out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_room() -> Optional[int]:
+    """Limit minus the memory in use in this process's memory cgroup (v2 or v1), None without a
+    limit. In use: anonymous memory plus mapped files; the page cache of files written earlier is
+    charged to the cgroup too but is reclaimed under pressure, so it does not count."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+            limit, usage = _read_int(os.path.join(base, "memory.max")), _read_int(os.path.join(base, "memory.current"))
+            stat = _stat(os.path.join(base, "memory.stat"))
+            used = stat["anon"] + stat.get("file_mapped", 0) if "anon" in stat else usage
+        elif "memory" in controllers.split(","):
+            base = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
+            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
+            usage = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+            stat = _stat(os.path.join(base, "memory.stat"))
+            used = stat["total_rss"] + stat.get("total_mapped_file", 0) if "total_rss" in stat else usage
+        else:
+            continue
+        if limit is not None and used is not None and limit < (1 << 60):  # v1 "no limit" is ~2^63
+            return max(0, limit - used)
+    return None
+
+
+def available_bytes() -> int:
+    """Memory this process may still allocate: the machine's ``MemAvailable``, capped by the room
+    left in its memory cgroup."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    room = _cgroup_room()
+    candidates = [x for x in (avail, room) if x is not None]
+    return min(candidates) if candidates else 1 << 62
+
+
+def model_config_of(path: str):
+    """The ``ModelConfig`` of a checkpoint or exported directory (``config.json`` or
+    ``manifest.json``), or None when ``path`` is neither (the command reports that itself)."""
+    import json
+
+    from .config import ModelConfig
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from .checkpoint import read_config
+
+        return read_config(path)[0]
+    manifest = os.path.join(path, "manifest.json")
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                return ModelConfig.from_dict(json.load(f)["model"], source=manifest)
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+def check_fits(command: str, model, batch: int = 1, seq: Optional[int] = None, recompute: str = "none",
+               available: Optional[int] = None, what: str = "") -> Estimate:
+    """Raise ``InsufficientMemory`` when ``estimate(...)`` exceeds ``available`` (default:
+    ``available_bytes()``); returns the estimate otherwise."""
+    est = estimate(command, model, batch, seq, recompute)
+    if os.environ.get("GPTC_SKIP_MEMORY_CHECK", "0") == "1":
+        return est
+    room = available_bytes() if available is None else available
+    if est.total > room:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in est.parts.items())
+        hint = {"pretrain": "lower Engine.micro_batch_size or Data.seq_length, or set Model.recompute=full",
+                "eval": "lower --batch-size or --seq-len"}.get(command, "use a machine with more memory")
+        if est.parts["weights"] + est.parts["runtime"] > room:  # no batch or recompute setting helps
+            hint = "use a machine with more memory" + (", or split the model and optimizer state over several "
+                                                       "processes (Parallel section)" if command == "pretrain" else "")
+        raise InsufficientMemory(
+            f"{command} of {what or getattr(model, 'name', '') or 'this model'} "
+            f"({model.num_parameters() / 1e6:.0f}M parameters, {weight_bytes(model) / GB:.2f} GB of float32 weights) "
+            f"needs about {est.total / GB:.1f} GB ({parts}) but only {room / GB:.1f} GB is available; "
+            f"{hint} (GPTC_SKIP_MEMORY_CHECK=1 runs it anyway)")
+    return est

@@ -1,0 +1,138 @@
+"""Export and commands at scale, checked on tiny models: the ONNX conversion streams (one program
+at a time, weights written tensor by tensor to external data), and a command that cannot fit in
+memory is refused before it starts. The scale figures themselves come from bench/scale.py."""
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+
+# Peak Python-traced memory (tracemalloc: bytes objects, numpy arrays; not paddle2onnx's C++
+# heap, which the weight-free conversion removes) of converting gpt-test's three programs to ONNX,
+# as a multiple of its float32 weights: 0.42 with the weights attached tensor by tensor; 1.18
+# when paddle2onnx reads the params file (one program at a time); 1.56 holding every program
+# until the end (the code before issue 16).
+CONVERT_PEAK_MULTIPLE = 0.8
+
+
+@pytest.fixture(scope="module")
+def paddle_programs(tmp_path_factory):
+    """gpt-test (random init) saved as Paddle programs: (dir, files, ModelConfig, model)."""
+    import paddle
+
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.export.static import save_paddle_programs
+    from gpt_compress.model.gpt import GPTForCausalLM
+
+    paddle.seed(0)
+    cfg = ModelConfig.from_preset("gpt-test")
+    out = tmp_path_factory.mktemp("programs")
+    model = GPTForCausalLM(cfg)
+    files = save_paddle_programs(model, str(out), split_decode=False)
+    return str(out), files, cfg, model
+
+
+def test_onnx_export_streams_weights_into_external_data(paddle_programs, tmp_path, monkeypatch):
+    import onnx
+
+    from gpt_compress.export import onnx as onnx_export
+    from gpt_compress.inference.manifest import PROGRAMS, io_spec
+
+    from gpt_compress.export.static import program_weights
+
+    pdir, files, cfg, model = paddle_programs
+    weights = 4 * cfg.num_parameters()
+    events = []
+    convert, add = onnx_export.convert_program, onnx_export.DataFile.add
+    monkeypatch.setattr(onnx_export, "convert_program", lambda *a, **k: events.append("convert") or convert(*a, **k))
+    monkeypatch.setattr(onnx_export.DataFile, "add", lambda self, *a, **k: events.append("write") or add(self, *a, **k))
+    tracemalloc.start()
+    try:
+        out = onnx_export.convert_programs(pdir, files, str(tmp_path), io_spec(cfg),
+                                           tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Each program's weights reach the data file before the next program is converted.
+    assert events == ["convert", "write"] * len(PROGRAMS)
+    assert peak < CONVERT_PEAK_MULTIPLE * weights, f"peak traced {peak / weights:.2f}x the weights"
+    data = os.path.getsize(tmp_path / onnx_export.DATA_FILE)
+    # every large weight once, shared by the 3 programs (tensors under 1 KB stay in the graphs)
+    assert 0.95 * weights <= data <= weights + 64 * onnx_export.ALIGN
+    for name in PROGRAMS:
+        path = tmp_path / out[name]["model"]
+        assert os.path.getsize(path) < 0.05 * data  # the graph only
+        graph = onnx.load(str(path), load_external_data=False).graph
+        big = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert big and all(len(t.raw_data) < onnx_export.MIN_EXTERNAL_BYTES for t in graph.initializer)
+        assert {e.key: e.value for e in big[0].external_data}["location"] == onnx_export.DATA_FILE
+
+
+def test_data_file_copies_external_tensors_once(tmp_path):
+    """paddle2onnx writes a >2 GB model's weights to its own external file; ``DataFile`` copies
+    them tensor by tensor into ours, deduplicated, 4 KB aligned."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from gpt_compress.export.onnx import ALIGN, DATA_FILE, DataFile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    a = np.arange(3000, dtype=np.float32)
+    (src / "p2o.data").write_bytes(a.tobytes())
+
+    def external(name):
+        t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=[3000])
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", "p2o.data"), ("offset", "0"), ("length", str(a.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    inline = numpy_helper.from_array(np.ones(2000, np.float32), "inline")
+    model = helper.make_model(helper.make_graph([], "g", [], [], initializer=[external("x"), external("y"), inline]))
+    out = tmp_path / "out"
+    out.mkdir()
+    data = DataFile(str(out))
+    data.add(model, str(src))
+    size = data.close()
+    assert size == -(-a.nbytes // ALIGN) * ALIGN + 2000 * 4  # x and y: one copy; the inline one on the next page
+    for t in model.graph.initializer:
+        assert t.data_location == TensorProto.EXTERNAL and not t.raw_data
+        assert {e.key: e.value for e in t.external_data}["location"] == DATA_FILE
+    np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[1], str(out)), a)
+    np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[2], str(out)), 1.0)
+
+
+def test_memory_estimate_grows_with_model_and_recompute_cuts_activations():
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.memory import estimate
+
+    m345, m13 = ModelConfig.from_preset("gpt-345M"), ModelConfig.from_preset("gpt-1.3B")
+    assert estimate("export", m13).total > estimate("export", m345).total
+    full = estimate("pretrain", m345, batch=1, seq=1024, recompute="full").parts["activations"]
+    none = estimate("pretrain", m345, batch=1, seq=1024, recompute="none").parts["activations"]
+    assert full < none / 3
+
+
+def test_command_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypatch, capsys):
+    from gpt_compress import memory
+    from gpt_compress.cli import main
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.errors import InsufficientMemory
+
+    monkeypatch.delenv("GPTC_SKIP_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 8 * memory.GB)
+    with pytest.raises(SystemExit) as exit_:
+        main(["init", "-o", "Model.preset=gpt-1.3B", "--output", str(tmp_path / "big")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == InsufficientMemory.exit_code
+    assert "gptc init" in err and "gpt-1.3B" in err and "8.0 GB is available" in err
+    assert not (tmp_path / "big").exists()
+    m345 = ModelConfig.from_preset("gpt-345M")
+    need = memory.estimate("pretrain", m345, batch=8, seq=1024)
+    room = need.parts["runtime"] + need.parts["weights"] + memory.GB  # the activations do not fit
+    with pytest.raises(InsufficientMemory, match="Model.recompute=full"):
+        memory.check_fits("pretrain", m345, batch=8, seq=1024, available=room)
+    assert memory.check_fits("pretrain", m345, batch=1, seq=1024, recompute="full", available=room).total <= room
