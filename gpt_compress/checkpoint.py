@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import ConfigError, ModelConfig
 # Re-exported: older call sites write checkpoints and exports through these names.
-from .fileio import CHECKSUMS, sha256_file, write_json_atomic  # noqa: F401
+from .fileio import CHECKSUMS, sha256_file, verify_checksums, write_json_atomic  # noqa: F401
 from .fileio import write_dir_atomic
 from .fileio import write_dir_atomic as write_checkpoint_dir  # noqa: F401
 
@@ -24,24 +24,6 @@ FORMAT = "gpt-compress-checkpoint"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-
-
-def verify_checksums(path: str) -> None:
-    """Raise ``CheckpointError`` if any file listed in checksums.json is missing or altered."""
-    sums_path = os.path.join(path, CHECKSUMS)
-    if not os.path.isfile(sums_path):
-        raise CheckpointError(f"{path}: no {CHECKSUMS}; not a complete gpt-compress checkpoint")
-    try:
-        with open(sums_path, encoding="utf-8") as f:
-            sums = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{sums_path} is unreadable: {e}") from None
-    for name, digest in sums.items():
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"{fp} is missing (listed in {CHECKSUMS})")
-        if sha256_file(fp) != digest:
-            raise CheckpointError(f"{fp} is corrupt: sha256 does not match {CHECKSUMS}")
 
 
 def read_config(path: str) -> tuple[ModelConfig, dict]:

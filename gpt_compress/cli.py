@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("train_tokenizer", "train a byte-level BPE tokenizer on your corpus"),
     "preprocess": ("preprocess", "tokenize JSONL/text into a Megatron mmap indexed dataset"),
     "pretrain": ("pretrain", "pretrain (or continue training) a GPT model"),
+    "finetune": ("finetune", "finetune for generation on JSONL prompt/response or text (full or LoRA)"),
     "finetune-glue": ("finetune_glue", "finetune a sequence-classification head on a GLUE task"),
     "eval": ("eval", "evaluate a model: LAMBADA accuracy or WikiText perplexity, on any backend"),
     "qat": ("qat", "quantization-aware training (fake-quant W8A8 finetuning), then int8 export"),

@@ -552,15 +552,12 @@ class QuantConfig:
 
 
 def _matches(name: str, globs: list[str]) -> bool:
+    """Whether ``name`` matches one of the glob patterns."""
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
-def _matches(name: str, globs: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, g) for g in globs)
-
-
-# The Serve section is defined beside the server (gpt_compress/serve/); pure Python, no FastAPI.
-from .serve.config import ServeConfig  # noqa: E402
+# The sections of `gptc finetune` and `gptc serve` (gpt_compress/sections.py).
+from .sections import FinetuneConfig, ServeConfig  # noqa: E402
 
 
 @dataclass
@@ -579,6 +576,7 @@ class Config:
     quant: QuantConfig = field(default_factory=QuantConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict:
         """Sections keyed by their YAML names."""
@@ -599,6 +597,7 @@ SECTIONS: dict[str, str] = {
     "Quant": "quant",
     "Pipeline": "pipeline",
     "Serve": "serve",
+    "Finetune": "finetune",
 }
 
 

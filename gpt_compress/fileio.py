@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Callable, Iterator, Optional
 
-from .errors import OutputError
+from .errors import CheckpointError, OutputError
 
 CHECKSUMS = "checksums.json"
 CHUNK = 1 << 22  # 4 MiB reads: hashing a 500 MB weight file stays in bounded memory
@@ -86,6 +86,24 @@ def write_checksums(path: str) -> dict[str, str]:
             for name in sorted(os.listdir(path)) if name != CHECKSUMS and os.path.isfile(os.path.join(path, name))}
     write_json_atomic(os.path.join(path, CHECKSUMS), sums)
     return sums
+
+
+def verify_checksums(path: str) -> None:
+    """Raise ``CheckpointError`` if any file listed in checksums.json is missing or altered."""
+    sums_path = os.path.join(path, CHECKSUMS)
+    if not os.path.isfile(sums_path):
+        raise CheckpointError(f"{path}: no {CHECKSUMS}; not a complete gpt-compress checkpoint")
+    try:
+        with open(sums_path, encoding="utf-8") as f:
+            sums = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{sums_path} is unreadable: {e}") from None
+    for name, digest in sums.items():
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"{fp} is missing (listed in {CHECKSUMS})")
+        if sha256_file(fp) != digest:
+            raise CheckpointError(f"{fp} is corrupt: sha256 does not match {CHECKSUMS}")
 
 
 def _umask() -> int:

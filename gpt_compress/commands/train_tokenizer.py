@@ -14,13 +14,32 @@ from ._common import check_text_file
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `gptc train-tokenizer`."""
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="plain text files to learn merges from")
+                        help="plain text files, or .jsonl files (one JSON object a line) whose --jsonl-key "
+                             "field is the text, to learn merges from")
+    parser.add_argument("--jsonl-key", default="text", help="the text field of .jsonl inputs")
     parser.add_argument("--vocab-size", type=int, required=True,
                         help="final vocabulary size, 256 byte tokens and <|endoftext|> included")
     parser.add_argument("--output-dir", required=True,
                         help="writes tokenizer.json, vocab.json and merges.txt here")
     parser.add_argument("--min-frequency", type=int, default=2,
                         help="a pair must occur this often to be merged")
+
+
+def _texts(paths, key: str):
+    """The texts of the inputs: a .jsonl file's ``key`` fields, any other file's whole text."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            if not path.endswith(".jsonl"):
+                yield f.read()
+                continue
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[key]
+                except (ValueError, KeyError, TypeError):
+                    raise DataError(f"{path}:{n}: not a JSON object with a {key!r} field (--jsonl-key)") from None
+                yield text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 257 "
                         "tokens (256 bytes + <|endoftext|>)")
     start = time.perf_counter()
-    tok = Tokenizer.train([os.path.abspath(p) for p in args.input], args.vocab_size,
+    paths = [os.path.abspath(p) for p in args.input]
+    source = _texts(paths, args.jsonl_key) if any(p.endswith(".jsonl") for p in paths) else paths
+    tok = Tokenizer.train(source, args.vocab_size,
                           min_frequency=args.min_frequency, show_progress=sys.stderr.isatty())
     paths = tok.save(args.output_dir)
     print(json.dumps({"vocab_size": tok.vocab_size, "eod_id": tok.eod_id,

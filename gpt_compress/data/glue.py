@@ -1,8 +1,16 @@
 """GLUE readers for the nine tasks' TSV layouts, GPT input encoding and batching.
 
-Layouts are those of the official GLUE distribution (``train.tsv``, ``dev.tsv``;
-``dev_matched.tsv`` / ``dev_mismatched.tsv`` for MNLI). A row with the wrong number of columns
-or an unknown label is a ``DataError`` naming the file and line.
+Two file layouts are read, told apart by the header line:
+
+* the official GLUE distribution (``train.tsv``, ``dev.tsv``; ``dev_matched.tsv`` /
+  ``dev_mismatched.tsv`` for MNLI), columns by position (``TaskSpec``);
+* the Hugging Face ``glue`` export (``datasets`` ``to_csv``/``to_pandas``, tab- or
+  comma-separated): a header naming the columns (``sentence1 sentence2 label idx`` for RTE),
+  integer labels indexing the ``glue`` dataset's label names (``HF_LAYOUTS``), mapped here to
+  this module's label order (for MNLI the two orders differ).
+
+A row with the wrong number of columns or an unknown label is a ``DataError`` naming the file
+and line and both layouts.
 """
 from __future__ import annotations
 
@@ -44,6 +52,79 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
+# Hugging Face `glue` export: (text columns, label names in the order of the integer labels).
+HF_LAYOUTS: dict[str, tuple] = {
+    "CoLA": (("sentence",), ("0", "1")),  # unacceptable, acceptable
+    "SST-2": (("sentence",), ("0", "1")),  # negative, positive
+    "MRPC": (("sentence1", "sentence2"), ("0", "1")),  # not_equivalent, equivalent
+    "STS-B": (("sentence1", "sentence2"), None),
+    "QQP": (("question1", "question2"), ("0", "1")),  # not_duplicate, duplicate
+    "MNLI": (("premise", "hypothesis"), ("entailment", "neutral", "contradiction")),
+    "QNLI": (("question", "sentence"), ("entailment", "not_entailment")),
+    "RTE": (("sentence1", "sentence2"), ("entailment", "not_entailment")),
+    "WNLI": (("sentence1", "sentence2"), ("0", "1")),  # not_entailment, entailment
+}
+
+
+def _layouts(spec: "TaskSpec") -> str:
+    """Both accepted layouts of ``spec``'s files, for error messages."""
+    cols = spec.num_cols or f"at least {max(spec.text_cols + ((spec.label_col or 0),)) + 1}"
+    orig = (f"original GLUE: {cols} tab-separated columns, text in column(s) "
+            f"{', '.join(str(c + 1) for c in spec.text_cols)}, label "
+            f"{'last' if spec.label_col == -1 else spec.label_col + 1} in {{{', '.join(spec.labels or ('a score',))}}}"
+            f"{', a header line' if spec.has_header else ', no header'}")
+    texts, names = HF_LAYOUTS[spec.name]
+    hf = f"Hugging Face glue export: a header with {', '.join(texts)}, label (0-{len(names) - 1 if names else 'score'})"
+    return f"expected the {orig}; or the {hf}"
+
+
+def _hf_columns(header: list[str], spec: "TaskSpec") -> Optional[tuple]:
+    """(text column indices, label column index) if ``header`` is a Hugging Face export header."""
+    names = [h.strip() for h in header]
+    texts, _ = HF_LAYOUTS[spec.name]
+    if "label" in names and all(t in names for t in texts):
+        return tuple(names.index(t) for t in texts), names.index("label")
+    return None
+
+
+def _read_hf(path: str, spec: "TaskSpec", delimiter: str, skip_bad_lines: bool) -> list:
+    """Examples of a Hugging Face export file (header already recognised)."""
+    texts, names = HF_LAYOUTS[spec.name]
+    out = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter) if delimiter == "," else \
+            csv.reader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE)
+        header = next(reader)
+        text_cols, label_col = _hf_columns(header, spec)
+        for n, row in enumerate(reader, 2):
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            bad, label = None, None
+            if len(row) != len(header):
+                bad = f"expected {len(header)} columns as the header ({', '.join(header)}), got {len(row)}"
+            else:
+                raw = row[label_col].strip()
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = None
+                if names is None and value is not None:
+                    label = value
+                elif names is not None and value is not None and value.is_integer() and 0 <= value < len(names):
+                    label = float(spec.labels.index(names[int(value)]))
+                else:
+                    bad = f"label {raw!r} is not {'a number' if names is None else f'0-{len(names) - 1}'}" + (
+                        " (-1 marks the unlabelled test split)" if raw == "-1" else "")
+            if bad:
+                if skip_bad_lines:
+                    continue
+                raise DataError(f"{path}:{n}: {bad} (GLUE {spec.name}, Hugging Face layout)")
+            out.append(Example(tuple(row[c] for c in text_cols), label))
+    if not out:
+        raise DataError(f"{path}: no examples")
+    return out
+
+
 def task_spec(name: str) -> TaskSpec:
     """The spec of GLUE task ``name`` (case-insensitive)."""
     for k, v in TASKS.items():
@@ -79,6 +160,17 @@ def read_tsv(path: str, spec: TaskSpec, skip_bad_lines: bool = False) -> list[Ex
     if not os.path.isfile(path):
         raise DataError(f"{path} not found (GLUE {spec.name})")
     need = spec.num_cols or (max(spec.text_cols + ((spec.label_col or 0),)) + 1)
+    with open(path, encoding="utf-8", newline="") as f:
+        first = f.readline().rstrip("\r\n")
+    delimiter = "\t" if "\t" in first or "," not in first else ","
+    header = next(csv.reader([first], delimiter=delimiter), [])
+    hf = _hf_columns(header, spec)
+    # The original SST-2 / RTE headers also name their columns; they are read by position when
+    # the column count and label position are the original ones.
+    original = (delimiter == "\t" and spec.has_header and len(header) == spec.num_cols
+                and hf is not None and hf[1] == spec.label_col % len(header))
+    if hf is not None and not original:
+        return _read_hf(path, spec, delimiter, skip_bad_lines)
     out = []
     with open(path, encoding="utf-8", newline="") as f:
         # GLUE TSVs are not CSV-quoted: quotes are literal characters.
@@ -104,7 +196,7 @@ def read_tsv(path: str, spec: TaskSpec, skip_bad_lines: bool = False) -> list[Ex
             if bad:
                 if skip_bad_lines:
                     continue
-                raise DataError(f"{path}:{n}: {bad} (GLUE {spec.name})")
+                raise DataError(f"{path}:{n}: {bad} (GLUE {spec.name}: {_layouts(spec)})")
             out.append(Example(tuple(row[c] for c in spec.text_cols), label))
     if not out:
         raise DataError(f"{path}: no examples")

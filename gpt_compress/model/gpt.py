@@ -48,6 +48,19 @@ def attention_bias(attention_mask: Optional[paddle.Tensor], q_len, k_len, dtype)
     return paddle.where(allowed, paddle.zeros([1], dtype=dtype), neg)
 
 
+def segment_attention_bias(segment_ids: paddle.Tensor, dtype) -> paddle.Tensor:
+    """Additive bias (B, 1, T, T) for packed rows: causal, and a query sees only keys of its own
+    segment (``segment_ids`` (B, T), one id per packed example), so examples never attend
+    across their boundaries."""
+    t = paddle.shape(segment_ids)[1]
+    pos = paddle.arange(0, t, dtype="int64")
+    causal = (pos.unsqueeze(0) <= pos.unsqueeze(1)).unsqueeze(0)  # (1, q, k)
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # (B, q, k)
+    allowed = paddle.logical_and(causal, same).unsqueeze(1)  # (B, 1, q, k)
+    neg = paddle.full([1], float(paddle.finfo(dtype).min), dtype=dtype)
+    return paddle.where(allowed, paddle.zeros([1], dtype=dtype), neg)
+
+
 def position_ids_from_mask(attention_mask: paddle.Tensor, q_len) -> paddle.Tensor:
     """Positions that skip left padding: cumsum(mask) - 1, last ``q_len`` columns."""
     pos = paddle.cumsum(attention_mask.astype("int64"), axis=-1) - 1
@@ -176,10 +189,13 @@ class GPTModel(nn.Layer):
         self.ln_f = nn.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_epsilon)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None,
-                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False):
+                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,
+                segment_ids=None):
         """input_ids (B, T) -> hidden (B, T, hidden) [, new per-layer caches].
 
         ``attention_mask`` (B, past + T) marks real tokens with 1; left padding is supported.
+        ``segment_ids`` (B, T) (training on packed rows, no cache) restricts attention to each
+        token's own segment; pass the per-segment ``position_ids`` with it.
         """
         q_len = paddle.shape(input_ids)[1]
         past_len = paddle.shape(past_key_values[0][0])[2] if past_key_values else 0
@@ -190,7 +206,9 @@ class GPTModel(nn.Layer):
                 position_ids = paddle.arange(past_len, past_len + q_len, dtype="int64").unsqueeze(0)
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         bias = None
-        if attention_mask is not None or past_key_values or use_cache:
+        if segment_ids is not None:
+            bias = segment_attention_bias(segment_ids, x.dtype)
+        elif attention_mask is not None or past_key_values or use_cache:
             bias = attention_bias(attention_mask, q_len, past_len + q_len, x.dtype)
         presents = []
         full_recompute = self.config.recompute == "full" and self.training and not use_cache

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..errors import ConfigError, GptcError
-from .config import ServeConfig
+from ..sections import ServeConfig
 from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
 from .metrics import Metrics
 from .protocol import (CompletionRequest, completion_body, completion_id, error_body, usage,

@@ -1,0 +1,1 @@
+"""Finetuning for generation (`gptc finetune`): prompt/response and continuation data, LoRA."""

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# ModelScope's poetry example on CPU: a byte-level BPE and a small GPT pretrained on modern
+# Chinese text (chinese_fortunes.jsonl), finetuned on Tang poems (tang300.jsonl) with
+# "《title》author" as the prompt and the poem as the response, then a poem generated from a title.
+#   DATA=../shared/data/chinese OUT=output/poetry scripts/finetune_poetry.sh [-o Section.key=value ...]
+# Extra arguments go to `gptc finetune`. PRETRAIN_STEPS / FINETUNE_STEPS / TITLE change the rest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then exec "$PY" -m gpt_compress finetune --help; fi
+DATA="${DATA:-../shared/data/chinese}"
+OUT="${OUT:-output/poetry}"
+PRETRAIN_STEPS="${PRETRAIN_STEPS:-2000}"
+FINETUNE_STEPS="${FINETUNE_STEPS:-600}"
+TITLE="${TITLE:-《春望》杜甫}"
+CONF=configs/finetune_poetry.yaml
+"$PY" -m gpt_compress train-tokenizer --input "$DATA/chinese_fortunes.jsonl" --vocab-size 4096 \
+    --output-dir "$OUT/tokenizer"
+"$PY" -m gpt_compress preprocess --input "$DATA/chinese_fortunes.jsonl" --output-prefix "$OUT/fortunes" \
+    --tokenizer-dir "$OUT/tokenizer"
+"$PY" -m gpt_compress pretrain -c "$CONF" -o "Global.output_dir=$OUT/pretrain" -o Engine.resume=auto \
+    -o "Data.data_prefix=[$OUT/fortunes_text_document]" -o "Data.tokenizer_dir=$OUT/tokenizer" \
+    -o "Engine.max_steps=$PRETRAIN_STEPS"
+"$PY" -m gpt_compress finetune -c "$CONF" --model "$(ls -d "$OUT"/pretrain/checkpoints/step_* | tail -1)" \
+    -o "Global.output_dir=$OUT/finetune" -o "Finetune.train_file=$DATA/tang300.jsonl" \
+    -o "Engine.max_steps=$FINETUNE_STEPS" -o Engine.resume=auto -o Optimizer.lr.max_lr=1e-3 \
+    -o Optimizer.lr.min_lr=1e-4 "$@"
+"$PY" -m gpt_compress generate -c "$CONF" --model "$OUT/finetune/model" --no-stream --prompt "$TITLE
+"

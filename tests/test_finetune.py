@@ -1,0 +1,402 @@
+"""`gptc finetune`: response-only loss, packing, truncation, LoRA, GLUE layouts, resume, and
+learning on real data (SST-2 as generation, Tang poems after pretraining on Chinese text)."""
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import paddle
+import pytest
+
+from gpt_compress.checkpoint import build_model, load_model
+from gpt_compress.config import ModelConfig
+from gpt_compress.data.glue import read_task
+from gpt_compress.errors import DataError
+from gpt_compress.sections import FinetuneConfig, LoraConfig
+from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, pack, plan_batches,
+                                        read_rows)
+from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
+from gpt_compress.finetune.metrics import finetune_loss, score_generations
+from gpt_compress.train.loss import lm_head_loss
+
+from _compress_helpers import gptc, teacher_ckpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SST_PROMPT = "Sentence: {sentence}\nSentiment:"
+
+
+def _tiny(vocab=1024, seed=0):
+    paddle.seed(seed)
+    cfg = ModelConfig.from_preset("gpt-tiny", vocab_size=vocab, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = build_model(cfg, "lm")
+    model.eval()
+    return model
+
+
+def _sst2_rows(shared_data, split, n=None):
+    path = shared_data / "glue" / "SST-2" / f"{split}.tsv"
+    ex = read_task(str(path.parent), "SST-2", split)[:n]
+    return [Row(SST_PROMPT.format(sentence=e.texts[0].strip()), [" negative", " positive"][int(e.label)], f"{path}:?")
+            for e in ex]
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- 1. loss mask, packing
+def test_prompt_tokens_carry_no_gradient(shakespeare, shared_data):
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(shakespeare[0])
+    examples, _ = encode_rows(tok, _sst2_rows(shared_data, "dev", 6), 64)
+    batch = collate_padded(examples, tok.pad_id)
+    model = _tiny()
+    hidden = model.gpt(paddle.to_tensor(batch["input_ids"]), attention_mask=paddle.to_tensor(batch["attention_mask"]))
+    grads = []
+    hidden.register_hook(lambda g: grads.append(g.numpy()))  # d loss / d hidden, (B, T, H)
+    lm_head_loss(model, hidden, paddle.to_tensor(batch["labels"])).backward()
+    per_pos = np.abs(grads[0]).sum(-1)
+    for i, ex in enumerate(examples):
+        n_prompt = ex.first_target - 1  # positions whose next token is still the prompt
+        assert n_prompt > 3
+        assert np.all(per_pos[i, :n_prompt] == 0.0), "a prompt position has gradient"
+        assert np.all(per_pos[i, n_prompt:ex.positions] > 0), "a response/EOD position has no gradient"
+        assert np.all(per_pos[i, ex.positions:] == 0.0)
+        # The targets counted are the response tokens and the EOD appended to them.
+        labels = batch["labels"][i][batch["labels"][i] != -100].tolist()
+        assert labels == ex.tokens[ex.first_target:] and labels[-1] == tok.eod_id
+
+
+def test_packed_and_unpacked_batches_give_the_same_loss(shakespeare, shared_data):
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(shakespeare[0])
+    examples, _ = encode_rows(tok, _sst2_rows(shared_data, "dev", 24), 64)
+    rows = pack(examples, 128, range(len(examples)))
+    assert max(len(r) for r in rows) >= 3  # several examples share each row
+    packed = collate_packed(rows, 128, tok.pad_id)
+    padded = collate_padded([e for r in rows for e in r], tok.pad_id)
+    model = _tiny()
+    with paddle.no_grad():
+        a, b = float(finetune_loss(model, packed)), float(finetune_loss(model, padded))
+        # Without the segment mask the examples would see each other: the test can fail.
+        leaky = float(finetune_loss(model, {k: v for k, v in packed.items() if k != "segment_ids"}))
+    assert abs(a - b) < 1e-5, (a, b)
+    assert abs(leaky - b) > 1e-4  # measured 8e-4 on this random-init model; a - b is ~1e-7
+
+
+def test_malformed_rows_and_truncation_rule(tmp_path, shakespeare):
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(shakespeare[0])
+    cfg = FinetuneConfig()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"src": "a", "tgt": "b"}\n\n{"src": "a", "tgt": "b"\n', encoding="utf-8")
+    with pytest.raises(DataError, match=rf"{re.escape(str(bad))}:3: not valid JSON"):
+        read_rows(str(bad), cfg)
+    bad.write_text('{"src": "a", "tgt": "b"}\n{"question": "a"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=rf"bad.jsonl:2: no prompt/response .*fields: question"):
+        read_rows(str(bad), cfg)
+    bad.write_text('{"src_txt": "a", "tgt_txt": ""}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: response field 'tgt_txt' is empty"):
+        read_rows(str(bad), cfg)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"src_txt": "q", "tgt_txt": "a"}\n{"src_txt": "only continuation text"}\n', encoding="utf-8")
+    rows = read_rows(str(ok), cfg)
+    assert (rows[0].prompt, rows[0].response, rows[1].prompt) == ("q", "a", None)
+    # Truncation: seq 16 -> 17 tokens. A long prompt is cut at its start; a long response keeps
+    # the prompt half the budget and loses its end (and the EOD).
+    long_p = Row(" ".join(["word"] * 40), "yes", "x:1")
+    long_r = Row("question", " ".join(["word"] * 40), "x:2")
+    text = Row(None, " ".join(["word"] * 40), "x:3")
+    (e1, e2, *pieces), st = encode_rows(tok, [long_p, long_r, text], 16)
+    assert len(e1.tokens) == 17 and e1.tokens[-1] == tok.eod_id and e1.tokens[e1.first_target:-1] == tok.encode("yes")
+    assert e2.first_target == len(tok.encode("question")) and len(e2.tokens) == 17 and e2.tokens[-1] != tok.eod_id
+    assert (st.truncated_prompts, st.truncated_responses, st.split_texts) == (1, 1, 1)
+    # Continuation pieces share one token: every token of [EOD] text [EOD] after the first is a target once.
+    joined = [t for p in pieces for t in p.tokens[1:]]
+    assert joined == tok.encode(text.response) + [tok.eod_id] and all(len(p.tokens) <= 17 for p in pieces)
+
+
+# ----------------------------------------------------------------------------- 4. LoRA mechanics
+def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, shared_data):
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.train.optim import build_optimizer, build_scheduler
+    from gpt_compress.config import OptimizerConfig
+
+    tok = Tokenizer.load(shakespeare[0])
+    examples, _ = encode_rows(tok, _sst2_rows(shared_data, "train", 64), 64)
+    plan = plan_batches(examples, "pack", 4, 64, tok.pad_id, seed=0)
+    model = _tiny()
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    apply_lora(model, LoraConfig(rank=4, targets=["gpt.blocks.*.attn.*", "gpt.blocks.*.mlp.fc_in"],
+                                 skip=["gpt.blocks.1.attn.out"]))
+    trainable = sorted(n for n, p in model.named_parameters() if not p.stop_gradient)
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    assert "gpt.blocks.1.attn.out.lora_A" not in trainable and "gpt.blocks.0.attn.out.lora_A" in trainable
+    opt_cfg = OptimizerConfig()
+    opt_cfg.lr.max_lr, opt_cfg.lr.warmup_rate = 1e-2, 0.0
+    sched = build_scheduler(opt_cfg, 10)
+    opt = build_optimizer(model, opt_cfg, sched)
+    model.train()
+    for b in plan.batches[:5]:
+        finetune_loss(model, plan.collate(b)).backward()
+        opt.step()
+        opt.clear_grad()
+    model.eval()
+    after = model.state_dict()
+    for k, v in before.items():  # every base parameter is bit-identical
+        assert np.array_equal(after[k].numpy(), v), k
+    assert np.abs(after["gpt.blocks.0.attn.qkv.lora_B"].numpy()).max() > 0  # the adapters did train
+    ids = paddle.to_tensor(plan.collate(plan.batches[0])["input_ids"])
+    with paddle.no_grad():
+        unmerged = model(ids).numpy()
+    adapter_dir = save_adapters(model, str(tmp_path / "adapter"))
+    size = sum(os.path.getsize(os.path.join(adapter_dir, f)) for f in os.listdir(adapter_dir))
+    assert size < 0.2 * sum(v.nbytes for v in before.values())  # the adapter file is small
+    merge_lora(model)
+    assert sorted(model.state_dict()) == sorted(before)  # the base model's names, nothing else
+    with paddle.no_grad():
+        merged = model(ids).numpy()
+    np.testing.assert_allclose(merged, unmerged, atol=1e-5, rtol=0)
+    assert np.abs(merged - model_logits_of_base(before, ids)).max() > 1e-3  # merging changed the weights
+    # The adapter file alone rebuilds the same model on the base weights.
+    base = _tiny()
+    base.set_state_dict({k: paddle.to_tensor(v) for k, v in before.items()})
+    load_adapters(base, adapter_dir)
+    base.eval()
+    with paddle.no_grad():
+        np.testing.assert_allclose(base(ids).numpy(), unmerged, atol=1e-6, rtol=0)
+
+
+def model_logits_of_base(state, ids):
+    model = _tiny()
+    model.set_state_dict({k: paddle.to_tensor(v) for k, v in state.items()})
+    with paddle.no_grad():
+        return model(ids).numpy()
+
+
+# ----------------------------------------------------------------------------- 5. GLUE layouts
+def test_glue_readers_take_the_hugging_face_export(tmp_path, shared_data):
+    rte = tmp_path / "RTE"
+    rte.mkdir()
+    (rte / "train.tsv").write_text("sentence1\tsentence2\tlabel\tidx\n"
+                                   "A man is here.\tSomeone is here.\t0\t0\n"
+                                   "A man is here.\tNobody is here.\t1\t1\n", encoding="utf-8")
+    ex = read_task(str(rte), "RTE", "train")
+    assert [e.label for e in ex] == [0.0, 1.0] and ex[1].texts == ("A man is here.", "Nobody is here.")
+    # The original RTE layout still reads by position.
+    (rte / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\tA.\tB.\tnot_entailment\n", encoding="utf-8")
+    assert read_task(str(rte), "RTE", "dev")[0].label == 1.0
+    # HF SST-2, as a CSV export of the real dev rows, matches the original file row for row.
+    sst = tmp_path / "SST-2"
+    sst.mkdir()
+    orig = read_task(str(shared_data / "glue" / "SST-2"), "SST-2", "dev")
+    import csv
+    with open(sst / "dev.tsv", "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sentence", "label", "idx"])
+        for i, e in enumerate(orig):
+            w.writerow([e.texts[0], int(e.label), i])
+    hf = read_task(str(sst), "SST-2", "dev")
+    assert [(e.texts, e.label) for e in hf] == [(e.texts, e.label) for e in orig] and len(hf) == 872
+    # Neither layout: the error names both.
+    (rte / "train.tsv").write_text("premise\thyp\tgold\tidx\nA.\tB.\t0\t0\n", encoding="utf-8")
+    with pytest.raises(DataError) as e:
+        read_task(str(rte), "RTE", "train")
+    msg = str(e.value)
+    assert "train.tsv:2" in msg and "original GLUE" in msg and "Hugging Face glue export" in msg
+    assert "sentence1, sentence2, label" in msg
+
+
+def test_generation_scores_against_reference_values():
+    s = score_generations(["the cat sat on the mat", "a b"], ["the cat sat on the mat", "a c"])
+    assert s["exact_match"] == 50.0 and 0 < s["bleu"] < 100 and 50 < s["rouge_l"] < 100
+    zh = score_generations(["清晨入古寺，初日照高林。"], ["清晨入古寺，初日照高林。"])
+    assert zh["bleu"] == pytest.approx(100.0) and zh["rouge_l"] == pytest.approx(100.0)
+    half = score_generations(["清晨入古寺"], ["清晨入古寺，初日照高林。"])
+    # CJK text is scored per character (rouge-score's own tokenizer drops it): LCS 5 of 5 / 12.
+    assert half["rouge_l"] == pytest.approx(100 * 2 * (5 / 12) / (1 + 5 / 12), abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- 2. SST-2 as generation
+SST_TRAIN_ROWS, SST_STEPS, SST_MIN_ACCURACY = 6000, 150, 0.60
+
+
+def _finetune_args(out, train, eval_file, steps, batch=16, lr=3e-3, extra=()):
+    eng = {"max_steps": steps, "global_batch_size": batch, "micro_batch_size": batch, "eval_freq": 0,
+           "eval_iters": 4, "save_steps": 0, "logging_freq": 0}
+    pairs = [f"Finetune.train_file={train}", f"Finetune.eval_file={eval_file}", f"Global.output_dir={out}",
+             f"Optimizer.lr.max_lr={lr}", f"Optimizer.lr.min_lr={lr / 10}", "Optimizer.lr.warmup_rate=0.05",
+             "Model.hidden_dropout_prob=0.0", "Model.attention_probs_dropout_prob=0.0", "Data.seq_length=128",
+             *[f"Engine.{k}={v}" for k, v in eng.items()], *extra]
+    return [x for p in pairs for x in ("-o", p)]
+
+
+def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespeare, shared_data, tmp_path):
+    """gpt-tiny pretrained on tinyshakespeare (the shared teacher), finetuned on the first 6,000
+    SST-2 training rows as "Sentence: ...\\nSentiment:" -> " positive"/" negative" for 150 steps of
+    16 packed rows, greedy 2-token answers on all 872 dev rows."""
+    ckpt = teacher_ckpt(tmp_path_factory, shakespeare)
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"src": r.prompt, "tgt": r.response}
+                                                    for r in _sst2_rows(shared_data, "train", SST_TRAIN_ROWS)])
+    dev_rows = _sst2_rows(shared_data, "dev")
+    dev = _write_jsonl(tmp_path / "dev.jsonl", [{"src": r.prompt, "tgt": r.response} for r in dev_rows])
+    res = gptc("finetune", "--no-progress", "--model", ckpt,
+               *_finetune_args(tmp_path / "out", train, dev, SST_STEPS,
+                               extra=["Finetune.eval_generate=872", "Generation.max_new_tokens=4"]))
+    hyps = res["generation"]["hypotheses"]
+    acc = float(np.mean([h.strip() == r.response.strip() for h, r in zip(hyps, dev_rows)]))
+    print("sst2 generation accuracy", acc, res["eval_before"], res["eval_after"])
+    assert len(hyps) == 872 and res["generation"]["exact_match"] == pytest.approx(100 * acc)
+    # Measured 0.646 (majority class 0.509). The GLUE head on the same model, same schedule
+    # (`gptc finetune-glue`, 150 steps of 16, LR 3e-3): 0.509.
+    assert acc > SST_MIN_ACCURACY
+
+
+# ----------------------------------------------------------------------------- 3/4. Chinese: Tang poems
+ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_HELDOUT = 2048, 100, 100, 30
+TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 2.5, 0.95
+
+
+@pytest.fixture(scope="session")
+def chinese_gpt(shared_data, tmp_path_factory):
+    """`gptc train-tokenizer` on chinese_fortunes.jsonl (byte-level BPE, 2,048 tokens), then a
+    gpt-tiny pretrained on it for 100 steps: (checkpoint, tokenizer dir, Tang train/eval JSONL)."""
+    out = tmp_path_factory.mktemp("chinese")
+    fortunes = str(shared_data / "chinese" / "chinese_fortunes.jsonl")
+    gptc("train-tokenizer", "--input", fortunes, "--vocab-size", str(ZH_VOCAB), "--output-dir", str(out / "tok"))
+    gptc("preprocess", "--input", fortunes, "--output-prefix", str(out / "fortunes"),
+         "--tokenizer-dir", str(out / "tok"))
+    gptc("pretrain", "--no-progress", "-o", "Model.preset=gpt-tiny", "-o", f"Model.vocab_size={ZH_VOCAB}",
+         "-o", "Model.hidden_dropout_prob=0.0", "-o", "Model.attention_probs_dropout_prob=0.0",
+         "-o", "Data.seq_length=128", "-o", f"Data.data_prefix=[{out / 'fortunes_text_document'}]",
+         "-o", f"Data.tokenizer_dir={out / 'tok'}", "-o", "Data.split=[98,2,0]", "-o", f"Global.output_dir={out / 'pre'}",
+         "-o", f"Engine.max_steps={ZH_PRETRAIN_STEPS}", "-o", "Engine.global_batch_size=16",
+         "-o", "Engine.micro_batch_size=16", "-o", "Engine.eval_freq=0", "-o", "Engine.save_steps=0",
+         "-o", "Engine.logging_freq=0", "-o", "Optimizer.lr.max_lr=5e-3", "-o", "Optimizer.lr.min_lr=5e-4",
+         "-o", "Optimizer.lr.warmup_rate=0.05")
+    rows = [json.loads(x) for x in open(shared_data / "chinese" / "tang300.jsonl", encoding="utf-8")]
+    random.Random(0).shuffle(rows)  # the file is ordered by form; mix before holding poems out
+    train = _write_jsonl(out / "tang_train.jsonl", rows[:-TANG_HELDOUT])
+    held = _write_jsonl(out / "tang_eval.jsonl", rows[-TANG_HELDOUT:])
+    return str(out / "pre" / "checkpoints" / f"step_{ZH_PRETRAIN_STEPS:08d}"), str(out / "tok"), train, held
+
+
+def test_chinese_tokenizer_round_trips_every_character(chinese_gpt, shared_data):
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(chinese_gpt[1])
+    text = "".join(json.loads(x)["text"] for name in ("chinese_fortunes.jsonl", "tang300.jsonl")
+                   for x in open(shared_data / "chinese" / name, encoding="utf-8"))
+    chars = sorted(set(text))
+    assert len(chars) > 3000
+    assert [tok.decode(tok.encode(c)) for c in chars] == chars
+    assert tok.decode(tok.encode(text[:20000])) == text[:20000]
+
+
+def _tang(chinese_gpt, out, lora=False, lr=3e-3):
+    ckpt, _, train, held = chinese_gpt
+    extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
+             "Finetune.eval_generate=12", "Generation.max_new_tokens=48"]
+    if lora:
+        extra += ["Finetune.lora.enabled=true", "Finetune.lora.rank=8"]
+    return gptc("finetune", "--no-progress", "--model", ckpt,
+                *_finetune_args(out, train, held, TANG_STEPS, batch=8, lr=lr, extra=extra))
+
+
+@pytest.fixture(scope="session")
+def tang_full(chinese_gpt, tmp_path_factory):
+    return _tang(chinese_gpt, tmp_path_factory.mktemp("tang_full"))
+
+
+def test_tang_finetune_lowers_perplexity_well_below_the_pretrained_model(tang_full):
+    """Held-out (30 poems) response perplexity after finetuning is at most TANG_MAX_PPL_RATIO of
+    the pretrained model's (measured 533 -> 228, ratio 0.43). Generation runs and is scored, but
+    the 5/7-character clause form is beyond this 2-layer, 64-wide model at this budget
+    (measured: 0 of its clauses in form), so no form rate is asserted here."""
+    res = tang_full
+    before, after = res["eval_before"]["ppl"], res["eval_after"]["ppl"]
+    assert res["eval_before"]["tokens"] == res["eval_after"]["tokens"] > 1000
+    assert after < TANG_MAX_PPL_RATIO * before, (before, after)
+    gen = res["generation"]
+    assert gen["samples"] == 12 and len(gen["hypotheses"]) == 12 and 0 <= gen["chrf"] <= 100
+    assert res["truncation"]["truncated_responses"] > 0  # long poems hit the 128-token rule, counted
+
+
+def test_lora_reaches_full_finetune_perplexity(tang_full, chinese_gpt, tmp_path):
+    """LoRA (rank 8 on every block Linear, LR 1e-2) against the full finetune (LR 3e-3), same
+    steps and data: held-out perplexity below LORA_MAX_PPL_RATIO of the start and within
+    LORA_PPL_MARGIN x the full finetune's. Measured 533 -> 466 (LoRA) vs 228 (full): on this
+    64-wide model the frozen final LayerNorm and tied embedding/head bound how peaked the
+    output distribution can get (LoRA's argmax tokens are right at 1-2 nats), which a full
+    finetune rescales; rank 16-32 and LR 3e-2 measured no better."""
+    res = _tang(chinese_gpt, tmp_path / "lora", lora=True, lr=1e-2)
+    lora, full, before = res["eval_after"]["ppl"], tang_full["eval_after"]["ppl"], res["eval_before"]["ppl"]
+    print("lora ppl", lora, "full", full, "before", before, res["trainable_parameters"])
+    assert lora < LORA_PPL_MARGIN * full and lora < LORA_MAX_PPL_RATIO * before
+    merged = load_model(res["model"])  # a plain checkpoint (adapters merged): exports and serves like any other
+    assert sorted(merged.state_dict()) == sorted(load_model(chinese_gpt[0]).state_dict())
+    total = sum(int(np.prod(v.shape)) for v in merged.state_dict().values())
+    assert res["trainable_parameters"] == 16384 < 0.1 * total
+    assert os.path.getsize(os.path.join(res["adapter"], "adapter.safetensors")) < 0.1 * 4 * total
+
+
+# ----------------------------------------------------------------------------- 6. resume after SIGKILL
+def _losses(out):
+    recs = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") if x.strip()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def test_resume_after_sigkill_reproduces_the_losses(chinese_gpt, tmp_path):
+    ckpt, _, train, _ = chinese_gpt
+    extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
+             "Model.hidden_dropout_prob=0.1", "Engine.save_steps=10", "Engine.keep_checkpoint_max=10"]
+    args = lambda out: ["finetune", "--no-progress", "--model", ckpt,  # noqa: E731
+                        *_finetune_args(out, train, "", 40, batch=4, extra=extra)]
+    ref_out, run_out = str(tmp_path / "ref"), str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "gpt_compress"]
+    subprocess.run(cmd + args(ref_out), check=True, env=ENV, cwd=ROOT, capture_output=True)
+    ref = _losses(ref_out)
+    assert sorted(ref) == list(range(1, 41))
+    proc = subprocess.Popen(cmd + args(run_out), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    target = os.path.join(run_out, "checkpoints", "step_00000020")
+    deadline = time.time() + 300
+    while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert max(_losses(run_out)) < 40
+    resumed = subprocess.run(cmd + args(run_out) + ["--resume", "auto"], env=ENV, cwd=ROOT,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    got = _losses(run_out)
+    assert [got[s] for s in range(1, 41)] == [ref[s] for s in range(1, 41)]
+    events = [json.loads(x) for x in open(os.path.join(run_out, "train_log.jsonl"), encoding="utf-8") if "resumed" in x]
+    assert len(events) == 1 and 20 <= events[0]["step"] < 40
+
+
+def test_finetune_from_a_hugging_face_dir_with_grouped_padding(shakespeare, shared_data, tmp_path):
+    from gpt_compress.convert.hf_gpt2 import save_hf_gpt2
+    from gpt_compress.data.tokenizer import Tokenizer
+
+    hf = save_hf_gpt2(_tiny(), str(tmp_path / "hf"), tokenizer=Tokenizer.load(shakespeare[0]))
+    rows = [{"src_txt": r.prompt, "tgt_txt": r.response} for r in _sst2_rows(shared_data, "dev", 40)]
+    train = _write_jsonl(tmp_path / "train.jsonl", rows)
+    res = gptc("finetune", "--no-progress", "--model", hf,
+               *_finetune_args(tmp_path / "out", train, "", 4, batch=8, extra=["Finetune.batching=group"]))
+    assert res["batching"] == "group" and res["steps"] == 4 and res["units"] == 40
+    assert sorted(load_model(res["model"]).state_dict()) == sorted(_tiny().state_dict())
