@@ -1,7 +1,12 @@
-"""Decode benchmark: greedy tokens/s and prefill latency for our three backends and the
-Hugging Face transformers peer, side by side in one run; prints one JSON object.
+"""Decode benchmark: greedy tokens/s and prefill latency for our backends (float32 and
+weight-only int8/int4; Paddle Inference fused and unfused, onnxruntime, dygraph) and the Hugging
+Face transformers and CTranslate2 peers, side by side in one run; prints one JSON object.
 
     OMP_NUM_THREADS=2 python bench/decode.py            # gpt-bench, 64-token prompt, 128 new tokens
+    python bench/decode.py --backends paddle,onnx_int8 --no-peer --rounds 1
+
+Exported backends also report a batch-1 decode step with 100 and with 900 tokens in the cache
+(``step_ms_at_100/900``).
 
 Each backend (and the peer) runs in its own subprocess, one after another, so no two thread
 pools compete for the cores. Rounds alternate the order of the backends. Within a round a
@@ -31,7 +36,21 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(ROOT, "..", "shared", "bench", "peer_hf.py")
-BACKENDS = ("dygraph", "paddle", "onnx")
+# Contenders: name -> (backend, export variant, Generator.from_dir options). "paddle" runs the fused
+# program (our CPU operators, the default on CPU); "paddle_unfused" the plain Paddle programs.
+CONTENDERS = {
+    "dygraph": ("dygraph", "ckpt", {}),
+    "paddle": ("paddle", "fp32", {}),
+    "paddle_unfused": ("paddle", "fp32", {"fused": False}),
+    "onnx": ("onnx", "fp32", {}),
+    "paddle_int8": ("paddle", "int8", {}),
+    "paddle_int8_unfused": ("paddle", "int8", {"fused": False}),
+    "onnx_int8": ("onnx", "int8", {}),
+    "paddle_int4": ("paddle", "int4", {}),
+    "onnx_int4": ("onnx", "int4", {}),
+}
+BACKENDS = ("dygraph", "paddle", "paddle_unfused", "onnx", "paddle_int8", "onnx_int8", "paddle_int4", "onnx_int4")
+PEER_CT2 = os.path.join(ROOT, "..", "shared", "bench", "peer_ct2.py")
 
 # The peer at batch > 1 (peer_hf.py measures batch-1 decode only): same model and settings.
 PEER_BATCH = r"""
@@ -76,10 +95,26 @@ def weight_bytes_per_token(cfg) -> int:
 # --------------------------------------------------------------------------------------
 # Worker: one backend in this process
 # --------------------------------------------------------------------------------------
-def run_worker(backend: str, path: str, prompt: int, new: int, batch: int, reps: int) -> dict:
+def step_ms_at(gen, position: int, steps: int = 16) -> float:
+    """Median batch-1 decode step time (ms) with ``position`` tokens already in the cache."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, gen.vocab_size, (1, position)).astype(np.int64)
+    mask = np.ones_like(ids)
+    _, cache = gen.backend.prefill(ids, mask)
+    times = []
+    for _ in range(steps):
+        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+        t = time.perf_counter()
+        _, cache = gen.backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
+        times.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(times), 2)
+
+
+def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: int) -> dict:
     from gpt_compress.inference.runner import Generator
 
-    gen = Generator.from_dir(path, backend=backend, verify=False)
+    backend, _, options = CONTENDERS[name]
+    gen = Generator.from_dir(path, backend=backend, verify=False, **options)
     rng = np.random.default_rng(0)
     vocab = gen.vocab_size
     one = [[int(t) for t in rng.integers(0, vocab, prompt)]]
@@ -100,10 +135,13 @@ def run_worker(backend: str, path: str, prompt: int, new: int, batch: int, reps:
         bn.append(gen.generate(many, max_new_tokens=new, min_new_tokens=new).tokens_per_s)
     prefill_ms = statistics.median(prefill)
     tps = statistics.median(b1)
-    return {"prefill_ms": round(prefill_ms, 2), "decode_tokens_per_s": round(tps, 1),
-            "decode_step_ms": round((new / tps * 1e3 - prefill_ms) / (new - 1), 2),
-            f"batch{batch}_decode_tokens_per_s": round(statistics.median(bn), 1),
-            "runs_batch1": [round(x, 1) for x in b1]}
+    out = {"prefill_ms": round(prefill_ms, 2), "decode_tokens_per_s": round(tps, 1),
+           "decode_step_ms": round((new / tps * 1e3 - prefill_ms) / (new - 1), 2),
+           f"batch{batch}_decode_tokens_per_s": round(statistics.median(bn), 1),
+           "runs_batch1": [round(x, 1) for x in b1], "backend_class": type(gen.backend).__name__}
+    if backend != "dygraph" and gen.max_positions >= 920:  # a step's cost vs the cache length
+        out["step_ms_at_100"], out["step_ms_at_900"] = step_ms_at(gen, 100), step_ms_at(gen, 900)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -114,6 +152,43 @@ def _json_line(cmd: list[str], env: dict) -> dict:
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def prepare_int(workdir: str, preset: str, ckpt: str, bits: int) -> str:
+    """Weight-only int``bits`` export (every Linear, the tied embedding/head and positions; blocks
+    of 32, int8 inputs per token and block) of ``ckpt`` (paddle + onnx), reused if present."""
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.export import export_model
+    from gpt_compress.inference.manifest import MANIFEST
+    from gpt_compress.config import QuantConfig
+    from gpt_compress.qat.quantize import quantize_model
+
+    out = os.path.join(workdir, f"{preset}-int{bits}")
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
+        export_model(qmodel, out, formats=("paddle", "onnx"), validate=False)  # random init: see int8.py
+    return out
+
+
+def run_ct2(cfg, a, threads: int, env: dict) -> dict[str, dict]:
+    """CTranslate2 (``../shared/bench/peer_ct2.py``) float32 and int8 on the same shape:
+    {"ct2_float32": {...}, "ct2_int8": {...}} with batch-1 and batch-N tokens/s."""
+    cmd = [sys.executable, PEER_CT2, "--layers", str(cfg.num_layers), "--hidden", str(cfg.hidden_size),
+           "--heads", str(cfg.num_attention_heads), "--vocab", str(cfg.vocab_size), "--prompt", str(a.prompt),
+           "--new-tokens", str(a.new_tokens), "--batches", f"1,{a.batch}", "--threads", str(threads),
+           "--reps", str(a.reps), "--compute-types", "float32,int8"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    out: dict[str, dict] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            row = out.setdefault("ct2_" + r["compute_type"], {"peer": r["peer"], "model_mb": r["model_mb"]})
+            key = "decode_tokens_per_s" if r["batch"] == 1 else f"batch{a.batch}_decode_tokens_per_s"
+            row[key] = r["decode_tokens_per_s"]
+    if not out:
+        err = proc.stderr.strip().splitlines()
+        return {"ct2_float32": {"error": err[-1] if err else f"exit {proc.returncode}"}}
+    return out
 
 
 def prepare(workdir: str, preset: str) -> tuple[str, str]:
@@ -144,7 +219,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="generate() runs per backend and round")
     p.add_argument("--rounds", type=int, default=3, help="passes over all backends, order alternating")
     p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers and CTranslate2 peers")
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     p.add_argument("--worker", nargs=2, metavar=("BACKEND", "PATH"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -161,10 +236,17 @@ def main() -> None:
     os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
     ckpt, out = prepare(workdir, a.preset)
+    backends = [b for b in a.backends.split(",") if b]
+    unknown = [b for b in backends if b not in CONTENDERS]
+    if unknown:
+        p.error(f"unknown backend(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    paths = {"ckpt": ckpt, "fp32": out}
+    for bits in (8, 4):
+        if any(CONTENDERS[b][1] == f"int{bits}" for b in backends):
+            paths[f"int{bits}"] = prepare_int(workdir, a.preset, ckpt, bits)
     export_s = time.perf_counter() - t0
 
-    backends = [b for b in a.backends.split(",") if b]
-    names = backends + ([] if a.no_peer else ["hf_peer"])
+    names = backends + ([] if a.no_peer else ["hf_peer", "ct2_peer"])
     runs: dict[str, list[dict]] = {n: [] for n in names}
     common = ["--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
               "--reps", str(a.reps)]
@@ -181,8 +263,12 @@ def main() -> None:
                     [sys.executable, "-c", PEER_BATCH, str(cfg.num_layers), str(cfg.hidden_size),
                      str(cfg.num_attention_heads), str(cfg.vocab_size), str(a.batch), str(a.prompt),
                      str(a.new_tokens), str(threads), str(a.reps)], env).get("decode_tokens_per_s")})
+            elif name == "ct2_peer":
+                for row, res in run_ct2(cfg, a, threads, env).items():
+                    runs.setdefault(row, []).append(res)
+                continue
             else:
-                path = ckpt if name == "dygraph" else out
+                path = paths[CONTENDERS[name][1]]
                 res = _json_line([sys.executable, os.path.abspath(__file__), "--worker", name, path, *common], env)
             runs[name].append(res)
         bandwidth.append(copy_bandwidth_gbps())
@@ -193,15 +279,19 @@ def main() -> None:
     key_b = f"batch{a.batch}_decode_tokens_per_s"
     results = {}
     for name, rs in runs.items():
+        if not rs:  # ct2_peer: its rows are ct2_float32 / ct2_int8
+            continue
         ok = [x for x in rs if "error" not in x]
         if not ok:
             results[name] = rs[-1]
             continue
         med = {}
-        for k in ("decode_tokens_per_s", "prefill_ms", key_b):
+        for k in ("decode_tokens_per_s", "prefill_ms", key_b, "step_ms_at_100", "step_ms_at_900"):
             vals = [x[k] for x in ok if x.get(k) is not None]
             if vals:
-                med[k] = round(min(vals) if k == "prefill_ms" else max(vals), 2)
+                med[k] = round(max(vals) if "tokens_per_s" in k else min(vals), 2)
+        if "step_ms_at_900" in med:
+            med["step_900_over_100"] = round(med["step_ms_at_900"] / med["step_ms_at_100"], 2)
         med[f"rounds_batch{a.batch}"] = [x.get(key_b) for x in ok]
         med["fraction_of_bandwidth_limit"] = round(med["decode_tokens_per_s"] / limit, 3)
         if key_b in med:

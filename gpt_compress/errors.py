@@ -64,3 +64,7 @@ class TrainingDiverged(GptcError, RuntimeError):
 
 class InsufficientMemory(ConfigError):
     """The command would not fit in the memory available (a pre-flight estimate, ``memory.py``)."""
+
+
+class KernelError(GptcError, RuntimeError):
+    """gpt-compress's fused CPU operators could not be built or loaded (the message names why)."""

@@ -128,6 +128,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
     files = sorted(os.listdir(path))
     assert files == sorted(["manifest.json", "checksums.json", "prefill.json", "decode.json", "forward.json",
                             "decode_hidden.json", "lm_head.json", "forward_hidden.json", "score_head.json",
+                            "fused.json", "fused.pdiparams",
                             "model.pdiparams", "prefill.onnx", "decode.onnx", "forward.onnx", "model.onnx.data",
                             "forward_hidden.onnx", "score_head.onnx", "tokenizer.json", "vocab.json", "merges.txt"])
     cfg = m.data["model"]
@@ -138,6 +139,7 @@ def test_directory_layout_and_weights_stored_once(dirs):
     # embedding is stored once, shared by the three programs).
     assert n_bytes <= os.path.getsize(os.path.join(path, "model.pdiparams")) < 1.05 * n_bytes
     assert n_bytes <= os.path.getsize(os.path.join(path, "model.onnx.data")) < 1.05 * n_bytes + 64 * 4096
+    assert n_bytes <= os.path.getsize(os.path.join(path, "fused.pdiparams")) < 1.05 * n_bytes  # fused program
     for prog in ("prefill", "decode", "forward", "forward_hidden", "score_head"):
         assert os.path.getsize(os.path.join(path, f"{prog}.onnx")) < 0.2 * n_bytes
         assert m.program(prog)["paddle"]["params"] == "model.pdiparams"
@@ -237,7 +239,7 @@ def test_missing_or_corrupt_files_are_named(dirs, tmp_path, backend):
     with pytest.raises(ModelDirError, match=r"manifest\.json: export format version 99 is newer"):
         Generator.from_dir(d, backend=backend)
     # Weights: missing, then one flipped byte.
-    weights = "model.pdiparams" if backend == "paddle" else "model.onnx.data"
+    weights = "fused.pdiparams" if backend == "paddle" else "model.onnx.data"  # what the default backend loads
     d = _copy(src, tmp_path / "d")
     os.remove(os.path.join(d, weights))
     with pytest.raises(ModelDirError, match=rf"{weights} is missing"):
@@ -338,7 +340,9 @@ def test_untied_lm_head_exports_with_parity(tmp_path):
                                   attention_probs_dropout_prob=0.0, initializer_range=0.2)
     ckpt = save_model(GPTForCausalLM(cfg), str(tmp_path / "ckpt"))
     out = export(ckpt, str(tmp_path / "exported"), formats=("paddle", "onnx"))  # validates vs dygraph
-    gens = {b: Generator.from_dir(ckpt if b == "dygraph" else out, backend=b) for b in BACKENDS}
+    # The unfused Paddle programs (the split head); tests/test_fused.py covers the fused one.
+    gens = {b: Generator.from_dir(ckpt if b == "dygraph" else out, backend=b, **({"fused": False} if b == "paddle" else {}))
+            for b in BACKENDS}
     assert gens["paddle"].backend.split_head
     for g in gens.values():
         g.backend = Recorder(g.backend)

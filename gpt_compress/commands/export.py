@@ -16,6 +16,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--format", choices=("paddle", "onnx", "all"), default="all",
                         help="paddle: Paddle Inference programs; onnx: onnxruntime; all: both (default)")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="paddle: skip the fused CPU program (fused.json, our C++ operators built at first use)")
     parser.add_argument("--no-validate", action="store_true",
                         help="skip running the exported programs against dygraph on a small batch")
 
@@ -31,7 +33,7 @@ def run(args) -> int:
     check_output_arg(args, args.model)
     t0 = time.perf_counter()
     path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, fused=not args.no_fused)
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
     print_json({"output": path, "formats": list(formats), "seconds": round(time.perf_counter() - t0, 1),
                 "files": sizes, "total_bytes": sum(sizes.values())})

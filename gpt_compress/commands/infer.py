@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
                         help="keep the last tokens of a prompt longer than the context instead of failing")
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads of every program (0: the backend's measured defaults)")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="paddle: run the unfused programs, not the fused CPU operators (kernels/)")
     parser.add_argument("--no-stream", action="store_true", help="print only the final text")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
 
@@ -29,12 +31,14 @@ def add_arguments(parser) -> None:
 def _backend_options(args) -> dict:
     if args.backend == "onnx":
         return {"threads": args.threads}
+    out = {"fused": False} if args.backend == "paddle" and args.no_fused else {}
     if args.backend == "paddle" and args.threads:
         from ..inference.predictor import ProgramOptions, default_options
 
-        return {"options": {role: ProgramOptions(**{**opts.__dict__, "threads": args.threads})
-                            for role, opts in default_options().items()}}
-    return {}
+        out["threads"] = args.threads  # the fused program's
+        out["options"] = {role: ProgramOptions(**{**opts.__dict__, "threads": args.threads})
+                          for role, opts in default_options().items()}
+    return out
 
 
 def run(args) -> int:

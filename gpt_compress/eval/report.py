@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 from ..errors import DataError
+from ..fileio import atomic_file, write_text_atomic
 
 # Weight files of each backend, by suffix: what a deployment has to ship and read.
 WEIGHT_SUFFIXES = {"dygraph": (".safetensors",), "paddle": (".pdiparams",), "onnx": (".onnx", ".onnx.data")}
@@ -149,9 +150,8 @@ def _save(fig, path: str) -> str:
     import matplotlib.pyplot as plt
 
     try:
-        tmp = path + ".tmp.png"
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
         return path
     finally:
         plt.close(fig)
@@ -228,9 +228,7 @@ def write_report(out_dir: str, rows: Sequence[ReportRow], logs: Optional[Mapping
     for name, text in (("results.json", json.dumps([asdict(r) for r in rows], indent=2)),
                        ("report.md", "\n".join(parts))):
         path = os.path.join(out_dir, name)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(path + ".tmp", path)
+        write_text_atomic(path, text + "\n")
         files[name.split(".")[0]] = path
     return files
 

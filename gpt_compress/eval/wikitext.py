@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import DataError, InputError  # noqa: F401
+from ..fileio import write_text_atomic
 from .scoring import score_positions
 
 INPUT_FORMATS = ("tokens", "raw", "raw-hf-rows")
@@ -49,9 +50,7 @@ def write_text_prefix(src: str, max_chars: int, path: str) -> str:
         text = f.read(max_chars)
     cut = text.rfind("\n")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8", newline="") as f:
-        f.write(text[: cut + 1] if cut > 0 else text)
-    os.replace(path + ".tmp", path)
+    write_text_atomic(path, text[: cut + 1] if cut > 0 else text, newline="")
     return path
 
 

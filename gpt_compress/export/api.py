@@ -10,7 +10,8 @@ the pipeline) never branch on quantisation state:
 * float: ``static.save_paddle_programs`` (+ ``onnx.convert_programs``);
 * int8, when the model has quantized layers (a ``gptc qat/ptq`` checkpoint):
   ``int8.save_int8_programs``, and the manifest's ``quant`` entry;
-* tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank).
+* tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank), unfused;
+* single-card Paddle exports also get ``fused.save_fused``'s program (our CPU operators).
 
 Every single-card directory is built the same way inside one atomic directory write: programs,
 tokenizer files, the manifest (``inference/manifest.py``), then validation of every format
@@ -31,6 +32,7 @@ from ..fileio import check_output, write_dir_atomic
 from ..inference.manifest import build_manifest, io_spec, write_manifest
 from ..qat.deploy import quant_table
 from ..qat.quantize import load_quantized, read_quant_state
+from .fused import try_save_fused
 from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
 from .partition import partition
@@ -50,11 +52,13 @@ def _formats(formats: Sequence[str]) -> list[str]:
 
 
 def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
-           opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, overwrite: bool = False) -> str:
+           opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, overwrite: bool = False,
+           fused: bool = True) -> str:
     """Export checkpoint directory ``checkpoint`` to directory ``output`` (written atomically);
     returns ``output``. A quantized checkpoint (``gptc qat/ptq``) exports int8, any other float;
     ``mp_degree > 1`` writes tensor-parallel rank directories (Paddle only). ``formats``:
-    "paddle" and/or "onnx"; ``validate``: run every program against dygraph first. An existing
+    "paddle" and/or "onnx"; ``validate``: run every program against dygraph first; ``fused``: with
+    "paddle" (single card), also the fused CPU program (``fused.py``). An existing
     ``output`` is replaced only if it is an earlier export and ``overwrite`` is set
     (``fileio.check_output``): checked before any work."""
     formats = _formats(formats)
@@ -73,12 +77,12 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
                         source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
-                        free_weights=True)
+                        free_weights=True, fused=fused)
 
 
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
-                 overwrite: bool = False, free_weights: bool = False) -> str:
+                 overwrite: bool = False, free_weights: bool = False, fused: bool = True) -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
@@ -96,6 +100,8 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     ref = reference(model) if validate else None  # before the float path mutates the model
 
     def write(tmp: str) -> None:
+        # The fused CPU program (kernels/), from the model before the float path mutates it.
+        fused_info = try_save_fused(model, tmp) if fused and "paddle" in formats else None
         if table:
             files, ops = save_int8_programs(model, tmp, formats, table, opset)
             extra = quant_info(table, source)
@@ -105,6 +111,8 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
             files, extra = _float_programs(model, tmp, formats, opset, free_weights), {}
         tok_files = [os.path.basename(p) for p in tokenizer.save(tmp)] if tokenizer is not None else None
         manifest = {**build_manifest(cfg, files, formats, tok_files, source), **extra}
+        if fused_info:
+            manifest["fused"] = fused_info
         write_manifest(tmp, manifest)
         if validate and table:
             diffs = validate_dir(tmp, ref, formats, atol=W8A8_ATOL, hint=VALIDATION_HINT)

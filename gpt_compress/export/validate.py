@@ -2,7 +2,8 @@
 
 ``reference(model)`` runs the dygraph model once on a small left-padded batch (before the export
 mutates it); ``validate_backend`` compares any runner's prefill, decode and scoring logits with
-that reference, ``validate_dir`` does so for every format of an export directory. The float,
+that reference, ``validate_dir`` does so for every format of an export directory (and the fused
+Paddle program when there is one). The float,
 int8 and tensor-parallel exports all go through ``validate_backend``, inside their atomic write:
 a directory that fails is never renamed into place.
 """
@@ -96,4 +97,12 @@ def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hin
         finally:
             del backend  # one runtime at a time
             gc.collect()
+    if "paddle" in formats and manifest.data.get("fused"):
+        from ..inference.fused import FusedBackend
+
+        try:
+            out["paddle_fused"] = validate_backend(FusedBackend(manifest, verify=False), ref,
+                                                   f"{path} (paddle, fused)", atol=atol)
+        except ExportError as e:
+            raise ExportError(f"{e}. {hint}" if hint else str(e)) from None
     return out

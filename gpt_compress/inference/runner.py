@@ -78,7 +78,8 @@ class Generator:
     def from_dir(cls, path: str, backend: str = "paddle", tokenizer=None, verify: bool = True,
                  **options: Any) -> "Generator":
         """Load an exported directory ("paddle", "onnx") or a checkpoint directory ("dygraph").
-        ``options`` go to the backend (e.g. ``threads`` for onnx, ``options``/``device`` for paddle).
+        ``options`` go to the backend (e.g. ``threads`` for onnx, ``options``/``device`` for paddle;
+        ``fused=False`` runs the unfused Paddle programs, see ``inference/fused.py``).
         ``tokenizer``: a Tokenizer, a directory holding one, or None for the model directory's."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -96,9 +97,9 @@ class Generator:
         else:
             manifest = read_manifest(path)
             if backend == "paddle":
-                from .predictor import PaddleBackend
+                from .fused import paddle_backend  # the fused CPU program when the export has one
 
-                runner = PaddleBackend(manifest, verify=verify, **options)
+                runner = paddle_backend(manifest, verify=verify, **options)
             else:
                 from .ort import OrtBackend
 

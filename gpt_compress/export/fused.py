@@ -1,0 +1,255 @@
+"""The fused Paddle program: one ``fused.json`` + ``fused.pdiparams`` per export, running
+gpt-compress's own CPU operators (``kernels/gptc_ops.cc``) for prefill, decode and scoring.
+
+One program serves all three (so a runner holds one copy of the weights)::
+
+    fused(input_ids (B,T), attention_mask (B,S+T), rows (n,), cache_key_0, cache_value_0, ...)
+        -> logits (n, V) of the flat positions ``rows`` of the (B*T) new tokens
+
+It is ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head``. Each layer writes its new
+keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)`` at
+positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as inplace
+outputs, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated or
+copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
+scoring asks for every row.
+
+Weights are stored (N, K) per Linear in the format the model was quantized to
+(``qat.quantize``): float32; weight-only int8 / int4 (blocks of ``weight_block_size``, int4
+packed two per byte, low nibble first, stored code + 8), inputs quantized per token and block
+on the fly as the fake-quant model does (``dynamic_inputs``) or kept float; W8A8 (per-channel
+int8 weights, the calibrated per-tensor input scale). The tied embedding and the LM head share
+one tensor. Tensor-parallel exports are not fused.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Optional
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+from paddle.static import InputSpec
+
+from ..errors import ExportError, KernelError
+
+FUSED_MODEL, FUSED_PARAMS = "fused.json", "fused.pdiparams"
+ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_new": 2}
+LINEARS = ("attn.qkv", "attn.out", "mlp.fc_in", "mlp.fc_out")
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """Signed codes (N, K) in [-8, 7] -> (N, K/2) int8 bytes holding code + 8: in each run of 32
+    inputs, byte j holds input j (low nibble) and input j + 16 (high nibble), the layout one
+    16-byte load unpacks (``kernels/gptc_ops.cc``)."""
+    n, k = codes.shape
+    if k % 32:
+        raise ExportError(f"int4 fused weights need a multiple of 32 inputs, got {k}")
+    u = (codes.astype(np.int16) + 8).astype(np.uint8).reshape(n, k // 32, 32)
+    return (u[..., :16] | (u[..., 16:] << 4)).astype(np.uint8).reshape(n, k // 2).view(np.int8)
+
+
+def _packed(codes_nk: np.ndarray, scales_nb: np.ndarray, bits: int):
+    """(weight array, scale array, op bits) for int codes (N, K) and scales (N, K/blk)."""
+    if bits == 4:
+        return pack_int4(codes_nk), scales_nb.astype(np.float32), 4
+    # Codes of 2..8 bits all fit int8 and compute as int8 (only 4 bits is packed).
+    return codes_nk.astype(np.int8), scales_nb.astype(np.float32), 8
+
+
+def linear_spec(layer, name: str) -> dict:
+    """One Linear as the op stores it: weight (N, K), scales, bias, bits, input mode ``act``
+    (-1 float inputs, 0 dynamic int8 per token and block, > 0 the W8A8 input scale)."""
+    from ..config import W8A8
+    from ..qat.quantize import QuantLinear
+
+    bias = layer.bias.numpy().astype(np.float32) if layer.bias is not None else None
+    if isinstance(layer, QuantLinear):
+        codes, scale = layer.weight_codes()
+        if layer.mode == W8A8:  # (K, N) codes, (1, N) scales
+            w, s, bits = _packed(np.ascontiguousarray(codes.T), scale.reshape(-1, 1), layer.weight_bits)
+            act = float(layer.act_scale().numpy()[0])
+        else:  # (K/b, b, N) codes, (K/b, 1, N) scales
+            kb, b, n = codes.shape
+            w, s, bits = _packed(np.ascontiguousarray(codes.reshape(kb * b, n).T),
+                                 np.ascontiguousarray(scale.reshape(kb, n).T), layer.weight_bits)
+            act = 0.0 if (layer.dynamic_inputs and layer.quant_input) else -1.0
+        return {"name": name, "w": w, "s": s, "b": bias, "bits": bits, "act": act}
+    if not isinstance(layer, nn.Linear):
+        raise ExportError(f"{name}: a {type(layer).__name__} has no fused form")
+    return {"name": name, "w": np.ascontiguousarray(layer.weight.numpy().T.astype(np.float32)), "s": None,
+            "b": bias, "bits": 32, "act": -1.0}
+
+
+def embedding_spec(layer, name: str) -> dict:
+    """A (rows, hidden) table: float32, or int codes (rows, hidden) with block scales."""
+    from ..qat.quantize import QuantEmbedding
+
+    if isinstance(layer, QuantEmbedding):
+        codes, scale = layer.weight_codes()  # (V, H/b, b), (V, H/b, 1)
+        v = codes.shape[0]
+        w, s, bits = _packed(codes.reshape(v, -1), scale.reshape(v, -1), layer.weight_bits)
+        return {"name": name, "w": w, "s": s, "bits": bits}
+    if not isinstance(layer, nn.Embedding):
+        raise ExportError(f"{name}: a {type(layer).__name__} has no fused form")
+    return {"name": name, "w": layer.weight.numpy().astype(np.float32), "s": None, "bits": 32}
+
+
+def fused_weights(model) -> dict:
+    """Everything the fused program stores, read (not mutated) from a float ``GPTForCausalLM``
+    or its fake-quant form (``qat.quantize``)."""
+    from ..qat.quantize import HeadInputQuant
+
+    cfg = model.config
+    if cfg.hidden_act not in ACTIVATIONS:
+        raise ExportError(f"hidden_act {cfg.hidden_act!r} has no fused kernel ({', '.join(ACTIVATIONS)})")
+    g = model.gpt
+    layers = []
+    for i, block in enumerate(g.blocks):
+        subs = dict(block.named_sublayers())
+        layers.append({"heads": cfg.heads(i),
+                       "ln_1": (block.ln_1.weight.numpy(), block.ln_1.bias.numpy()),
+                       "ln_2": (block.ln_2.weight.numpy(), block.ln_2.bias.numpy()),
+                       "linears": [linear_spec(subs[n], f"gpt.blocks.{i}.{n}") for n in LINEARS]})
+    wte = embedding_spec(g.wte, "gpt.wte")
+    head_act = 0.0 if isinstance(g.ln_f, HeadInputQuant) else -1.0
+    if cfg.tie_word_embeddings:
+        head = {"tied": True, "bits": wte["bits"], "act": head_act if wte["bits"] != 32 else -1.0}
+    else:
+        spec = linear_spec(model.lm_head, "lm_head")
+        if spec["bits"] != 32:
+            spec["act"] = head_act
+        head = {"tied": False, **spec}
+    return {"wte": wte, "wpe": embedding_spec(g.wpe, "gpt.wpe"), "layers": layers, "head": head,
+            "ln_f": (g.ln_f.weight.numpy(), g.ln_f.bias.numpy()), "eps": float(cfg.layer_norm_epsilon),
+            "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
+
+
+class FusedLM(nn.Layer):
+    """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
+    op formats, ``forward`` = embed, layers, head (see the module docstring)."""
+
+    def __init__(self, weights: dict, ops=None):
+        super().__init__()
+        from ..kernels import load_ops
+
+        self.ops = ops or load_ops()
+        self.cfg = weights["config"]
+        self.eps, self.activation = weights["eps"], weights["activation"]
+        self._none = self._buf("none", np.zeros([1], np.float32))
+        self.wte, self.wte_s, self.wte_bits = self._table("wte", weights["wte"])
+        self.wpe, self.wpe_s, self.wpe_bits = self._table("wpe", weights["wpe"])
+        self.layer_args, self.layer_attrs = [], []
+        for i, lay in enumerate(weights["layers"]):
+            args = [self._buf(f"l{i}_ln1_w", lay["ln_1"][0]), self._buf(f"l{i}_ln1_b", lay["ln_1"][1])]
+            for j, lin in enumerate(lay["linears"]):
+                args += self._linear(f"l{i}_{j}", lin)
+                if j == 1:
+                    args += [self._buf(f"l{i}_ln2_w", lay["ln_2"][0]), self._buf(f"l{i}_ln2_b", lay["ln_2"][1])]
+            self.layer_args.append(args)
+            self.layer_attrs.append((lay["heads"], [lin["bits"] for lin in lay["linears"]],
+                                     [float(lin["act"]) for lin in lay["linears"]]))
+        self.ln_f = (self._buf("ln_f_w", weights["ln_f"][0]), self._buf("ln_f_b", weights["ln_f"][1]))
+        head = weights["head"]
+        if head["tied"]:
+            self.head_w, self.head_s = self.wte, self.wte_s
+        else:
+            self.head_w = self._buf("head_w", head["w"])
+            self.head_s = self._buf("head_s", head["s"]) if head["s"] is not None else self._none
+        self.head_bits, self.head_act = head["bits"], float(head["act"])
+
+    def _buf(self, name: str, array: np.ndarray) -> paddle.Tensor:
+        self.register_buffer(name, paddle.to_tensor(np.ascontiguousarray(array)), persistable=True)
+        return getattr(self, name)
+
+    def _table(self, name: str, spec: dict):
+        w = self._buf(name, spec["w"])
+        s = self._buf(name + "_s", spec["s"]) if spec["s"] is not None else self._none
+        return w, s, spec["bits"]
+
+    def _linear(self, name: str, spec: dict) -> list:
+        w = self._buf(name + "_w", spec["w"])
+        s = self._buf(name + "_s", spec["s"]) if spec["s"] is not None else self._none
+        b = spec["b"] if spec["b"] is not None else np.zeros([spec["w"].shape[0]], np.float32)
+        return [w, s, self._buf(name + "_b", b)]
+
+    def forward(self, input_ids, attention_mask, rows, caches):
+        """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V);
+        the caches are written in place."""
+        x = self.ops.gptc_embed(input_ids, attention_mask, self.wte, self.wte_s, self.wpe, self.wpe_s,
+                                self.wte_bits, self.wpe_bits)
+        for i, (args, (heads, bits, acts)) in enumerate(zip(self.layer_args, self.layer_attrs)):
+            out = self.ops.gptc_layer(x, attention_mask, caches[2 * i], caches[2 * i + 1], *args,
+                                      heads, self.eps, self.activation, bits, acts)
+            x = out[0] if isinstance(out, (list, tuple)) else out
+        return self.ops.gptc_head(x, rows, self.ln_f[0], self.ln_f[1], self.head_w, self.head_s, self.eps,
+                                  self.head_bits, self.head_act)
+
+
+def input_spec(cfg) -> list:
+    caches = []
+    for i in range(cfg.num_layers):
+        for kind in ("key", "value"):
+            caches.append(InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"cache_{kind}_{i}"))
+    return [InputSpec([None, None], "int64", "input_ids"), InputSpec([None, None], "int64", "attention_mask"),
+            InputSpec([None], "int64", "rows"), caches]
+
+
+def count_ops(program_json: str) -> dict[str, int]:
+    """Operations of a saved PIR program by name (parameters counted as "parameter"), e.g.
+    ``{"custom_op.gptc_layer_": 2, "pd_op.data": 7, ...}``."""
+    import json
+    from collections import Counter
+
+    with open(program_json, encoding="utf-8") as f:
+        ops = json.load(f)["program"]["regions"][0]["blocks"][0]["ops"]
+    dialects = {"0": "builtin", "1": "pd_op", "3": "custom_op"}
+    names = Counter()
+    for op in ops:
+        name = op["#"]
+        if name == "p":
+            names["parameter"] += 1
+            continue
+        dialect, _, rest = name.partition(".")
+        names[f"{dialects.get(dialect, dialect)}.{rest}" if rest else name] += 1
+    return dict(names)
+
+
+def save_fused(model, out_dir: str) -> dict:
+    """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
+    (``model`` is not mutated). Returns the manifest's ``fused`` entry. Raises ``KernelError`` when
+    the operators cannot be built, ``ExportError`` for a model with no fused form."""
+    from ..kernels import kernel_info
+
+    cfg = model.config
+    layer = FusedLM(fused_weights(model))
+    layer.eval()
+    static = paddle.jit.to_static(layer, input_spec=input_spec(cfg), full_graph=True)
+    scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
+    try:
+        paddle.jit.save(static, os.path.join(scratch, "fused"))
+        for src, dst in (("fused.json", FUSED_MODEL), ("fused.pdiparams", FUSED_PARAMS)):
+            if not os.path.isfile(os.path.join(scratch, src)):
+                raise ExportError(f"paddle.jit.save did not write {src} for the fused program")
+            os.replace(os.path.join(scratch, src), os.path.join(out_dir, dst))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel_info(),
+            "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
+            "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
+                        "head_bits": layer.head_bits},
+            "inputs": ["input_ids", "attention_mask", "rows"]
+                      + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")],
+            "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place"}
+
+
+def try_save_fused(model, out_dir: str) -> Optional[dict]:
+    """``save_fused``, or None with a warning when the operators cannot be built here (the
+    unfused programs are exported regardless and run everywhere)."""
+    try:
+        return save_fused(model, out_dir)
+    except KernelError as e:
+        warnings.warn(f"no fused program exported: {e}", stacklevel=2)
+        return None

@@ -1,0 +1,200 @@
+"""Paddle Inference over the fused program (``export/fused.py``): the default CPU backend of
+``Generator.from_dir(path, backend="paddle")`` when the export has one.
+
+One predictor runs prefill, decode and scoring (one copy of the weights; ``clone()`` shares
+it). The KV cache is ours: per layer a key and a value tensor (B, H_i, capacity, D), allocated
+at prefill with room for ``reserve`` more positions and grown (one copy) only when a decode
+passes the capacity; the ops write each step's keys/values into it in place. The operator
+library is loaded before the predictor is created (``kernels.load_ops``); the ops use OpenMP
+threads (``threads``, ``DEFAULT_THREADS`` = 1, 0 for $OMP_NUM_THREADS or all cores; one setting
+per process, passed as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
+
+``paddle_backend`` picks this backend or the unfused ``PaddleBackend``: ``fused=None`` (default)
+uses the fused program on CPU when the export has one and falls back, with a warning naming
+why, when the operators cannot be built here; ``fused=True`` requires it; ``fused=False``
+never uses it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from ..errors import KernelError
+from .manifest import Manifest, ModelDirError, read_manifest, verify_files
+
+RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
+# OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores). 1 by default: on the shared 2-core
+# machines here (load ~12) two threads made a gpt-bench step 10-20x slower than one (every op's
+# barrier waits for a descheduled thread; bench/decode.py, 2026-11-22), while one thread ran
+# ~10 ms steps. On a quiet machine threads=0 may pay off for the LM head: measure it.
+DEFAULT_THREADS = 1
+
+
+@dataclass
+class FusedCache:
+    """[k_0, v_0, k_1, ...] paddle tensors (B, H_i, capacity, D); positions ``< length`` filled."""
+
+    tensors: list
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tensors[0].shape[2])
+
+
+def _threads(n: int) -> int:
+    if n > 0:
+        return n
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
+
+
+class FusedBackend:
+    """``DecodeBackend`` + ``score`` running ``fused.json`` with Paddle Inference on CPU."""
+
+    def __init__(self, model_dir: Union[str, Manifest], verify: bool = True, threads: int = DEFAULT_THREADS,
+                 reserve: int = RESERVE):
+        from ..kernels import load_ops
+
+        self.manifest = model_dir if isinstance(model_dir, Manifest) else read_manifest(model_dir)
+        info = self.manifest.data.get("fused")
+        if not info:
+            raise ModelDirError(f"{self.manifest.path} has no fused program; re-export it with this "
+                                "gpt-compress, or pass fused=False")
+        self.files = {"model": self.manifest.file(info["model"]), "params": self.manifest.file(info["params"])}
+        if verify:
+            verify_files(self.manifest.path, [info["model"], info["params"]])
+        load_ops()  # registers the operators: before the predictor is created
+        self.layers = self.manifest.layers
+        self.threads, self.reserve = _threads(threads), reserve
+        # The ops' OpenMP runtime is not Paddle's: they read their thread count from here (one
+        # value per process: the last backend created sets it).
+        os.environ["GPTC_THREADS"] = str(self.threads)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-fused")
+        self._pred = self._call(self._create)
+
+    def _create(self):
+        import paddle.inference as pi
+
+        config = pi.Config(self.files["model"], self.files["params"])
+        config.disable_glog_info()
+        config.disable_gpu()
+        config.disable_onednn()
+        config.set_cpu_math_library_num_threads(self.threads)
+        try:
+            return pi.create_predictor(config)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ModelDirError(f"Paddle Inference could not load {self.files['model']} with "
+                                f"{self.files['params']}: {e}") from None
+
+    def _call(self, fn, *args):
+        """Run on this backend's own worker thread (a predictor keeps per-thread state)."""
+        return self._worker.submit(fn, *args).result()
+
+    def clone(self) -> "FusedBackend":
+        """An independent backend (own worker thread) sharing this one's weights."""
+        other = object.__new__(FusedBackend)
+        other.__dict__.update(self.__dict__)
+        other._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-fused")
+        other._pred = self._call(self._pred.clone)
+        return other
+
+    # ------------------------------------------------------------------ cache
+    def _alloc(self, batch: int, capacity: int) -> list:
+        import paddle
+
+        return [paddle.zeros([batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
+                for layer in self.layers for _ in range(2)]
+
+    def _capacity(self, needed: int) -> int:
+        return min(max(needed, self.manifest.max_positions), needed + self.reserve)
+
+    # ------------------------------------------------------------------ runs
+    def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list) -> np.ndarray:
+        import paddle
+
+        feeds = [paddle.to_tensor(np.ascontiguousarray(ids, dtype=np.int64)),
+                 paddle.to_tensor(np.ascontiguousarray(mask, dtype=np.int64)),
+                 paddle.to_tensor(np.ascontiguousarray(rows, dtype=np.int64))] + list(caches)
+        return self._pred.run(feeds)[0].numpy()
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+        """Prompt (B, T) -> last logits (B, V) float32, cache."""
+        return self._call(self._prefill, input_ids, attention_mask)
+
+    def _prefill(self, input_ids, attention_mask):
+        b, t = input_ids.shape
+        caches = self._alloc(b, self._capacity(t))
+        logits = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, caches)
+        return logits, FusedCache(caches, t)
+
+    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
+        """New tokens (B, T) with the full mask (B, S + T) -> logits (B, V), the cache (updated in
+        place: do not reuse the old one)."""
+        return self._call(self._decode, input_ids, attention_mask, cache)
+
+    def _decode(self, input_ids, attention_mask, cache):
+        import paddle
+
+        b, t = input_ids.shape
+        need = cache.length + t
+        if attention_mask.shape[1] != need:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns; the cache holds "
+                             f"{cache.length} positions + {t} new")
+        if need > cache.capacity:  # grow once per ``reserve`` positions: one copy
+            grown = self._alloc(b, self._capacity(need))
+            for new, old in zip(grown, cache.tensors):
+                new[:, :, :cache.length] = old[:, :, :cache.length]
+            cache = FusedCache(grown, cache.length)
+        with paddle.no_grad():
+            logits = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors)
+        cache.length = need
+        return logits, cache
+
+    def reorder_cache(self, cache: FusedCache, rows: np.ndarray) -> FusedCache:
+        """Gather cache rows (beam search): new tensors."""
+        return self._call(self._reorder, cache, rows)
+
+    def _reorder(self, cache, rows):
+        import paddle
+
+        idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64))
+        return FusedCache([paddle.index_select(t, idx, axis=0) for t in cache.tensors], cache.length)
+
+    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Full-sequence logits (B, T, V) float32."""
+        return self._call(self._score, input_ids, attention_mask)
+
+    def _score(self, input_ids, attention_mask):
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = np.ones_like(input_ids)
+        logits = self._run(input_ids, attention_mask, np.arange(b * t), self._alloc(b, t))
+        return logits.reshape(b, t, -1)
+
+
+def paddle_backend(manifest: Manifest, fused: Optional[bool] = None, verify: bool = True, **options):
+    """The Paddle Inference backend for ``manifest``: ``FusedBackend`` or ``PaddleBackend`` (see the
+    module docstring). ``options`` go to the chosen backend (``threads`` to the fused one)."""
+    device = options.get("device", "cpu")
+    has_fused = bool(manifest.data.get("fused")) and device == "cpu"
+    if fused is True and not has_fused:
+        raise ModelDirError(f"{manifest.path} has no fused CPU program (device={device!r}); re-export it with "
+                            "this gpt-compress or pass fused=False")
+    if has_fused and fused is not False:
+        fused_opts = {k: options[k] for k in ("threads", "reserve") if k in options}
+        try:
+            return FusedBackend(manifest, verify=verify, **fused_opts)
+        except KernelError as e:
+            if fused:
+                raise
+            warnings.warn(f"running the unfused Paddle programs: {e}", stacklevel=2)
+    from .predictor import PaddleBackend
+
+    options = {k: v for k, v in options.items() if k not in ("threads", "reserve")}
+    return PaddleBackend(manifest, verify=verify, **options)

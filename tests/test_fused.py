@@ -1,0 +1,228 @@
+"""The fused CPU operators (kernels/gptc_ops.cc) and the fused Paddle program (export/fused.py,
+inference/fused.py) on the trained tiny GPT of tests/_export_helpers.py and its pruned copy.
+
+The operator library is built once per machine and source (cached, ``kernels.cache_dir()``);
+the first test to need it pays the build (~40-70 s on a busy 2-core machine)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import paddle
+import pytest
+
+from _export_helpers import ENV, LOGIT_ATOL, ROOT, model_dirs
+from gpt_compress.inference.runner import Generator
+from test_export import PROMPTS, Recorder
+
+INT8_ATOL = 2e-3  # vs the fake-quant model: max |logit diff| / max(1, max |logit|)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, shakespeare):
+    return model_dirs(tmp_path_factory, shakespeare)
+
+
+def _left_padded(tokenizer, prompts):
+    rows = [tokenizer.encode(p) for p in prompts]
+    width = max(map(len, rows))
+    ids, mask = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids, mask
+
+
+def _eager_steps(model, fused, ids, mask, steps, seed=0):
+    """Max relative logit difference of the eager fused layer vs dygraph over prefill and
+    ``steps`` decode steps (random next tokens), the cache written in place in between."""
+    cfg = model.config
+    b, t = ids.shape
+    caches = [paddle.zeros([b, cfg.heads(i), t + steps, cfg.dim_head]) for i in range(cfg.num_layers) for _ in "kv"]
+    rng = np.random.default_rng(seed)
+    worst, new = 0.0, ids
+    for step in range(steps + 1):
+        with paddle.no_grad():
+            ref = model(paddle.to_tensor(ids), attention_mask=paddle.to_tensor(mask)).numpy()[:, -1]
+            got = fused(paddle.to_tensor(new), paddle.to_tensor(mask),
+                        paddle.to_tensor(np.arange(b) * new.shape[1] + new.shape[1] - 1), caches).numpy()
+        worst = max(worst, float(np.max(np.abs(got - ref))) / max(1.0, float(np.max(np.abs(ref)))))
+        new = rng.integers(0, cfg.vocab_size, (b, 1))
+        ids, mask = np.concatenate([ids, new], 1), np.concatenate([mask, np.ones_like(new)], 1)
+    return worst
+
+
+@pytest.mark.parametrize("which", ["ckpt", "pruned_ckpt"])
+def test_fused_ops_eagerly_match_dygraph_on_a_left_padded_batch(dirs, which):
+    """gptc_embed/gptc_layer/gptc_head run in dygraph: prefill + 32 decode steps within 1e-4 of the
+    model, with per-layer head counts and FFN widths (pruned)."""
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.export.fused import FusedLM, fused_weights
+
+    model = load_model(dirs[which])
+    if which == "pruned_ckpt":
+        assert len({model.config.heads(i) for i in range(model.config.num_layers)}) > 1
+    ids, mask = _left_padded(Tokenizer.load(dirs[which]), PROMPTS)
+    assert _eager_steps(model, FusedLM(fused_weights(model)), ids, mask, steps=32) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("which", ["export", "pruned_export"])
+def test_fused_program_matches_dygraph_and_the_unfused_programs(dirs, which):
+    """The default Paddle backend runs fused.json: prefill + 32 decode steps of a left-padded batch
+    within 1e-4 of dygraph; greedy and beam-search tokens identical to the unfused export's."""
+    from gpt_compress.inference.fused import FusedBackend
+    from gpt_compress.inference.predictor import PaddleBackend
+
+    ckpt = dirs["ckpt"] if which == "export" else dirs["pruned_ckpt"]
+    fused = Generator.from_dir(dirs[which], backend="paddle")
+    unfused = Generator.from_dir(dirs[which], backend="paddle", fused=False)
+    ref = Generator.from_dir(ckpt, backend="dygraph")
+    assert isinstance(fused.backend, FusedBackend) and isinstance(unfused.backend, PaddleBackend)
+    fused.backend, ref.backend = Recorder(fused.backend), Recorder(ref.backend)
+    out = fused.generate(PROMPTS, max_new_tokens=33)
+    assert out.sequences == ref.generate(PROMPTS, max_new_tokens=33).sequences
+    assert out.sequences == unfused.generate(PROMPTS, max_new_tokens=33).sequences
+    diffs = [float(np.max(np.abs(a - r))) for a, r in zip(fused.backend.logits, ref.backend.logits)]
+    assert len(diffs) == 33 and max(diffs) < LOGIT_ATOL, max(diffs)
+    beam = dict(max_new_tokens=10, decode_strategy="beam_search", num_beams=3)
+    assert fused.generate(PROMPTS[1:], **beam).sequences == unfused.generate(PROMPTS[1:], **beam).sequences
+    ids, mask = _left_padded(fused.tokenizer, PROMPTS)
+    scored = fused.score(ids, mask) - ref.score(ids, mask)
+    assert float(np.max(np.abs(scored[mask > 0]))) < LOGIT_ATOL
+
+
+def test_saved_fused_program_is_the_custom_ops_and_its_inputs(dirs):
+    from gpt_compress.export.fused import count_ops
+    from gpt_compress.kernels import KERNEL_VERSION
+
+    manifest = json.loads(open(os.path.join(dirs["export"], "manifest.json")).read())
+    layers = manifest["model"]["num_layers"]
+    ops = count_ops(os.path.join(dirs["export"], manifest["fused"]["model"]))
+    assert ops == manifest["fused"]["ops"]
+    # 3 + 2 per layer feeds, one embed, one op per layer, one head, one fetch: nothing else runs.
+    assert ops.pop("parameter") > 0
+    assert ops == {"pd_op.data": 3 + 2 * layers, "custom_op.gptc_embed": 1, "custom_op.gptc_layer_": layers,
+                   "custom_op.gptc_head": 1, "pd_op.fetch": 1}
+    assert manifest["fused"]["kernel"]["version"] == KERNEL_VERSION
+
+
+def _quantized(ckpt, shakespeare, mode):
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.config import QuantConfig
+    from gpt_compress.qat.ptq import calibrate
+    from gpt_compress.qat.quantize import quantize_model
+    from test_quant import _batches
+
+    if mode == "w8a8":  # PTQ W8A8 blocks, weight-only int8 tied embedding / head
+        qcfg = QuantConfig(weight_only=["gpt.wte"])
+    else:
+        qcfg = QuantConfig(targets=[], weight_only=["*"], weight_bits=4 if mode == "int4" else 8)
+    qmodel = quantize_model(load_model(ckpt), qcfg)
+    if mode == "w8a8":
+        calibrate(qmodel, _batches(shakespeare[1], 2), qcfg)
+    qmodel.eval()
+    return qmodel
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
+def test_fused_int_kernels_match_the_fake_quant_model(dirs, shakespeare, tmp_path, mode):
+    """Weight-only int8 / int4 (blocks of 32, int8 inputs per token and block) and PTQ W8A8:
+    the saved fused program, in a predictor, within 2e-3 relative of the fake-quant dygraph model
+    over prefill + 16 decode steps, and the same greedy tokens (trained model)."""
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.inference.dygraph import DygraphBackend
+    from gpt_compress.inference.fused import FusedBackend
+    from gpt_compress.inference.manifest import Manifest
+    from gpt_compress.export.fused import save_fused
+
+    qmodel = _quantized(dirs["ckpt"], shakespeare, mode)
+    info = save_fused(qmodel, str(tmp_path))
+    assert info["weights"]["head_bits"] == (4 if mode == "int4" else 8)
+    cfg = qmodel.config
+    manifest = Manifest(str(tmp_path), {"fused": info, "max_position_embeddings": cfg.max_position_embeddings,
+                                        "cache": {"layers": [{"heads": cfg.heads(i), "head_dim": cfg.dim_head}
+                                                             for i in range(cfg.num_layers)]}})
+    tok = Tokenizer.load(dirs["ckpt"])
+    gens = [Generator(Recorder(be), vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
+                      eos_token_id=None, pad_token_id=0, tokenizer=tok)
+            for be in (FusedBackend(manifest, verify=False), DygraphBackend(qmodel))]
+    outs = [g.generate(PROMPTS, max_new_tokens=17).sequences for g in gens]
+    assert outs[0] == outs[1]
+    rel = [float(np.max(np.abs(a - r))) / max(1.0, float(np.max(np.abs(r))))
+           for a, r in zip(gens[0].backend.logits, gens[1].backend.logits)]
+    assert len(rel) == 17 and max(rel) < INT8_ATOL, max(rel)
+
+
+def test_repeated_generations_are_identical_and_clones_on_two_threads_agree(dirs):
+    gen = Generator.from_dir(dirs["export"], backend="paddle")
+    kw = dict(max_new_tokens=12, decode_strategy="sampling", top_k=20, seed=3)
+    first = gen.generate(PROMPTS, **kw).sequences
+    assert gen.generate(PROMPTS, **kw).sequences == first
+    clones = [Generator(gen.backend.clone(), vocab_size=gen.vocab_size, max_positions=gen.max_positions,
+                        eos_token_id=None, pad_token_id=0, tokenizer=gen.tokenizer) for _ in range(2)]
+    results, errors = [None, None], []
+
+    def run(i):
+        try:
+            results[i] = [clones[i].generate(PROMPTS, **kw).sequences for _ in range(2)]
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [[first, first], [first, first]]
+
+
+NO_COMPILER = r"""
+import json, sys, warnings
+from gpt_compress.errors import KernelError
+from gpt_compress.inference.runner import Generator
+out = {}
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    g = Generator.from_dir(sys.argv[1], backend="paddle")
+out["backend"] = type(g.backend).__name__
+out["warning"] = " ".join(str(x.message) for x in w)
+out["tokens"] = g.generate([[5, 6, 7]], max_new_tokens=6).sequences
+try:
+    Generator.from_dir(sys.argv[1], backend="paddle", fused=True)
+except KernelError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_without_a_compiler_the_error_names_it_and_the_unfused_programs_run(dirs, tmp_path):
+    env = {**ENV, "CXX": str(tmp_path / "no-such-g++"), "GPTC_KERNEL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", NO_COMPILER, dirs["export"]], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "PaddleBackend" and "no C++ compiler" in out["warning"]
+    assert "no C++ compiler" in out["error"] and "no-such-g++" in out["error"]
+    ref = Generator.from_dir(dirs["ckpt"], backend="dygraph").generate([[5, 6, 7]], max_new_tokens=6).sequences
+    assert out["tokens"] == ref
+
+
+def test_a_corrupt_cached_library_is_detected(dirs, tmp_path):
+    """load_ops rebuilds a cached library whose bytes no longer match the hash stamped at build
+    time (a truncated or overwritten file); ``cached_library_problem`` is that check."""
+    from gpt_compress import kernels
+
+    kernels.load_ops()
+    copy = shutil.copytree(kernels.cache_dir(), tmp_path / "lib")
+    assert kernels.cached_library_problem(str(copy)) is None
+    so = copy / kernels.NAME / (kernels.NAME + ".so")
+    with open(so, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\0" * 64)
+    problem = kernels.cached_library_problem(str(copy))
+    assert problem is not None and str(so) in problem and "corrupt" in problem
+    os.remove(so)
+    assert kernels.cached_library_problem(str(copy)) is None  # missing: simply built
