@@ -222,6 +222,15 @@ CASES = [
     ("prune-over-file", "prune --model {ws}/ckpt --output {ws}/small.txt", r"small.txt is an existing file"),
     ("partition-into-foreign-dir", "partition --model {ws}/ckpt --output {ws}/notes --mp-degree 2", r"notes is a non-empty"),
     ("init-over-file", "init -o Model.preset=gpt-tiny --output {ws}/small.txt", r"small.txt is an existing file"),
+    # finetune and serve
+    ("finetune-missing-model", "finetune --model {ws}/nope -o Finetune.train_file={ws}/austen.jsonl -o Global.output_dir={ws}/ft",
+     r"model directory not found: .*nope"),
+    ("finetune-no-train-file", "finetune --model {ws}/ckpt -o Global.output_dir={ws}/ft", r"Finetune.train_file is empty"),
+    ("finetune-bad-batching", "finetune --model {ws}/ckpt -o Finetune.batching=zip", r"Finetune.batching must be pack or group"),
+    ("serve-missing-dir", "serve --model-dir {ws}/nope", r"model directory not found: .*nope"),
+    ("serve-checkpoint-not-export", "serve --model-dir {ws}/ckpt", r"ckpt is not an exported gpt-compress model"),
+    ("serve-port-out-of-range", "serve --model-dir {ws}/export --port 70000", r"Serve.port must be in \[0, 65535\], got 70000"),
+    ("serve-zero-batch", "serve --model-dir {ws}/export --max-batch 0", r"Serve.max_batch must be >= 1, got 0"),
     # forged / corrupt model files
     ("hf-bin-out-of-bounds", "convert --from-hf {ws}/hf_oob --output {ws}/new_ckpt", r"pytorch_model.bin.*storage holds 4"),
     ("hf-bin-offset-past-end", "convert --from-hf {ws}/hf_offset --output {ws}/new_ckpt", r"pytorch_model.bin.*reaches element 4"),

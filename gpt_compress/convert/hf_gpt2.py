@@ -149,6 +149,8 @@ def ours_to_hf(ours: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.nd
 
 def load_hf_gpt2(hf_dir: str):
     """Build our ``GPTForCausalLM`` from a local Hugging Face GPT-2 directory."""
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"model directory not found: {hf_dir}")
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} not found: not a Hugging Face model directory")
