@@ -31,7 +31,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..eval.lambada import evaluate_lambada
     from ..eval.wikitext import evaluate_wikitext
-    from ..inference.manifest import MANIFEST
+    from ..inference.manifest import MANIFEST, SCORE_PROGRAMS, read_manifest
     from ..inference.runner import Generator
 
     check_text_file(args.data, "--data")
@@ -51,7 +51,14 @@ def run(args) -> int:
     if sized is not None:
         check_fits("eval", sized, batch=args.batch_size, seq=args.seq_len or None, what=args.model)
     backend = args.backend or ("paddle" if os.path.isfile(os.path.join(args.model, MANIFEST)) else "dygraph")
-    gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir)
+    options = {}
+    if backend == "paddle":
+        programs = read_manifest(args.model).data["programs"]
+        if all("paddle" in programs.get(p, {}) for p in SCORE_PROGRAMS):
+            # The scoring programs take logits only where they are scored; the fused decode
+            # program (the default Paddle backend) computes every position's logits.
+            options["fused"] = False
+    gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir, **options)
     if gen.tokenizer is None:
         return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir")
     seq_len = args.seq_len or gen.max_positions

@@ -20,7 +20,9 @@ from ..fileio import atomic_file, write_text_atomic
 
 # Weight files of each backend, by suffix: what a deployment has to ship and read.
 WEIGHT_SUFFIXES = {"dygraph": (".safetensors",), "paddle": (".pdiparams",), "onnx": (".onnx", ".onnx.data")}
-NOT_WEIGHTS = ("optimizer.safetensors",)  # a training checkpoint's optimizer state is not loaded to run
+# Not counted: a training checkpoint's optimizer state (not loaded to run), and the fused CPU
+# program's copy of the weights (a Paddle backend loads either it or model.pdiparams, never both).
+NOT_WEIGHTS = ("optimizer.safetensors", "fused.pdiparams")
 
 
 @dataclass
