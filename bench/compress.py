@@ -64,7 +64,7 @@ def _say(msg: str) -> None:
 
 
 def _write_json(path: str, obj) -> None:
-    from gpt_compress.checkpoint import write_json_atomic
+    from gpt_compress.fileio import write_json_atomic
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json_atomic(path, obj)
@@ -97,10 +97,9 @@ def corpus_jsonl(files: list[str], out: str, chunk_chars: int = 4000) -> int:
                 docs.append(cur.strip())
     random.Random(0).shuffle(docs)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".tmp", "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
-    os.replace(out + ".tmp", out)
+    from gpt_compress.fileio import write_text_atomic
+
+    write_text_atomic(out, "".join(json.dumps({"text": d}) + "\n" for d in docs))
     return len(docs)
 
 
