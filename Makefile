@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 demo: $(STAMP)
 	$(BIN)/gptc demo

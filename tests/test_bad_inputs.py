@@ -521,9 +521,12 @@ def test_ctrl_c_during_pretrain_says_what_was_saved_and_how_to_resume(ws, tmp_pa
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("{")]
     assert proc.returncode == 130, err
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.match(r"gptc pretrain: error: interrupted at step \d+ of 100000: the last checkpoint is .*step_\d+; "
-                    r"continue with --resume auto", lines[0]), lines[0]
-    # Resuming with a smaller global batch than the run used cannot continue its data order.
-    code, _, err = gptc(*cmd[3:], "--resume", "auto", "-o", "Engine.max_steps=3", "-o", "Engine.global_batch_size=1",
+    m = re.match(r"gptc pretrain: error: interrupted at step (\d+) of 100000: the last checkpoint is .*step_\d+; "
+                 r"continue with --resume auto", lines[0])
+    assert m, lines[0]
+    # Resuming with a smaller global batch than the run used cannot continue its data order (max_steps
+    # past the interrupted step: a resume with nothing left to do would exit 0 before any check).
+    code, _, err = gptc(*cmd[3:], "--resume", "auto", "-o", f"Engine.max_steps={int(m.group(1)) + 3}",
+                        "-o", "Engine.global_batch_size=1",
                         "-o", "Engine.micro_batch_size=1")
     assert code != 0 and "Traceback" not in err and "global_batch_size" in err, err

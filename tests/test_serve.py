@@ -254,6 +254,10 @@ def test_queue_full_gets_429_with_retry_after(slow):
                 r = httpx.post(slow.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2})
                 assert r.status_code == 429 and r.headers["Retry-After"] == "1"
                 assert "busy" in r.json()["error"]["message"]
+    # Both streams are closed: their requests leave the queue and the batch within a step or two.
+    end = time.monotonic() + 60
+    while (slow.metric("gptc_queue_depth") or slow.metric("gptc_running_batch_size")) and time.monotonic() < end:
+        time.sleep(0.05)
     assert _complete(slow.url, prompt="ROMEO:", max_tokens=2).status_code == 200
 
 
