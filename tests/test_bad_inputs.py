@@ -240,7 +240,7 @@ CASES = [
     ("hf-bin-legacy", "convert --from-hf {ws}/hf_legacy --output {ws}/new_ckpt", r"pytorch_model.bin is a legacy"),
     ("hf-shape-mismatch", "convert --from-hf {ws}/hf_shape --output {ws}/new_ckpt", r"hf_shape"),
     ("hf-truncated-safetensors", "convert --from-hf {ws}/hf_trunc --output {ws}/new_ckpt", r"model.safetensors is not a readable"),
-    ("hf-missing-dir", "convert --from-hf {ws}/nope --output {ws}/new_ckpt", r"nope.*not found"),
+    ("hf-missing-dir", "convert --from-hf {ws}/nope --output {ws}/new_ckpt", r"not found: .*nope"),
     ("infer-swapped-manifest", "infer --model-dir {ws}/swapped --prompt-ids 1,2", r"manifest.json is corrupt"),
     ("infer-on-checkpoint", "infer --model-dir {ws}/ckpt --prompt-ids 1,2", r"ckpt.*training checkpoint"),
     ("infer-missing-dir", "infer --model-dir {ws}/nope --prompt-ids 1,2", r"nope"),
