@@ -154,6 +154,29 @@ def available_bytes() -> int:
     return min(candidates) if candidates else 1 << 62
 
 
+def return_freed_memory() -> bool:
+    """Let this process give freed memory back to the OS: large blocks (>= 1 MB) get their own
+    mappings again, released on free, and the heap is trimmed now. ``runtime.tune_cpu`` serves
+    every block from the heap and keeps what is freed (faster training); an export frees whole
+    copies of the weights between stages (the dygraph model, each runtime it validates), and with
+    the heap kept they stayed resident: gpt-345M's export peaked at 7.8x its weights, each
+    runtime's freed copy unusable by the next (they allocate from different arenas). Returns
+    False off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4  # <malloc.h>
+    ok = libc.mallopt(m_mmap_max, 65536) and libc.mallopt(m_mmap_threshold, 1 << 20) \
+        and libc.mallopt(m_trim_threshold, 32 << 20)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+    return bool(ok)
+
+
 def model_config_of(path: str):
     """The ``ModelConfig`` of a checkpoint or exported directory (``config.json`` or
     ``manifest.json``), or None when ``path`` is neither (the command reports that itself)."""

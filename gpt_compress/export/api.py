@@ -30,6 +30,7 @@ from ..data.tokenizer import find_tokenizer
 from ..errors import ExportError
 from ..fileio import check_output, write_dir_atomic
 from ..inference.manifest import build_manifest, io_spec, write_manifest
+from ..memory import return_freed_memory
 from ..qat.deploy import quant_table
 from ..qat.quantize import load_quantized, read_quant_state
 from .fused import try_save_fused
@@ -92,6 +93,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     that converting and validating do not hold a dygraph copy too."""
     formats = _formats(formats)
     check_output(output, overwrite)
+    return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
     model.eval()
     cfg = model.config
     table = quant_table(model)
@@ -102,6 +104,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     def write(tmp: str) -> None:
         # The fused CPU program (kernels/), from the model before the float path mutates it.
         fused_info = try_save_fused(model, tmp) if fused and "paddle" in formats else None
+        gc.collect()  # the fused layer (its own copy of the weights) is only freed with its cycles
         if table:
             files, ops = save_int8_programs(model, tmp, formats, table, opset)
             extra = quant_info(table, source)
