@@ -53,16 +53,41 @@ def state_dict_numpy(model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}
 
 
+def write_weights(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """Write Paddle tensors (or arrays) ``tensors`` to safetensors file ``path`` one tensor at a
+    time (``safetensors.numpy.save_file`` needs them all as numpy at once: a second copy of the
+    weights). Keys in sorted order, the header padded to 8 bytes, as safetensors writes it."""
+    codes = {v.name: k for k, v in _DTYPES.items()}
+    header, offset = {}, 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        name = t.dtype.name if isinstance(t, np.ndarray) else str(t.dtype).replace("paddle.", "")
+        if name not in codes:
+            raise CheckpointError(f"cannot store {k} of dtype {name} (supported: {', '.join(codes)})")
+        shape = [int(d) for d in t.shape]
+        size = int(np.prod(shape, dtype=np.int64)) * _DTYPES[codes[name]].itemsize
+        header[k] = {"dtype": codes[name], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(np.uint64(len(raw)).astype("<u8").tobytes() + raw)
+        for k in sorted(tensors):
+            t = tensors[k]
+            a = np.ascontiguousarray(t if isinstance(t, np.ndarray) else t.numpy(), dtype=_DTYPES[header[k]["dtype"]])
+            f.write(memoryview(a).cast("B"))  # little-endian, C order: safetensors' layout
+            del a
+
+
 def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None, overwrite: bool = False) -> str:
     """Save weights + config (+ tokenizer files) to checkpoint directory ``path`` (an existing
     one is replaced only with ``overwrite``: see ``fileio.check_output``)."""
-    from safetensors.numpy import save_file
-
     head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
-    tensors = state_dict_numpy(model)
 
     def write(tmp):
-        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
+        write_weights(model.state_dict(), os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "head": head,
                 "model": model.config.to_dict(), **(extra or {})}
         write_json_atomic(os.path.join(tmp, CONFIG), meta)
@@ -148,8 +173,9 @@ def load_model(path: str, head: Optional[str] = None, verify: bool = True):
     return model
 
 
-_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-           "U8": "u1", "BOOL": "?"}
+_DTYPES = {code: np.dtype(name) for code, name in (("F64", "<f8"), ("F32", "<f4"), ("F16", "<f2"), ("I64", "<i8"),
+                                                    ("I32", "<i4"), ("I16", "<i2"), ("I8", "i1"), ("U8", "u1"),
+                                                    ("BOOL", "?"))}
 
 
 def stream_weights(model, fp: str) -> None:

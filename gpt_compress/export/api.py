@@ -74,6 +74,7 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
         if formats != ["paddle"] or read_quant_state(checkpoint) is not None:
             raise ExportError("a tensor-parallel export (mp_degree > 1) is float Paddle Inference only")
         return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir, overwrite=overwrite)
+    return_freed_memory()  # before the model is loaded, so that freeing its weights later returns them
     # load_* verify checksums, parameter names and shapes vs the config.
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
