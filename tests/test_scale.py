@@ -124,12 +124,12 @@ def test_command_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypat
     from gpt_compress.errors import InsufficientMemory
 
     monkeypatch.delenv("GPTC_SKIP_MEMORY_CHECK", raising=False)
-    monkeypatch.setattr(memory, "available_bytes", lambda: 8 * memory.GB)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 6 * memory.GB)
     with pytest.raises(SystemExit) as exit_:
         main(["init", "-o", "Model.preset=gpt-1.3B", "--output", str(tmp_path / "big")])
     err = capsys.readouterr().err
     assert exit_.value.code == InsufficientMemory.exit_code
-    assert "gptc init" in err and "gpt-1.3B" in err and "8.0 GB is available" in err
+    assert "gptc init" in err and "gpt-1.3B" in err and "6.0 GB is available" in err
     assert not (tmp_path / "big").exists()
     m345 = ModelConfig.from_preset("gpt-345M")
     need = memory.estimate("pretrain", m345, batch=8, seq=1024)
@@ -184,9 +184,9 @@ def test_export_returns_freed_memory_to_the_os():
     del held
     kept = before - rss()
     assert memory.return_freed_memory()
-    held = np.ones(size, np.uint8)
+    held = np.ones(2 * size, np.uint8)  # larger than the heap's free hole: its own mapping
     before = rss()
     del held
     returned = before - rss()
     del pin
-    assert kept < size / 2 < returned, (kept, returned)
+    assert kept < size / 2 and returned > size, (kept, returned)

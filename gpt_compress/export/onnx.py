@@ -24,10 +24,11 @@ What we do to paddle2onnx's output, each step a function below:
 Memory: paddle2onnx converts each program's **graph alone** (no params file) and the
 parameters are attached from the model (``attach_weights``; paddle2onnx itself holds ~5 copies
 of the weights while converting: 6.9 GB RSS for one gpt-345M program). Programs are converted
-**one at a time** and each one's weights are appended to the data file **tensor by tensor**
-(``DataFile``) before the next is converted. When paddle2onnx does read a params file past
-protobuf's 2 GB limit, it writes the weights to the ``external_file`` we give it;
-``tensor_bytes`` reads them back one tensor at a time.
+**one at a time**; each weight goes to the data file **as it is attached** (``DataFile.write``),
+so a graph never holds the weights (the int8 export, whose ``transform`` replaces weights,
+attaches them in memory and writes the program's survivors after the rewrite). When paddle2onnx
+does read a params file past protobuf's 2 GB limit, it writes the weights to the
+``external_file`` we give it; ``tensor_bytes`` reads them back one tensor at a time.
 """
 from __future__ import annotations
 
