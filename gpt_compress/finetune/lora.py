@@ -110,7 +110,7 @@ def lora_layers(model) -> dict[str, nn.Layer]:
 
 
 def apply_lora(model, cfg: LoraConfig):
-    """``model -> model``: adapters on the chosen Linears (in place); everything else frozen."""
+    """``model -> model``: adapters on the chosen Linears and Embeddings (in place); everything else frozen."""
     names = lora_plan(model, cfg)
     if not names:
         raise ConfigError(f"Finetune.lora.targets {cfg.targets} (skip {cfg.skip}) select no Linear or "
