@@ -102,8 +102,6 @@ def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hin
     out = {}
     for fmt in formats:
         backend = _backend(fmt)(manifest, verify=False)
-        if fmt == "onnx":  # a few small batches: no pre-packed second copy of each MatMul weight
-            backend.options.add_session_config_entry("session.disable_prepacking", "1")
         try:
             out[fmt] = validate_backend(backend, ref, f"{path} ({fmt})", atol=atol)
         except ExportError as e:
