@@ -4,7 +4,7 @@ Face transformers and CTranslate2 peers, side by side in one run; prints one JSO
 
     OMP_NUM_THREADS=2 python bench/decode.py            # gpt-bench, 64-token prompt, 128 new tokens
     python bench/decode.py --backends paddle,onnx_int8 --no-peer --rounds 1
-    python bench/decode.py --preset gpt-345M --batch 1 --no-positions --int-formats paddle ...
+    python bench/decode.py --preset gpt-345M --batch 1 --no-positions --int-formats fused ...
 
 Every row reports the peak RSS of its worker process (``peak_rss_mb``, ``getrusage``): a runner's
 whole memory, weights included (``weights_mb``: the weight files its backend loads).
@@ -195,6 +195,30 @@ def prepare_int(workdir: str, preset: str, ckpt: str, bits: int, formats=("paddl
     return out
 
 
+def prepare_fused_int(workdir: str, preset: str, ckpt: str, bits: int, base: str) -> str:
+    """The weight-only int``bits`` model as the fused program alone, with ``base``'s (the float
+    export's) manifest: for presets whose full int export (unfused programs + ONNX) needs more
+    memory than the bench may use (gpt-345M: > 6 GB). Only the fused Paddle backend runs it."""
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.config import QuantConfig
+    from gpt_compress.export.fused import save_fused
+    from gpt_compress.inference.manifest import MANIFEST
+    from gpt_compress.qat.quantize import quantize_model
+
+    out = os.path.join(workdir, f"{preset}-int{bits}-fused")
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
+        qmodel.eval()
+        os.makedirs(out, exist_ok=True)
+        info = save_fused(qmodel, out)
+        with open(os.path.join(base, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        manifest.update(fused=info, formats=["paddle"])
+        with open(os.path.join(out, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+    return out
+
+
 def run_ct2(cfg, a, threads: int, env: dict) -> dict[str, dict]:
     """CTranslate2 (``../shared/bench/peer_ct2.py``) float32 and int8 on the same shape:
     {"ct2_float32": {...}, "ct2_int8": {...}} with batch-1 and batch-N tokens/s."""
@@ -267,7 +291,8 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     p.add_argument("--no-positions", action="store_true", help="skip the steps at 100 / 900 cached tokens")
     p.add_argument("--int-formats", default="paddle,onnx",
-                   help="formats of the int exports (gpt-345M: 'paddle' keeps the export under ~6 GB)")
+                   help="formats of the int exports, or 'fused': the fused program alone (gpt-345M: the "
+                        "full int8 export needs > 6 GB)")
     p.add_argument("--fused-threads", type=int, default=0,
                    help="OpenMP threads of the fused operators (0: the backend's default)")
     p.add_argument("--worker", nargs=2, metavar=("BACKEND", "PATH"), help=argparse.SUPPRESS)
@@ -293,7 +318,8 @@ def main() -> None:
     paths = {"ckpt": ckpt, "fp32": out}
     for bits in (8, 4):
         if any(CONTENDERS[b][1] == f"int{bits}" for b in backends):
-            paths[f"int{bits}"] = prepare_int(workdir, a.preset, ckpt, bits, a.int_formats.split(","))
+            paths[f"int{bits}"] = (prepare_fused_int(workdir, a.preset, ckpt, bits, out) if a.int_formats == "fused"
+                                   else prepare_int(workdir, a.preset, ckpt, bits, a.int_formats.split(",")))
     export_s = time.perf_counter() - t0
 
     names = backends + ([] if a.no_peer else ["hf_peer", "ct2_peer"])

@@ -16,6 +16,13 @@
 // and qat.quantize.fake_quant_dynamic) or int8 with one calibrated scale (act > 0: W8A8,
 // weights per channel, blk == K). Integer dots accumulate in int32 per block, exactly.
 // Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
+// Matrix products run in blocks of 12 weight rows, each read once for all M input rows (a GEMM
+// for prefill and batches: 4x3 float tiles, 2x4 int8 tiles; GEMV for M = 1). Batch invariant:
+// an output's arithmetic never depends on M, the tile, the thread or the other rows, and
+// attention runs over each row's unmasked keys in order, so a sequence's logits are bitwise the
+// same alone, left-padded in a batch, prefilled at once or token by token (tests/test_fused.py).
+// Vector paths are AVX2 (+FMA); VNNI dot products compile in where -march=native has them
+// (not verified on the AVX2-only machines this was developed on).
 #include <omp.h>
 
 #include <algorithm>
