@@ -119,7 +119,7 @@ def weights_mb(path: str, backend_class: str) -> float:
     """MB of the weight files the backend reads (the fused program's, the unfused Paddle
     programs', the ONNX external data, or the checkpoint)."""
     names = {"FusedBackend": ("fused.pdiparams",), "PaddleBackend": ("model.pdiparams",),
-             "OnnxBackend": ("model.onnx.data",)}.get(backend_class)
+             "OrtBackend": ("model.onnx.data",)}.get(backend_class)
     files = [os.path.join(path, n) for n in names] if names else [
         os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".pdparams"))
         and not f.startswith("optimizer")]
@@ -174,9 +174,14 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
 # --------------------------------------------------------------------------------------
 def _json_line(cmd: list[str], env: dict) -> dict:
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [x for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        err = proc.stderr.strip().splitlines()
+        return {"error": err[-1] if err else f"exit {proc.returncode}, no JSON on stdout"}
+    res = json.loads(lines[-1])
+    print(json.dumps({"row": cmd[3] if "--worker" in cmd else os.path.basename(cmd[1]), **res}), file=sys.stderr,
+          flush=True)  # progress: a run cut short keeps its rows
+    return res
 
 
 def prepare_int(workdir: str, preset: str, ckpt: str, bits: int, formats=("paddle", "onnx")) -> str:
@@ -373,7 +378,8 @@ def main() -> None:
             med["rss_over_weights"] = round(med["peak_rss_mb"] / med["weights_mb"], 2)
         if "step_ms_at_900" in med:
             med["step_900_over_100"] = round(med["step_ms_at_900"] / med["step_ms_at_100"], 2)
-        med[f"rounds_batch{a.batch}"] = [x.get(key_b) for x in ok]
+        if a.batch > 1:
+            med[f"rounds_batch{a.batch}"] = [x.get(key_b) for x in ok]
         med["fraction_of_bandwidth_limit"] = round(med["decode_tokens_per_s"] / limit, 3)
         if key_b in med:
             med[f"batch{a.batch}_fraction_of_limit"] = round(med[key_b] / (a.batch * limit), 3)
