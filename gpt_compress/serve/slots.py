@@ -8,8 +8,9 @@ masked columns (padding, gaps) anywhere in it. This class keeps ONE such cache o
 ``max_batch`` rows (slots), allocated once and grown only when it fills:
 
 * the running rows are slots ``0..n-1`` and share the write column S; a decode step runs the
-  backend on views of the first n rows (``t[:n]`` shares the cache's memory), so free slots
-  cost nothing;
+  backend on views of the first n rows (``Tensor._slice(0, n)`` shares the cache's memory,
+  whatever ``FLAGS_use_stride_kernel`` says: ``gptc`` turns strided views off, runtime.py), so
+  free slots cost nothing;
 * ``prefill`` runs a newcomer's prompt alone (batch 1, as ``Generator.generate`` does) and
   ``join`` copies its p prompt columns into a free slot's row at [S-p, S): one row copied,
   never the batch. A prompt longer than S moves S to p (the other rows get masked columns);
@@ -19,9 +20,9 @@ masked columns (padding, gaps) anywhere in it. This class keeps ONE such cache o
   (doubling, at most the model's context plus ``slack``): one copy of the batch, once per many
   steps.
 
-Requires that slicing a Paddle tensor along axis 0 gives a view (checked at construction);
-otherwise every step runs all slots, the free ones with an all-masked row (the kernel gives
-such a row zeros: it attends to nothing).
+Requires that ``_slice`` gives a view (checked at construction); otherwise every step runs all
+slots, the free ones with an all-masked row (the kernel gives such a row zeros: it attends to
+nothing), at the cost of computing them.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class SlotDecoder:
 
     def _check_views(self) -> bool:
         t = self._tensors[0]
-        return self.max_batch == 1 or t[:1].data_ptr() == t.data_ptr()
+        return self.max_batch == 1 or (hasattr(t, "_slice") and t._slice(0, 1).data_ptr() == t.data_ptr())
 
     # ------------------------------------------------------------------ join
     def prefill(self, prompt: list[int]) -> tuple[np.ndarray, tuple]:
@@ -88,9 +89,15 @@ class SlotDecoder:
             raise ValueError(f"duplicate keys in {keys}")
         if len(self.keys) + len(entries) > self.max_batch:
             raise ValueError(f"{len(self.keys)} running + {len(entries)} joining > max_batch {self.max_batch}")
-        for key, (cache, p) in entries:
-            self.backend._call(self._place, cache, p)
-            self.keys.append(key)
+        placed = []
+        try:
+            for key, (cache, p) in entries:
+                self.backend._call(self._place, cache, p)
+                self.keys.append(key)
+                placed.append(key)
+        except Exception:
+            self.remove(placed)  # all of them or none: the caller fails the whole join
+            raise
         self.max_rows = max(self.max_rows, len(self.keys))
 
     def add(self, key: Hashable, prompt: list[int]) -> np.ndarray:
@@ -130,7 +137,7 @@ class SlotDecoder:
         ids = np.zeros((rows, 1), np.int64)
         ids[:n, 0] = [tokens[k] for k in self.keys]
         tensors = self._tensors if rows == self.max_batch else self.backend._call(
-            lambda: [t[:rows] for t in self._tensors])
+            lambda: [t._slice(0, rows) for t in self._tensors])
         logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(tensors, s))
         return {k: logits[i] for i, k in enumerate(self.keys)}
 
