@@ -16,10 +16,10 @@ import pytest
 from gpt_compress.checkpoint import build_model, load_model
 from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
-from gpt_compress.errors import DataError
+from gpt_compress.errors import ConfigError, DataError
 from gpt_compress.sections import FinetuneConfig, LoraConfig
-from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, pack, plan_batches,
-                                        read_rows)
+from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, hold_out, pack,
+                                        plan_batches, read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
 from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_generations
 from gpt_compress.train.loss import lm_head_loss
@@ -130,6 +130,23 @@ def test_malformed_rows_and_truncation_rule(tmp_path, shakespeare):
 
 
 # ----------------------------------------------------------------------------- 4. LoRA mechanics
+def test_hold_out_shuffles_a_sorted_file_first(shared_data):
+    """tang300.jsonl is ordered by form: its last 20 poems are all seven-character verse; with
+    Finetune.eval_shuffle_seed the held-out rows are a seeded mix (the same poems as
+    ``random.Random(seed).shuffle``, which the Tang fixture below uses)."""
+    cfg = FinetuneConfig(response_field="text", prompt_template="《{title}》{author}\n", eval_shuffle_seed=0)
+    rows = read_rows(str(shared_data / "chinese" / "tang300.jsonl"), cfg)
+    seven = lambda r: len(r.response.split("，")[0]) == 7  # noqa: E731
+    train, held = hold_out(rows, 20)
+    assert train + held == rows and all(seven(r) for r in held)
+    train, held = hold_out(rows, 20, cfg.eval_shuffle_seed)
+    expected = list(rows)
+    random.Random(0).shuffle(expected)
+    assert (train, held) == (expected[:-20], expected[-20:]) and 0 < sum(map(seven, held)) < 20
+    with pytest.raises(ConfigError, match="leaves no training rows"):
+        hold_out(rows, len(rows))
+
+
 def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, shared_data):
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.train.optim import build_optimizer, build_scheduler
