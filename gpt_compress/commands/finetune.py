@@ -44,7 +44,7 @@ def run(args) -> int:
     from ..checkpoint import save_model
     from ..fileio import write_json_atomic
     from ..errors import ConfigError, DataError
-    from ..finetune.data import PlanIterator, encode_rows, plan_batches, read_rows
+    from ..finetune.data import PlanIterator, encode_rows, hold_out, plan_batches, read_rows
     from ..finetune.lora import apply_lora, merge_lora, save_adapters
     from ..finetune.metrics import finetune_loss, generate_texts, response_perplexity, score_generations
     from ..train.trainer import fit
@@ -71,9 +71,7 @@ def run(args) -> int:
     rows = read_rows(fc.train_file, fc)
     eval_rows = read_rows(fc.eval_file, fc) if fc.eval_file else []
     if fc.eval_holdout and not fc.eval_file:
-        if fc.eval_holdout >= len(rows):
-            raise ConfigError(f"Finetune.eval_holdout {fc.eval_holdout} leaves no training rows of {len(rows)}")
-        rows, eval_rows = rows[:-fc.eval_holdout], rows[-fc.eval_holdout:]
+        rows, eval_rows = hold_out(rows, fc.eval_holdout, fc.eval_shuffle_seed)
     if fc.max_train_examples:
         rows = rows[: fc.max_train_examples]
     train_ex, stats = encode_rows(tok, rows, seq)
