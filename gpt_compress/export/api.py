@@ -9,7 +9,7 @@ the pipeline) never branch on quantisation state:
 
 * float: ``static.save_paddle_programs`` (+ ``onnx.convert_programs``);
 * int8, when the model has quantized layers (a ``gptc qat/ptq`` checkpoint):
-  ``int8.save_int8_programs``, and the manifest's ``quant`` entry;
+  ``int8.save_int8_programs`` (the scoring programs included), and the manifest's ``quant`` entry;
 * tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank), unfused;
 * single-card Paddle exports also get ``fused.save_fused``'s program (our CPU operators).
 

@@ -22,7 +22,9 @@ unchanged; the manifest adds ``weight_dtype`` and a ``quant`` entry.
   - the tied embedding lookup ``Gather(W^T, ids, axis=1)`` -> ``com.microsoft.GatherBlockQuantized``
     on the same uint8 bytes as the head's MatMulNBits (stored once: ``externalize`` dedups).
 
-  A quantized layer that cannot be found in a graph is an error, never a silent float layer.
+  A quantized layer that cannot be found in a graph is an error, never a silent float layer
+  (the scoring programs split the model into body and head: there, the two together must hold
+  every quantized layer).
 
 Every export is validated: prefill, decode and scoring logits of each backend against the
 fake-quant dygraph model, within ``atol`` relative to the logits' magnitude.
@@ -251,7 +253,9 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
     pdir = os.path.join(work, "paddle")
     os.makedirs(pdir)
     fmodel = fake_quant_float_model(qmodel)
-    pfiles = save_paddle_programs(fmodel, pdir, split_decode=False, score=True)
+    wrapper = ExportableLM(fmodel)
+    wrapper.shared_params = False  # converted to ONNX only: no float copy of the int8 weights
+    pfiles = save_paddle_programs(fmodel, pdir, wrapper=wrapper, split_decode=False, score=True)
     ops, found = {}, Counter()
 
     def rewrite(name, model, base_dir):
