@@ -46,6 +46,7 @@ from ..inference.manifest import SCORE_PROGRAMS, io_spec
 from ..config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
 from .onnx import convert_programs
+from .onnx_scoring import scoring_transform
 from .static import ExportableLM, program_weights, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
@@ -263,6 +264,7 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
         # The scoring programs split the model (body / head): each holds part of the quantized
         # layers, together all of them (checked below).
         ops[name] = rewrite_onnx(model, table, base_dir, uses=found if name in SCORE_PROGRAMS else None)
+        scoring_transform(name, model)
 
     files = convert_programs(pdir, pfiles, out_dir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new",
                              transform=rewrite, weights=program_weights(fmodel))
