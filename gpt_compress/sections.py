@@ -68,7 +68,7 @@ class ServeConfig:
     max_batch: int = 16  # sequences decoded together (continuous batching); 1 serves one at a time
     max_queue: int = 64  # requests waiting for a batch slot; more get 429 with Retry-After
     prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request)
-    admit_wait_steps: int = 4  # decode steps a lone arrival may wait for others to join a large batch with it
+    admit_wait_steps: int = 4  # steps a lone arrival may wait for others (serve/batch.py: onnx, unfused)
     request_timeout: float = 300.0  # seconds a request may take (queued + generating); 0: no limit
     max_tokens_default: int = 16  # max_tokens of a request that gives none (as OpenAI)
     max_n: int = 8  # most choices (n) per prompt

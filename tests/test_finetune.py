@@ -21,7 +21,7 @@ from gpt_compress.sections import FinetuneConfig, LoraConfig
 from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, pack, plan_batches,
                                         read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
-from gpt_compress.finetune.metrics import finetune_loss, score_generations
+from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_generations
 from gpt_compress.train.loss import lm_head_loss
 
 from _compress_helpers import gptc, teacher_ckpt
@@ -140,7 +140,7 @@ def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, sha
     plan = plan_batches(examples, "pack", 4, 64, tok.pad_id, seed=0)
     model = _tiny()
     before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
-    apply_lora(model, LoraConfig(rank=4, targets=["gpt.blocks.*.attn.*", "gpt.blocks.*.mlp.fc_in"],
+    apply_lora(model, LoraConfig(rank=4, targets=["gpt.blocks.*.attn.*", "gpt.blocks.*.mlp.fc_in", "gpt.wte"],
                                  skip=["gpt.blocks.1.attn.out"]))
     trainable = sorted(n for n, p in model.named_parameters() if not p.stop_gradient)
     assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
@@ -159,6 +159,7 @@ def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, sha
     for k, v in before.items():  # every base parameter is bit-identical
         assert np.array_equal(after[k].numpy(), v), k
     assert np.abs(after["gpt.blocks.0.attn.qkv.lora_B"].numpy()).max() > 0  # the adapters did train
+    assert np.abs(after["gpt.wte.lora_A"].numpy()).max() > 0  # the token embedding / tied head's too
     ids = paddle.to_tensor(plan.collate(plan.batches[0])["input_ids"])
     with paddle.no_grad():
         unmerged = model(ids).numpy()
@@ -228,6 +229,14 @@ def test_generation_scores_against_reference_values():
     half = score_generations(["清晨入古寺"], ["清晨入古寺，初日照高林。"])
     # CJK text is scored per character (rouge-score's own tokenizer drops it): LCS 5 of 5 / 12.
     assert half["rouge_l"] == pytest.approx(100 * 2 * (5 / 12) / (1 + 5 / 12), abs=1e-3)
+    assert zh["form"] == zh["reference_form"] == {"form_rate": 100.0, "clauses": 2, "poems_in_form": 100.0}
+    assert "form" not in s
+    # Form: 5 or 7 characters then ， or 。; an unfinished last line counts only once it is too long.
+    form = poem_form(["兰叶春葳蕤，桂华秋皎洁。\n欣欣此生意，自尔为",  # 3 of 3 (the tail is unfinished)
+                      "一二三四五六七八九",  # a 9-character run-on: 0 of 1
+                      "白日依山尽，黄河入海流！",  # 1 of 2 (！ is not a line end of the form)
+                      "白日依山，尽黄河入海流。"])  # 4 + 6 characters: 0 of 2
+    assert form == {"form_rate": 50.0, "clauses": 8, "poems_in_form": 25.0}
 
 
 # ----------------------------------------------------------------------------- 2. SST-2 as generation
@@ -266,8 +275,12 @@ def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespear
 
 
 # ----------------------------------------------------------------------------- 3/4. Chinese: Tang poems
-ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_HELDOUT = 2048, 100, 100, 30
-TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 2.5, 0.95
+ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_HELDOUT = 2048, 100, 60, 30
+TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 1.1, 0.6
+REFERENCE_MIN_FORM = 80.0  # % of the 12 held-out references' clauses in form (measured 85.3: some lines have 3, 4, 6 characters)
+EXPORT_LOGIT_ATOL = 1e-4  # the float export's own tolerance vs dygraph (gpt_compress/export/api.py)
+LORA = ["Finetune.lora.enabled=true", "Finetune.lora.rank=4", "Finetune.lora.alpha=8",
+        'Finetune.lora.targets=["gpt.blocks.*","gpt.wte"]']
 
 
 @pytest.fixture(scope="session")
@@ -311,7 +324,7 @@ def _tang(chinese_gpt, out, lora=False, lr=3e-3):
     extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
              "Finetune.eval_generate=12", "Generation.max_new_tokens=48"]
     if lora:
-        extra += ["Finetune.lora.enabled=true", "Finetune.lora.rank=8"]
+        extra += LORA
     return gptc("finetune", "--no-progress", "--model", ckpt,
                 *_finetune_args(out, train, held, TANG_STEPS, batch=8, lr=lr, extra=extra))
 
@@ -322,10 +335,12 @@ def tang_full(chinese_gpt, tmp_path_factory):
 
 
 def test_tang_finetune_lowers_perplexity_well_below_the_pretrained_model(tang_full):
-    """Held-out (30 poems) response perplexity after finetuning is at most TANG_MAX_PPL_RATIO of
-    the pretrained model's (measured 533 -> 228, ratio 0.43). Generation runs and is scored, but
-    the 5/7-character clause form is beyond this 2-layer, 64-wide model at this budget
-    (measured: 0 of its clauses in form), so no form rate is asserted here."""
+    """Held-out (30 poems) response perplexity after 60 finetuning steps is at most
+    TANG_MAX_PPL_RATIO of the pretrained model's (measured 533 -> 246, ratio 0.46). Generation
+    on 12 held-out titles is scored, the verse form included (``poem_form``): the held-out
+    references have REFERENCE_MIN_FORM % of their clauses in form; this 2-layer, 64-wide model's
+    greedy poems have none (measured 0 of 383 clauses: it writes 1-3 character clauses; 300
+    steps at LR 5e-3 reached 2.6%), so the form rate it reaches is stated, not a threshold."""
     res = tang_full
     before, after = res["eval_before"]["ppl"], res["eval_after"]["ppl"]
     assert res["eval_before"]["tokens"] == res["eval_after"]["tokens"] > 1000
@@ -333,15 +348,25 @@ def test_tang_finetune_lowers_perplexity_well_below_the_pretrained_model(tang_fu
     gen = res["generation"]
     assert gen["samples"] == 12 and len(gen["hypotheses"]) == 12 and 0 <= gen["chrf"] <= 100
     assert res["truncation"]["truncated_responses"] > 0  # long poems hit the 128-token rule, counted
+    print("tang form", gen["form"], "references", gen["reference_form"])
+    assert gen["reference_form"]["form_rate"] >= REFERENCE_MIN_FORM and gen["reference_form"]["clauses"] > 90
+    assert gen["form"]["clauses"] > 12  # measured 383 clauses, none in form
 
 
-def test_lora_reaches_full_finetune_perplexity(tang_full, chinese_gpt, tmp_path):
-    """LoRA (rank 8 on every block Linear, LR 1e-2) against the full finetune (LR 3e-3), same
-    steps and data: held-out perplexity below LORA_MAX_PPL_RATIO of the start and within
-    LORA_PPL_MARGIN x the full finetune's. Measured 533 -> 466 (LoRA) vs 228 (full): on this
-    64-wide model the frozen final LayerNorm and tied embedding/head bound how peaked the
-    output distribution can get (LoRA's argmax tokens are right at 1-2 nats), which a full
-    finetune rescales; rank 16-32 and LR 3e-2 measured no better."""
+def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(tang_full, chinese_gpt, tmp_path):
+    """LoRA (rank 4, alpha 8, LR 1e-2) on every block Linear and on the tied token embedding /
+    LM head ``gpt.wte``, against the full finetune (LR 3e-3), same 60 steps and data: held-out
+    perplexity within LORA_PPL_MARGIN x the full finetune's (measured 248.6 vs 246.0: 1.01x).
+    Without the ``gpt.wte`` adapter (rank 8 on the blocks only, 100 steps) it measured 2.06x:
+    on this 64-wide model most parameters are the embedding, and poems need other tokens than
+    the pretraining text. Then `gptc export`'s code path exports the merged checkpoint to ONNX;
+    its logits equal the unmerged (adapter) dygraph model's within EXPORT_LOGIT_ATOL (measured
+    5.7e-6 max over 4 held-out poems) and its greedy poems are token-identical."""
+    from gpt_compress.export import export
+    from gpt_compress.finetune.lora import lora_layers
+    from gpt_compress.inference.dygraph import DygraphBackend
+    from gpt_compress.inference.runner import Generator
+
     res = _tang(chinese_gpt, tmp_path / "lora", lora=True, lr=1e-2)
     lora, full, before = res["eval_after"]["ppl"], tang_full["eval_after"]["ppl"], res["eval_before"]["ppl"]
     print("lora ppl", lora, "full", full, "before", before, res["trainable_parameters"])
@@ -349,8 +374,30 @@ def test_lora_reaches_full_finetune_perplexity(tang_full, chinese_gpt, tmp_path)
     merged = load_model(res["model"])  # a plain checkpoint (adapters merged): exports and serves like any other
     assert sorted(merged.state_dict()) == sorted(load_model(chinese_gpt[0]).state_dict())
     total = sum(int(np.prod(v.shape)) for v in merged.state_dict().values())
-    assert res["trainable_parameters"] == 16384 < 0.1 * total
+    assert res["trainable_parameters"] == 16640 < 0.1 * total
     assert os.path.getsize(os.path.join(res["adapter"], "adapter.safetensors")) < 0.1 * 4 * total
+    # The unmerged model: base weights + the saved adapters.
+    unmerged = load_adapters(load_model(chinese_gpt[0]), res["adapter"])
+    unmerged.eval()
+    assert "gpt.wte" in lora_layers(unmerged)
+    exported = export(res["model"], str(tmp_path / "export"), formats=("onnx",), validate=False)
+    onnx = Generator.from_dir(exported, backend="onnx")
+    dygraph = Generator(DygraphBackend(unmerged), vocab_size=onnx.vocab_size, max_positions=onnx.max_positions,
+                        eos_token_id=onnx.eos_token_id, pad_token_id=onnx.pad_token_id, tokenizer=onnx.tokenizer)
+    held = [json.loads(x) for x in open(chinese_gpt[3], encoding="utf-8")][:4]
+    prompts = [f"《{r['title']}》{r['author']}\n" for r in held]
+    rows = [onnx.tokenizer.encode(p + r["text"])[:100] for p, r in zip(prompts, held)]
+    ids, mask = np.zeros((len(rows), 100), np.int64), np.zeros((len(rows), 100), np.int64)
+    for i, r in enumerate(rows):  # right padding
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    got, ref = onnx.score(ids, mask), dygraph.score(ids, mask)
+    diff = float(np.abs(got - ref)[mask > 0].max())
+    print("export vs unmerged max |logit diff|", diff)
+    assert diff < EXPORT_LOGIT_ATOL, diff
+    with paddle.no_grad():  # and the merged dygraph model, against the same reference
+        assert np.abs(merged(paddle.to_tensor(ids[:1, :len(rows[0])])).numpy() - ref[:1, :len(rows[0])]).max() < 1e-5
+    a, b = (g.generate(prompts, max_new_tokens=24) for g in (onnx, dygraph))
+    assert a.sequences == b.sequences and len(a.sequences[0]) > 0
 
 
 # ----------------------------------------------------------------------------- 6. resume after SIGKILL

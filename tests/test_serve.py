@@ -1,7 +1,8 @@
 """`gptc serve`: real server processes on free loopback ports, real HTTP clients (httpx, the
 official `openai` client). The tiny export is the one test_export/test_inference build.
 
-Servers: ``server`` (Paddle Inference, the default backend; continuous batching up to 8; an
+Servers: ``server`` (Paddle Inference, the default backend: the fused program with slots in its
+in-place cache, serve/slots.py; continuous batching up to 8; an
 API key), ``slow`` (onnxruntime, one sequence at a time, one waiting slot, 0.1 s slept per
 step so that requests stay in flight; a 5 s timeout) and, for SIGTERM, a server of its own."""
 import asyncio
@@ -13,6 +14,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from _export_helpers import ENV, ROOT, model_dirs
@@ -122,6 +124,21 @@ def test_openai_client_plain_and_streamed_equal_generator(server, gen):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         assert chunks[-1].usage.completion_tokens == len(ref.sequences[0])
         assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    # logprobs (plain and streamed): the chosen token's and the top 3, from the model's distribution.
+    plain = client.completions.create(model="export", prompt="ROMEO:", max_tokens=4, temperature=0, logprobs=3)
+    lp = plain.choices[0].logprobs
+    ids = gen.tokenizer.encode("ROMEO:")
+    logits = gen.backend.prefill(np.asarray([ids]), np.ones((1, len(ids)), np.int64))[0][0].astype(np.float64)
+    ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    first = plain.choices[0].model_extra["token_ids"][0]
+    assert lp.token_logprobs[0] == pytest.approx(ref[first], abs=1e-4)
+    assert lp.top_logprobs[0][lp.tokens[0]] == lp.token_logprobs[0] == pytest.approx(ref.max(), abs=1e-4)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and value == max(top.values()) and top[token] == value  # greedy: the best
+    assert "".join(lp.tokens) == plain.choices[0].text and lp.text_offset[0] == 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="export", prompt="ROMEO:", max_tokens=4, temperature=0, logprobs=3, stream=True) if c.choices]
+    assert [v for c in streamed if c for v in c.token_logprobs] == lp.token_logprobs
     # The raw stream: server-sent events ending with `data: [DONE]`.
     with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH,
                       json={"prompt": "ROMEO:", "max_tokens": 3, "stream": True}) as r:
@@ -158,15 +175,60 @@ def test_concurrent_greedy_requests_equal_each_alone(server, gen):
             together = await asyncio.gather(*[one(client, p, m) for p, m in jobs])
             return alone, together, steps, single
 
+    assert httpx.get(server.url + "/health").json()["decoder"] == "SlotDecoder"  # the fused program's slots
     alone, together, steps, single = asyncio.run(run())
     assert together == alone
     assert [len(t) for t in alone] == [m for _, m in jobs]
     assert alone[0] == gen.generate([jobs[0][0]], max_new_tokens=jobs[0][1], min_new_tokens=jobs[0][1]).sequences[0]
-    # Decode steps of the concurrent run that had more than one sequence in the batch.
+    # The 16 prompts of one request reach the engine at once (Engine.submit_all), so its first
+    # admission takes several (up to --max-batch 8 within Serve.prefill_budget): batches > 1
+    # whatever the timing.
+    one_request = _complete(server.url, AUTH, prompt=[p for p, _ in jobs], max_tokens=53, min_tokens=53,
+                            temperature=0).json()
+    assert [c["token_ids"][:m] for (_, m), c in zip(jobs, one_request["choices"])] == alone
+    # Decode steps with more than one sequence in the batch.
     batched = (server.metric("gptc_decode_batch_size_count", AUTH) - steps
                - (server.metric('gptc_decode_batch_size_bucket{le="1.0"}', AUTH) - single))
     assert batched > 0
     assert server.metric("gptc_running_batch_size", AUTH) == 0
+
+
+def test_slot_decoder_rows_equal_each_alone(gen, monkeypatch):
+    """In-process, the fused backend: sequences join one by one (prompts of 1..100 tokens: a long
+    one arriving moves the write column, leaving gaps in the other rows), leave at different
+    steps (the last row moves into the freed slot), and the cache, 24 columns at first, is
+    repacked and grown several times: every row's greedy tokens are those of running it alone."""
+    from gpt_compress.serve import slots
+
+    assert type(gen.backend).__name__ == "FusedBackend"
+    monkeypatch.setattr(slots, "INITIAL_CAPACITY", 24)
+    rng = np.random.default_rng(0)
+    lengths = [3, 40, 2, 90, 5, 60, 7, 100, 20, 1]
+    jobs = [(rng.integers(0, gen.vocab_size, n).tolist(), min(10 + 5 * i, 128 - n)) for i, n in enumerate(lengths)]
+    want = [gen.generate([p], max_new_tokens=m, min_new_tokens=m).sequences[0] for p, m in jobs]
+    dec = slots.SlotDecoder(gen.backend, max_batch=4, slack=2)
+    out: dict[int, list] = {}
+    logits: dict[int, np.ndarray] = {}
+    waiting, step = list(range(len(jobs))), 0
+    while waiting or logits:
+        if waiting and len(dec) < 4 and step % 3 == 0:  # a newcomer every third step
+            i = waiting.pop(0)
+            logits[i], state = dec.prefill(jobs[i][0])
+            dec.join([(i, state)])
+            out[i] = []
+        tokens = {}
+        for i, row in list(logits.items()):
+            out[i].append(int(np.argmax(row)))
+            if len(out[i]) == jobs[i][1]:
+                del logits[i]
+                dec.remove([i])
+            else:
+                tokens[i] = out[i][-1]
+        if tokens:
+            logits.update(dec.step(tokens))
+        step += 1
+    assert [out[i] for i in range(len(jobs))] == want
+    assert dec.relayouts >= 3 and dec.capacity > 24 and dec.max_rows == 4 and len(dec) == 0
 
 
 BAD = [  # (raw body or JSON, status, words the message must contain)
@@ -186,7 +248,8 @@ BAD = [  # (raw body or JSON, status, words the message must contain)
     ({"prompt": "ROMEO:", "stream": "yes"}, 400, "stream"),
     ({"prompt": "ROMEO:", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "ROMEO:", "n": 100}, 400, "max_n"),
-    ({"prompt": "ROMEO:", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "ROMEO:", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "ROMEO:", "logprobs": 2, "echo": True}, 400, "echo"),
     ({"prompt": "ROMEO:", "model": "gpt-4"}, 404, "gpt-4"),
 ]
 

@@ -5,8 +5,8 @@ layouts, the loss mask and the truncation rule) and whether to train LoRA adapte
 is the one ``fit`` loop (``Engine``: steps, checkpoints, ``--resume auto``, logs). Evaluation:
 response-token perplexity of ``Finetune.eval_file`` before training, every ``Engine.eval_freq``
 steps (``Engine.eval_iters`` batches) and after; then generation (``Generation`` section) on its
-first ``Finetune.eval_generate`` prompts, scored with BLEU/chrF/ROUGE-L/exact match, a few
-generations written to ``train_log.jsonl``. Writes ``OUTPUT/model`` (a plain checkpoint; with
+first ``Finetune.eval_generate`` prompts, scored with BLEU/chrF/ROUGE-L/exact match (Chinese
+references: also the verse form rate, ``finetune/metrics.py:poem_form``), a few generations written to ``train_log.jsonl``. Writes ``OUTPUT/model`` (a plain checkpoint; with
 LoRA the adapters merged in), ``OUTPUT/lora_adapter`` (LoRA only) and ``OUTPUT/finetune_eval.json``.
 """
 from __future__ import annotations

@@ -80,9 +80,9 @@ def run(args) -> int:
     manifest = read_manifest(args.model_dir)  # a wrong directory fails now, with the usual message
     name = cfg.model_name or os.path.basename(manifest.path.rstrip(os.sep))
     api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-    # The unfused Paddle programs: the batch decoder joins sequences by merging their concat-layout
-    # caches; the fused program's preallocated in-place cache is not wired into it yet.
-    options = _backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=True))
+    # Paddle: the fused program when the export has one (serve/slots.py: one slot per sequence in
+    # its in-place cache); the serving options below apply when it falls back to the unfused ones.
+    options = _backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
     if cfg.backend == "paddle":
         options.update(_paddle_serving_options(options.get("options")))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -6,6 +6,10 @@ names (``gpt.blocks.0.attn.qkv.weight``), and two adapter matrices are added bes
 ``...qkv.lora_A`` (in, r) and ``...qkv.lora_B`` (r, out), so that the layer computes
 ``x W + b + (alpha / r) * dropout(x) A B``. ``A`` starts random (Kaiming-uniform, as in the LoRA
 paper's reference code), ``B`` at zero: the transformed model starts equal to the base model.
+An ``nn.Embedding`` chosen by the globs (``gpt.wte``, which a tied model also uses as its LM
+head) becomes a ``LoRAEmbedding``: ``weight`` (V, H) reads as ``W + (alpha / r) A B`` with ``A``
+(V, r) at zero and ``B`` (r, H) random (as PEFT's embedding adapters), so both the token lookup
+and the tied head (``model.gpt.wte.weight``) see the adapted table.
 Every parameter that is not an adapter gets ``stop_gradient = True``, so the trainer's optimizer
 (which takes the trainable parameters only) updates the adapters alone.
 
@@ -60,27 +64,57 @@ class LoRALinear(nn.Layer):
         return self.weight + paddle.matmul(self.lora_A, self.lora_B) * self.scaling
 
 
+class LoRAEmbedding(nn.Layer):
+    """``nn.Embedding`` (frozen table ``W`` (V, H)) plus a rank-``r`` update: ``weight`` is
+    ``W + (alpha / r) A B`` (computed, differentiable in ``A`` and ``B``), for the lookup and for
+    every reader of ``.weight`` (the tied LM head). ``dropout`` does not apply to a lookup."""
+
+    def __init__(self, embedding: nn.Embedding, cfg: LoraConfig):
+        super().__init__()
+        self._parameters["weight"] = embedding.weight  # public name unchanged; read through the property
+        self._padding_idx = getattr(embedding, "_padding_idx", None)
+        vocab, hidden = embedding.weight.shape
+        self.lora_A = self.create_parameter(
+            [vocab, cfg.rank], attr=paddle.ParamAttr(initializer=nn.initializer.Constant(0.0)))
+        self.lora_B = self.create_parameter(
+            [cfg.rank, hidden], attr=paddle.ParamAttr(initializer=nn.initializer.Normal(0.0, 1.0)))
+        self.scaling = cfg.alpha / cfg.rank
+
+    @property
+    def weight(self) -> paddle.Tensor:
+        return self.merged_weight()
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight, padding_idx=self._padding_idx)
+
+    def merged_weight(self) -> paddle.Tensor:
+        """``W + (alpha / r) A B`` (V, H)."""
+        return self._parameters["weight"] + paddle.matmul(self.lora_A, self.lora_B) * self.scaling
+
+
 def _matches(name: str, globs) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
 def lora_plan(model, cfg: LoraConfig) -> list[str]:
-    """Names of the ``nn.Linear`` layers ``cfg`` selects."""
+    """Names of the ``nn.Linear`` and ``nn.Embedding`` layers ``cfg`` selects."""
     return [name for name, layer in model.named_sublayers()
-            if isinstance(layer, nn.Linear) and _matches(name, cfg.targets) and not _matches(name, cfg.skip)]
+            if isinstance(layer, (nn.Linear, nn.Embedding)) and _matches(name, cfg.targets)
+            and not _matches(name, cfg.skip)]
 
 
-def lora_layers(model) -> dict[str, LoRALinear]:
-    """{name: LoRALinear} of ``model``, in model order."""
-    return {name: layer for name, layer in model.named_sublayers() if isinstance(layer, LoRALinear)}
+def lora_layers(model) -> dict[str, nn.Layer]:
+    """{name: LoRALinear or LoRAEmbedding} of ``model``, in model order."""
+    return {name: layer for name, layer in model.named_sublayers()
+            if isinstance(layer, (LoRALinear, LoRAEmbedding))}
 
 
 def apply_lora(model, cfg: LoraConfig):
-    """``model -> model``: adapters on the chosen Linears (in place); everything else frozen."""
+    """``model -> model``: adapters on the chosen Linears and Embeddings (in place); everything else frozen."""
     names = lora_plan(model, cfg)
     if not names:
-        raise ConfigError(f"Finetune.lora.targets {cfg.targets} (skip {cfg.skip}) select no Linear layer; "
-                          "names look like gpt.blocks.0.attn.qkv, gpt.blocks.0.mlp.fc_in")
+        raise ConfigError(f"Finetune.lora.targets {cfg.targets} (skip {cfg.skip}) select no Linear or "
+                          "Embedding layer; names look like gpt.blocks.0.attn.qkv, gpt.blocks.0.mlp.fc_in, gpt.wte")
     if lora_layers(model):
         raise ConfigError("the model already has LoRA adapters")
     subs = dict(model.named_sublayers())
@@ -88,7 +122,8 @@ def apply_lora(model, cfg: LoraConfig):
         p.stop_gradient = True
     for name in names:
         parent_name, _, attr = name.rpartition(".")
-        setattr(subs[parent_name] if parent_name else model, attr, LoRALinear(subs[name], cfg))
+        wrap = LoRAEmbedding if isinstance(subs[name], nn.Embedding) else LoRALinear
+        setattr(subs[parent_name] if parent_name else model, attr, wrap(subs[name], cfg))
     model.lora_config = cfg
     return model
 
@@ -144,12 +179,19 @@ def merge_lora(model):
     subs = dict(model.named_sublayers())
     for name, layer in lora_layers(model).items():
         weight = layer.merged_weight()
+        parent_name, _, attr = name.rpartition(".")
+        if isinstance(layer, LoRAEmbedding):
+            table = layer._parameters["weight"]
+            table.set_value(weight)
+            plain = nn.Embedding(weight.shape[0], weight.shape[1], padding_idx=layer._padding_idx)
+            plain.weight = table
+            setattr(subs[parent_name] if parent_name else model, attr, plain)
+            continue
         linear = nn.Linear(weight.shape[0], weight.shape[1], bias_attr=None if layer.bias is not None else False)
         linear.weight = layer.weight
         linear.weight.set_value(weight)
         if layer.bias is not None:
             linear.bias = layer.bias
-        parent_name, _, attr = name.rpartition(".")
         setattr(subs[parent_name] if parent_name else model, attr, linear)
     for p in model.parameters():
         p.stop_gradient = False

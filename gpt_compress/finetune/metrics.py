@@ -1,5 +1,6 @@
-"""The finetuning loss (response tokens only) and its evaluation: response-token perplexity and
-generation scored with sacrebleu (BLEU, chrF), rouge-score (ROUGE-L F1) and exact match."""
+"""The finetuning loss (response tokens only) and its evaluation: response-token perplexity,
+generation scored with sacrebleu (BLEU, chrF), rouge-score (ROUGE-L F1) and exact match, and for
+Chinese verse the share of generated lines in the regulated form (``poem_form``)."""
 from __future__ import annotations
 
 import math
@@ -66,6 +67,34 @@ def generate_texts(model, tokenizer, prompts: Sequence[Sequence[int]], gen_cfg, 
     return texts
 
 
+_CLAUSE = re.compile(r"[^，。！？；、：,.!?;:]*[，。！？；、：,.!?;:]")
+_HANZI = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+FORM_LENGTHS, FORM_ENDS = (5, 7), "，。"
+
+
+def clause_in_form(clause: str) -> bool:
+    """``clause`` (whitespace ignored) is 5 or 7 Chinese characters and then ``，`` or ``。``."""
+    body = "".join(clause.split())
+    return (len(body) - 1 in FORM_LENGTHS and body[-1] in FORM_ENDS
+            and all(_HANZI.fullmatch(c) for c in body[:-1]))
+
+
+def poem_form(texts: Sequence[str]) -> dict:
+    """How well generated poems keep the form of Tang regulated verse: lines of 5 or 7 characters,
+    each ending in ``，`` or ``。``. A text is cut into clauses at every punctuation mark (Chinese
+    or ASCII); its unterminated tail counts as a clause only when it already holds more than 7
+    characters (a generation cut by ``max_new_tokens`` is not penalised for its last, unfinished
+    line, but a run-on without punctuation is). ``form_rate``: in-form clauses / clauses, 0-100;
+    ``poems_in_form``: texts with at least two clauses, all in form, 0-100."""
+    in_form = total = whole = 0
+    for text in texts:
+        clauses = _CLAUSE.findall(text)
+        tail = "".join(text[sum(map(len, clauses)):].split()) if clauses else "".join(text.split())
+        ok = [clause_in_form(c) for c in clauses] + ([False] if len(tail) > max(FORM_LENGTHS) else [])
+        in_form, total = in_form + sum(ok), total + len(ok)
+        whole += len(ok) >= 2 and all(ok)
+    return {"form_rate": round(100.0 * in_form / max(total, 1), 4), "clauses": total,
+            "poems_in_form": round(100.0 * whole / max(len(texts), 1), 4)}
 
 
 class _CharTokenizer:
@@ -79,7 +108,9 @@ class _CharTokenizer:
 
 def score_generations(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     """Corpus BLEU and chrF (sacrebleu; tokenize "zh" when the references hold CJK text), mean
-    ROUGE-L F1 (rouge-score) and exact match (after stripping whitespace), each 0-100."""
+    ROUGE-L F1 (rouge-score) and exact match (after stripping whitespace), each 0-100. CJK
+    references add ``form`` (``poem_form`` of the generations) and ``reference_form`` (of the
+    references: the rate the data itself has)."""
     try:
         import sacrebleu
         from rouge_score import rouge_scorer
@@ -97,4 +128,4 @@ def score_generations(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     return {"bleu": round(bleu.score, 4), "chrf": round(chrf.score, 4),
             "rouge_l": round(100.0 * float(np.mean(rouge)), 4),
             "exact_match": round(100.0 * float(np.mean([h == r for h, r in zip(hyps, refs)])), 4),
-            "samples": len(hyps)}
+            "samples": len(hyps), **({"form": poem_form(hyps), "reference_form": poem_form(refs)} if cjk else {})}

@@ -27,7 +27,7 @@ from ..errors import ConfigError, GptcError
 from ..sections import ServeConfig
 from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
 from .metrics import Metrics
-from .protocol import (CompletionRequest, completion_body, completion_id, error_body, usage,
+from .protocol import (CompletionRequest, Logprobs, completion_body, completion_id, error_body, usage,
                        validation_message)
 
 log = logging.getLogger("gptc.serve")
@@ -108,7 +108,7 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
     @app.get("/health")
     async def health():
         if state.engine is not None:
-            return {"status": "ok", "model": model_name}
+            return {"status": "ok", "model": model_name, "decoder": type(state.engine.batch).__name__}
         if state.load_error is not None:
             return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
@@ -148,10 +148,9 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
                     raise ApiError(400, str(e)) from None
                 index = i * req.n + j
                 reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop or [],
-                                    timeout=cfg.request_timeout))
+                                    timeout=cfg.request_timeout, logprobs=req.logprobs))
         try:
-            for r in reqs:
-                engine.submit(r)
+            engine.submit_all(reqs)  # every choice or none: they are admitted together
         except QueueFull as e:
             _cancel(reqs)
             raise ApiError(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"}) from None
@@ -161,11 +160,13 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
         echo = [engine.gen.tokenizer.decode(p) if req.echo and engine.tokenizer is not None else ""
                 for p in prompts for _ in range(req.n)]
         prompt_tokens = sum(len(p) for p in prompts)
+        logprobs = None if req.logprobs is None else [Logprobs(_token_text(engine)) for _ in reqs]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(reqs, events, echo, model_name, prompt_tokens if include_usage else None),
+            return StreamingResponse(_stream(reqs, events, echo, model_name, prompt_tokens if include_usage else None,
+                                             logprobs),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, reqs, events, echo, model_name, prompt_tokens)
+        return await _collect(request, reqs, events, echo, model_name, prompt_tokens, logprobs)
 
     return app
 
@@ -224,6 +225,12 @@ def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[li
     return out
 
 
+def _token_text(engine: Engine):
+    """A token's own text (``token_id:N`` for a model without a tokenizer)."""
+    tok = engine.tokenizer
+    return (lambda i: tok.decode([i])) if tok is not None else (lambda i: f"token_id:{i}")
+
+
 def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
     def emit(event):
         try:
@@ -242,9 +249,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: Optional[int]):
+async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: Optional[int], logprobs=None):
     """Server-sent events: a chunk per token, one with each choice's finish_reason, the usage
-    when ``prompt_tokens`` is given (``stream_options.include_usage``), then ``[DONE]``."""
+    when ``prompt_tokens`` is given (``stream_options.include_usage``), then ``[DONE]``.
+    ``logprobs``: a ``Logprobs`` per choice when the request asked for them."""
     cid = completion_id()
     open_, completion_tokens = len(reqs), 0
     try:
@@ -255,7 +263,8 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
         while open_:
             index, ev = await events.get()
             if isinstance(ev, Token):
-                choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": None,
+                lp = None if logprobs is None else logprobs[index].add(ev.token_id, ev.logprob, ev.top)
+                choice = {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None,
                           "token_ids": [ev.token_id]}
             elif isinstance(ev, Finished):
                 open_ -= 1
@@ -275,7 +284,8 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
         _cancel(reqs)  # client gone (or an error): the engine drops what is still running
 
 
-async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: int):
+async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: int,
+                   logprobs=None):
     """The whole response once every choice has finished (or the first failure)."""
     texts = list(echo)
     token_ids: list[list[int]] = [[] for _ in reqs]
@@ -293,6 +303,8 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
             if isinstance(ev, Token):
                 texts[index] += ev.text
                 token_ids[index].append(ev.token_id)
+                if logprobs is not None:
+                    logprobs[index].add(ev.token_id, ev.logprob, ev.top)
             elif isinstance(ev, Finished):
                 texts[index] += ev.text
                 reasons[index] = ev.reason
@@ -302,6 +314,7 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
                 return _error(ev.status, ev.message)
     finally:
         _cancel(reqs)
-    choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i],
+    choices = [{"index": i, "text": texts[i], "logprobs": None if logprobs is None else logprobs[i].data,
+                "finish_reason": reasons[i],
                 "token_ids": token_ids[i]} for i in range(len(reqs))]
     return JSONResponse(completion_body(completion_id(), model, choices, usage(prompt_tokens, completion_tokens)))

@@ -6,9 +6,11 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 2. admits waiting requests while the batch has room and the iteration's prompt tokens stay
    within ``prefill_budget`` (so that running sequences are not stalled by a burst of
    arrivals): each is prefilled alone, then they join the running batch together
-   (``BatchDecoder.join``); their first tokens are chosen at once. While a large batch runs,
-   a lone arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the
-   running count is waiting), because every join copies the batch's cache,
+   (``decoder``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
+   slot of a preallocated cache; ``BatchDecoder`` on the other backends merges caches); their
+   first tokens are chosen at once. With ``BatchDecoder``, while a large batch runs, a lone
+   arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the running
+   count is waiting), because every join copies the batch's cache,
 3. chooses every running request's next token from its logits with the decoding code of
    ``model/generation.py`` (``next_tokens``: greedy, sampling, top-k/top-p, repetition penalty;
    each request has its own seeded generator, so a seeded request samples what
@@ -37,6 +39,7 @@ import numpy as np
 from ..config import GenerationConfig
 from ..model.generation import next_tokens
 from .batch import BatchDecoder
+from .slots import SlotDecoder
 
 log = logging.getLogger("gptc.serve")
 
@@ -51,10 +54,14 @@ class EngineStopped(Exception):
 
 @dataclass
 class Token:
-    """A new token; ``text`` is the piece of text it completes (may be "" while held back)."""
+    """A new token; ``text`` is the piece of text it completes (may be "" while held back).
+    With ``Request.logprobs`` set: the token's log-probability and the ``top`` alternatives
+    [(token id, log-probability), ...] (most likely first), from the model's raw distribution."""
 
     token_id: int
     text: str
+    logprob: Optional[float] = None
+    top: Optional[list[tuple[int, float]]] = None
 
 
 @dataclass
@@ -83,6 +90,7 @@ class Request:
     emit: Callable[[Any], None]
     stop: list[str] = field(default_factory=list)
     timeout: float = 0.0  # seconds from submission; 0: none
+    logprobs: Optional[int] = None  # report this many top alternatives (and the token's logprob) per token
     cancelled: bool = False  # set by the caller (any thread): the engine drops it before the next step
     # engine state
     id: int = 0
@@ -111,7 +119,7 @@ class Engine:
         self.step_delay = step_delay
         self.prefill_budget = prefill_budget
         self.admit_wait_steps = admit_wait_steps
-        self.batch = BatchDecoder(generator.backend)
+        self.batch = decoder(generator.backend, max_batch)
         self._pending: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._cond = threading.Condition()
@@ -134,17 +142,24 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         """Queue a request (any thread). Raises QueueFull or EngineStopped."""
+        self.submit_all([req])
+        return req
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Queue requests at once (any thread): the engine sees all of them or none (the choices
+        of one HTTP request). Raises QueueFull (when not all fit) or EngineStopped."""
         with self._cond:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
             free = self.max_batch - len(self._running)
-            if len(self._pending) >= self.max_queue + max(free, 0):
+            if len(self._pending) + len(reqs) > self.max_queue + max(free, 0):
                 raise QueueFull(f"{len(self._pending)} requests are waiting (Serve.max_queue={self.max_queue})")
-            req.id, req.submitted, req.submitted_step = next(self._ids), time.monotonic(), self.steps
-            self._pending.append(req)
+            now = time.monotonic()
+            for req in reqs:
+                req.id, req.submitted, req.submitted_step = next(self._ids), now, self.steps
+                self._pending.append(req)
             self._cond.notify_all()
         self._gauges()
-        return req
 
     @property
     def queue_depth(self) -> int:
@@ -232,7 +247,8 @@ class Engine:
         iteration's prompt tokens stay within ``prefill_budget`` (at least one request is
         admitted: the running sequences wait for these prefills), then join them together."""
         with self._cond:
-            if (self._running and self._pending and len(self._pending) < max(1, len(self._running) // 4)
+            if (not getattr(self.batch, "cheap_join", False) and self._running and self._pending
+                    and len(self._pending) < max(1, len(self._running) // 4)
                     and self.steps - self._pending[0].submitted_step < self.admit_wait_steps):
                 return  # a join copies the batch's cache: let a few arrivals gather (a few steps at most)
         joining: list[tuple[Request, tuple]] = []
@@ -271,6 +287,7 @@ class Engine:
     def _choose(self, req: Request) -> bool:
         """Pick, record and emit the next token of ``req``; True when it has finished."""
         step = len(req.tokens)
+        logprobs = _log_softmax(req.logits) if req.logprobs is not None else None
         tok = int(next_tokens(req.logits[None], req.seen, step, req.cfg, self.eos, req.rng)[0])
         req.logits = None
         req.seen[0, tok] = True
@@ -283,12 +300,13 @@ class Engine:
             else:
                 self.metrics.itl.observe(now - req.last_token_at)
         req.last_token_at = now
+        scores = {} if logprobs is None else _top(logprobs, tok, req.logprobs)
         if self.eos is not None and tok == self.eos:
-            req.emit(Token(tok, ""))
+            req.emit(Token(tok, "", **scores))
             self._finish(req, Finished("stop", self._rest(req, req.tokens[:-1]), len(req.tokens)))
             return True
         piece, stopped = self._text(req)
-        req.emit(Token(tok, piece))
+        req.emit(Token(tok, piece, **scores))
         if stopped:
             self._finish(req, Finished("stop", "", len(req.tokens)))
             return True
@@ -350,6 +368,27 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._pending))
             self.metrics.running.set(len(self._running))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _top(logprobs: np.ndarray, tok: int, k: int) -> dict:
+    """Token's logprob and the k most likely tokens (Token's ``logprob``/``top`` fields)."""
+    top = np.argpartition(-logprobs, k - 1)[:k] if k else np.zeros(0, np.int64)
+    top = top[np.argsort(-logprobs[top], kind="stable")]
+    return {"logprob": float(logprobs[tok]), "top": [(int(i), float(logprobs[i])) for i in top]}
+
+
+def decoder(backend, max_batch: int):
+    """The batch decoder for ``backend``: slots in the in-place cache of the fused Paddle program
+    (``SlotDecoder``), else merged concat-layout caches (``BatchDecoder``: onnx, unfused Paddle)."""
+    from ..inference.fused import FusedBackend
+
+    return SlotDecoder(backend, max_batch) if isinstance(backend, FusedBackend) else BatchDecoder(backend)
 
 
 def request_config(max_tokens: int, temperature: float, top_p: float, top_k: int, repetition_penalty: float,

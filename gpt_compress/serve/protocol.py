@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (``logprobs``), as vLLM
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +44,7 @@ class CompletionRequest(BaseModel):
     echo: StrictBool = False  # prepend the prompt to the text
     stream: StrictBool = False  # server-sent events, ending with `data: [DONE]`
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = None  # not supported: must be null
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per generated token
     best_of: Optional[int] = None  # only n (or null)
     presence_penalty: float = 0.0  # not supported: must be 0
     frequency_penalty: float = 0.0  # not supported: must be 0
@@ -63,8 +64,8 @@ class CompletionRequest(BaseModel):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(field, message) for a set option this server does not implement, else None."""
-        if self.logprobs is not None:
-            return "logprobs", "logprobs is not supported by this server; leave it null"
+        if self.logprobs is not None and self.echo:
+            return "logprobs", "logprobs of the echoed prompt are not supported: use logprobs without echo"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of={self.best_of} is not supported (only best_of == n)"
         for name in ("presence_penalty", "frequency_penalty"):
@@ -122,6 +123,29 @@ def completion_body(cid: str, model: str, choices: list[dict], usage: Optional[d
     if usage is not None:
         body["usage"] = usage
     return body
+
+
+class Logprobs:
+    """OpenAI's ``logprobs`` object of one choice (``tokens``, ``token_logprobs``,
+    ``top_logprobs``, ``text_offset``), built token by token. ``token_text(id)`` is a token's
+    own text; offsets count from ``offset`` (the echoed prompt's length). Each top dict also
+    holds the chosen token, as OpenAI's do (so up to ``logprobs + 1`` entries)."""
+
+    def __init__(self, token_text, offset: int = 0):
+        self.token_text, self.offset = token_text, offset
+        self.data: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        """Append one token; returns the object for that token alone (a streamed chunk's)."""
+        text = self.token_text(token_id)
+        alternatives = {self.token_text(i): lp for i, lp in top}
+        alternatives.setdefault(text, logprob)
+        one = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": [alternatives],
+               "text_offset": [self.offset]}
+        self.offset += len(text)
+        for key, values in one.items():
+            self.data[key].extend(values)
+        return one
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

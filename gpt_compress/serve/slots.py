@@ -1,0 +1,195 @@
+"""The slot decoder: continuous batching on the fused Paddle program's in-place KV cache.
+
+``FusedBackend`` (``inference/fused.py``) writes each step's keys/values in place into
+preallocated caches (B, H_i, capacity, D) at column S (the attention mask's width minus the
+new tokens) and attends only to the columns the mask marks, in column order, with positions
+``cumsum(mask) - 1``. So a row computes the same numbers whatever columns it sits in, with
+masked columns (padding, gaps) anywhere in it. This class keeps ONE such cache of
+``max_batch`` rows (slots), allocated once and grown only when it fills:
+
+* the running rows are slots ``0..n-1`` and share the write column S; a decode step runs the
+  backend on views of the first n rows (``Tensor._slice(0, n)`` shares the cache's memory,
+  whatever ``FLAGS_use_stride_kernel`` says: ``gptc`` turns strided views off, runtime.py), so
+  free slots cost nothing;
+* ``prefill`` runs a newcomer's prompt alone (batch 1, as ``Generator.generate`` does) and
+  ``join`` copies its p prompt columns into a free slot's row at [S-p, S): one row copied,
+  never the batch. A prompt longer than S moves S to p (the other rows get masked columns);
+* ``remove`` moves the last running row into the freed slot (one row copied);
+* when S reaches the capacity, ``_relayout`` packs each row's valid columns to the right of a
+  new S (the longest row), dropping padding and gaps, into a new cache that may be larger
+  (doubling, at most the model's context plus ``slack``): one copy of the batch, once per many
+  steps.
+
+Requires that ``_slice`` gives a view (checked at construction); otherwise every step runs all
+slots, the free ones with an all-masked row (the kernel gives such a row zeros: it attends to
+nothing), at the cost of computing them.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+import numpy as np
+
+INITIAL_CAPACITY = 256  # columns allocated at first; doubled (to at most context + slack) when full
+
+
+class SlotDecoder:
+    """Same interface as ``BatchDecoder`` (``prefill``/``join``/``add``/``step``/``remove``) over a
+    ``FusedBackend``. Not thread-safe: one engine loop owns it (and the backend)."""
+
+    cheap_join = True  # joining copies one row: no need to gather arrivals before a join
+
+    def __init__(self, backend, max_batch: int, slack: int = 0):
+        self.backend = backend
+        self.max_batch = max_batch
+        self.layers = backend.manifest.layers
+        context = backend.manifest.max_positions
+        self.max_capacity = context + (slack or max(32, context // 4))
+        self.keys: list[Hashable] = []
+        self._mask = np.zeros((max_batch, 0), np.int64)  # (max_batch, S): rows >= n are unused
+        self.relayouts = 0  # how many times the cache was repacked (stats)
+        self.max_rows = 0  # the largest running batch so far (stats)
+        self._tensors = backend._call(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
+        self._views = backend._call(self._check_views)
+
+    # ------------------------------------------------------------------ state
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def width(self) -> int:
+        """S: the write column of the next decode step."""
+        return int(self._mask.shape[1])
+
+    @property
+    def capacity(self) -> int:
+        return int(self._tensors[0].shape[2])
+
+    def _alloc(self, capacity: int) -> list:
+        import paddle
+
+        return [paddle.zeros([self.max_batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
+                for layer in self.layers for _ in range(2)]
+
+    def _check_views(self) -> bool:
+        t = self._tensors[0]
+        return self.max_batch == 1 or (hasattr(t, "_slice") and t._slice(0, 1).data_ptr() == t.data_ptr())
+
+    # ------------------------------------------------------------------ join
+    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, tuple]:
+        """Run ``prompt`` alone (batch 1); returns its logits (V,) and the state ``join`` takes."""
+        ids = np.asarray([prompt], dtype=np.int64)
+        logits, cache = self.backend.prefill(ids, np.ones_like(ids))
+        return logits[0], (cache, len(prompt))
+
+    def join(self, entries: list[tuple[Hashable, tuple]]) -> None:
+        """Put prefilled sequences ``[(key, state from prefill), ...]`` into free slots."""
+        keys = [k for k, _ in entries]
+        if len(set(keys)) != len(keys) or set(keys) & set(self.keys):
+            raise ValueError(f"duplicate keys in {keys}")
+        if len(self.keys) + len(entries) > self.max_batch:
+            raise ValueError(f"{len(self.keys)} running + {len(entries)} joining > max_batch {self.max_batch}")
+        placed = []
+        try:
+            for key, (cache, p) in entries:
+                self.backend._call(self._place, cache, p)
+                self.keys.append(key)
+                placed.append(key)
+        except Exception:
+            self.remove(placed)  # all of them or none: the caller fails the whole join
+            raise
+        self.max_rows = max(self.max_rows, len(self.keys))
+
+    def add(self, key: Hashable, prompt: list[int]) -> np.ndarray:
+        """Prefill ``prompt`` alone and join the batch; returns its logits (V,)."""
+        logits, state = self.prefill(prompt)
+        self.join([(key, state)])
+        return logits
+
+    def _place(self, cache, p: int) -> None:
+        """Copy a batch-1 prefill cache of ``p`` positions into slot ``len(self.keys)``."""
+        if max(self.width, p) + 1 > self.capacity:  # room for the prompt and the next step's column
+            self._relayout(p)
+        if self.width < p:  # the other rows get masked columns up to p
+            self._mask = np.pad(self._mask, ((0, 0), (0, p - self.width)))
+        s, row = self.width, len(self.keys)
+        for dst, src in zip(self._tensors, cache.tensors):
+            dst[row, :, s - p:s] = src[0, :, :p]
+        self._mask[row] = 0
+        self._mask[row, s - p:] = 1
+
+    # ------------------------------------------------------------------ decode
+    def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        """Decode one token for every row (``tokens[key]`` its last chosen token); returns each
+        row's next logits (V,)."""
+        from ..inference.fused import FusedCache
+
+        missing = [k for k in self.keys if k not in tokens]
+        if missing:
+            raise ValueError(f"no token for rows {missing}")
+        n = len(self.keys)
+        if self.width + 1 > self.capacity:
+            self.backend._call(self._relayout, 0)
+        s = self.width
+        rows = n if self._views else self.max_batch
+        self._mask = np.pad(self._mask, ((0, 0), (0, 1)))
+        self._mask[:n, s] = 1
+        ids = np.zeros((rows, 1), np.int64)
+        ids[:n, 0] = [tokens[k] for k in self.keys]
+        tensors = self._tensors if rows == self.max_batch else self.backend._call(
+            lambda: [t._slice(0, rows) for t in self._tensors])
+        logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(tensors, s))
+        return {k: logits[i] for i, k in enumerate(self.keys)}
+
+    # ------------------------------------------------------------------ leave
+    def remove(self, keys) -> None:
+        """Free the slots of ``keys`` at once (unknown keys are ignored): the last running rows
+        move into the freed slots."""
+        gone = set(keys) & set(self.keys)
+        if not gone:
+            return
+        self.backend._call(self._remove, gone)
+
+    def _remove(self, gone: set) -> None:
+        s = self.width
+        for key in gone:
+            i, last = self.keys.index(key), len(self.keys) - 1
+            if i != last:
+                for t in self._tensors:
+                    t[i, :, :s] = t[last, :, :s]
+                self._mask[i] = self._mask[last]
+                self.keys[i] = self.keys[last]
+            self._mask[last] = 0
+            self.keys.pop()
+        if not self.keys:
+            self._mask = self._mask[:, :0]
+
+    def _relayout(self, joining: int) -> None:
+        """Pack every running row's valid columns to the right of S' = the longest row, into a
+        cache with room for S' (or a joining prompt of ``joining`` positions) plus one step."""
+        n = len(self.keys)
+        lengths = self._mask[:n].sum(axis=1)
+        width = int(max(lengths.max(initial=0), joining))
+        need = width + 1
+        capacity = self.capacity
+        if need + capacity // 4 > capacity:
+            capacity = min(self.max_capacity, max(2 * capacity, need + capacity // 4))
+        if need > capacity:
+            raise ValueError(f"a row of {need} positions does not fit the slot cache ({capacity} columns)")
+        import paddle
+
+        new = self._alloc(capacity)
+        mask = np.zeros((self.max_batch, width), np.int64)
+        for r in range(n):
+            cols = np.flatnonzero(self._mask[r])
+            m = len(cols)
+            mask[r, width - m:] = 1
+            if not m:
+                continue
+            contiguous = cols[-1] - cols[0] + 1 == m
+            idx = None if contiguous else paddle.to_tensor(cols)
+            for dst, src in zip(new, self._tensors):
+                dst[r, :, width - m:width] = (src[r, :, cols[0]:cols[-1] + 1] if contiguous
+                                         else paddle.index_select(src[r], idx, axis=1))
+        self._tensors, self._mask = new, mask
+        self.relayouts += 1
