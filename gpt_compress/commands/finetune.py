@@ -17,7 +17,7 @@ import math
 import os
 import sys
 
-from ._common import add_config_arguments, add_training_arguments, config_from_args, print_json, seed_everything
+from ._common import add_config_arguments, add_training_arguments, print_json, seed_everything, training_config
 
 
 def add_arguments(parser) -> None:
@@ -50,11 +50,8 @@ def run(args) -> int:
     from ..train.trainer import fit
     from ._common import find_tokenizer
 
-    cfg = config_from_args(args)
+    cfg = training_config(args, "Finetune.train_file", "point it at a JSONL file of prompt/response (src/tgt) or text rows")
     fc, eng = cfg.finetune, cfg.engine
-    if not fc.train_file:
-        raise ConfigError("Finetune.train_file is empty: point it at a JSONL file of prompt/response "
-                          "(src/tgt) or text rows")
     seed = cfg.global_.seed
     seed_everything(seed)
     model = load_base(args.model)
