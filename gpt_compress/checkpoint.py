@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .errors import CheckpointError  # noqa: F401  (re-exported)
 
+import json
 import os
 from typing import Optional
 

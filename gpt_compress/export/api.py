@@ -138,7 +138,7 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int, fre
     if "onnx" in formats:  # weights attached from the model, one tensor at a time
         files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
                                          tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model),
-                                         transform=scoring_transform)
+                                         transform=scoring_transform, stream=True)  # it only drops the head's tail
     if free_weights:  # the programs read model.pdiparams / model.onnx.data from now on
         for p in model.parameters():
             p._clear_data()

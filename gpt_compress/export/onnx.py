@@ -410,27 +410,29 @@ def convert_program(paddle_dir: str, files: dict, io: dict, scratch: str, opset:
 
 def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict, opset: int = 17,
                      tanh_gelu: bool = False, transform: Optional[Callable] = None,
-                     weights: Optional[Callable] = None) -> dict:
+                     weights: Optional[Callable] = None, stream: Optional[bool] = None) -> dict:
     """Convert the exported Paddle programs in ``paddle_dir`` to ``{name}.onnx`` files plus one
     shared ``model.onnx.data`` in ``out_dir``, one program at a time (its weights streamed into
     the data file before the next is converted); ``io`` is ``inference.manifest.io_spec(cfg)``;
     ``tanh_gelu``: the model uses ``gelu_new`` (see ``fix_tanh_gelu``); ``transform(name, model,
     base_dir)`` rewrites each converted graph before it is written (the int8 export);
-    ``weights``: parameter name -> array, to attach the weights ourselves (``convert_program``).
-    Returns ``{program: {"model": file, "data": shared data file}}``."""
+    ``weights``: parameter name -> array, to attach the weights ourselves (``convert_program``);
+    ``stream``: write each attached weight to the data file at once (default: without a
+    ``transform``; pass True for a transform that only drops or adds small tensors, never one
+    that replaces weights, whose float bytes would stay in the file unused). Returns ``{program: {"model": file, "data": shared data file}}``."""
     import shutil
     import tempfile
 
     onnx, _ = _onnx()
     data = DataFile(out_dir)
+    stream = transform is None if stream is None else stream
     out = {}
     try:
         for name in [p for p in PROGRAMS + SCORE_PROGRAMS if p in paddle_files]:
             scratch = tempfile.mkdtemp(prefix=f".onnx-{name}-", dir=out_dir)
             try:
-                # Without a transform (which may replace weights) they go straight to the data file.
                 model = convert_program(paddle_dir, paddle_files[name], io[name], scratch, opset, tanh_gelu,
-                                        weights, data if transform is None else None)
+                                        weights, data if stream else None)
                 if transform is not None:
                     transform(name, model, scratch)
                 data.add(model, scratch)
