@@ -4,6 +4,10 @@ Face transformers and CTranslate2 peers, side by side in one run; prints one JSO
 
     OMP_NUM_THREADS=2 python bench/decode.py            # gpt-bench, 64-token prompt, 128 new tokens
     python bench/decode.py --backends paddle,onnx_int8 --no-peer --rounds 1
+    python bench/decode.py --preset gpt-345M --batch 1 --no-positions --int-formats fused ...
+
+Every row reports the peak RSS of its worker process (``peak_rss_mb``, ``getrusage``): a runner's
+whole memory, weights included (``weights_mb``: the weight files its backend loads).
 
 Exported backends also report a batch-1 decode step with 100 and with 900 tokens in the cache
 (``step_ms_at_100/900``).
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -110,10 +115,24 @@ def step_ms_at(gen, position: int, steps: int = 16) -> float:
     return round(statistics.median(times), 2)
 
 
-def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: int) -> dict:
+def weights_mb(path: str, backend_class: str) -> float:
+    """MB of the weight files the backend reads (the fused program's, the unfused Paddle
+    programs', the ONNX external data, or the checkpoint)."""
+    names = {"FusedBackend": ("fused.pdiparams",), "PaddleBackend": ("model.pdiparams",),
+             "OrtBackend": ("model.onnx.data",)}.get(backend_class)
+    files = [os.path.join(path, n) for n in names] if names else [
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".pdparams"))
+        and not f.startswith("optimizer")]
+    return round(sum(os.path.getsize(f) for f in files if os.path.isfile(f)) / 2**20, 1)
+
+
+def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: int, positions: bool = True,
+               fused_threads: int = 0) -> dict:
     from gpt_compress.inference.runner import Generator
 
     backend, _, options = CONTENDERS[name]
+    if fused_threads and backend == "paddle" and options.get("fused") is not False:
+        options = {**options, "threads": fused_threads}
     gen = Generator.from_dir(path, backend=backend, verify=False, **options)
     rng = np.random.default_rng(0)
     vocab = gen.vocab_size
@@ -121,7 +140,8 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
     many = [[int(t) for t in rng.integers(0, vocab, prompt)] for _ in range(batch)]
     ids, mask = np.array(one, dtype=np.int64), np.ones((1, prompt), dtype=np.int64)
     gen.generate(one, max_new_tokens=8, min_new_tokens=8)
-    gen.generate(many, max_new_tokens=8, min_new_tokens=8)
+    if batch > 1:
+        gen.generate(many, max_new_tokens=8, min_new_tokens=8)
     prefill = []
     for _ in range(7):
         t = time.perf_counter()
@@ -132,15 +152,20 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
         out = gen.generate(one, max_new_tokens=new, min_new_tokens=new)
         assert len(out.sequences[0]) == new
         b1.append(out.tokens_per_s)
-        bn.append(gen.generate(many, max_new_tokens=new, min_new_tokens=new).tokens_per_s)
+        if batch > 1:
+            bn.append(gen.generate(many, max_new_tokens=new, min_new_tokens=new).tokens_per_s)
     prefill_ms = statistics.median(prefill)
     tps = statistics.median(b1)
     out = {"prefill_ms": round(prefill_ms, 2), "decode_tokens_per_s": round(tps, 1),
            "decode_step_ms": round((new / tps * 1e3 - prefill_ms) / (new - 1), 2),
-           f"batch{batch}_decode_tokens_per_s": round(statistics.median(bn), 1),
            "runs_batch1": [round(x, 1) for x in b1], "backend_class": type(gen.backend).__name__}
-    if backend != "dygraph" and gen.max_positions >= 920:  # a step's cost vs the cache length
+    if bn:
+        out[f"batch{batch}_decode_tokens_per_s"] = round(statistics.median(bn), 1)
+    if positions and backend != "dygraph" and gen.max_positions >= 920:  # a step's cost vs the cache length
         out["step_ms_at_100"], out["step_ms_at_900"] = step_ms_at(gen, 100), step_ms_at(gen, 900)
+    out["threads"] = getattr(gen.backend, "threads", None)
+    out["weights_mb"] = weights_mb(path, out["backend_class"])
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
     return out
 
 
@@ -149,12 +174,17 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
 # --------------------------------------------------------------------------------------
 def _json_line(cmd: list[str], env: dict) -> dict:
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [x for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        err = proc.stderr.strip().splitlines()
+        return {"error": err[-1] if err else f"exit {proc.returncode}, no JSON on stdout"}
+    res = json.loads(lines[-1])
+    print(json.dumps({"row": cmd[3] if "--worker" in cmd else os.path.basename(cmd[1]), **res}), file=sys.stderr,
+          flush=True)  # progress: a run cut short keeps its rows
+    return res
 
 
-def prepare_int(workdir: str, preset: str, ckpt: str, bits: int) -> str:
+def prepare_int(workdir: str, preset: str, ckpt: str, bits: int, formats=("paddle", "onnx")) -> str:
     """Weight-only int``bits`` export (every Linear, the tied embedding/head and positions; blocks
     of 32, int8 inputs per token and block) of ``ckpt`` (paddle + onnx), reused if present."""
     from gpt_compress.checkpoint import load_model
@@ -166,7 +196,31 @@ def prepare_int(workdir: str, preset: str, ckpt: str, bits: int) -> str:
     out = os.path.join(workdir, f"{preset}-int{bits}")
     if not os.path.isfile(os.path.join(out, MANIFEST)):
         qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
-        export_model(qmodel, out, formats=("paddle", "onnx"), validate=False)  # random init: see int8.py
+        export_model(qmodel, out, formats=tuple(formats), validate=False)  # random init: see int8.py
+    return out
+
+
+def prepare_fused_int(workdir: str, preset: str, ckpt: str, bits: int, base: str) -> str:
+    """The weight-only int``bits`` model as the fused program alone, with ``base``'s (the float
+    export's) manifest: for presets whose full int export (unfused programs + ONNX) needs more
+    memory than the bench may use (gpt-345M: > 6 GB). Only the fused Paddle backend runs it."""
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.config import QuantConfig
+    from gpt_compress.export.fused import save_fused
+    from gpt_compress.inference.manifest import MANIFEST
+    from gpt_compress.qat.quantize import quantize_model
+
+    out = os.path.join(workdir, f"{preset}-int{bits}-fused")
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
+        qmodel.eval()
+        os.makedirs(out, exist_ok=True)
+        info = save_fused(qmodel, out)
+        with open(os.path.join(base, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        manifest.update(fused=info, formats=["paddle"])
+        with open(os.path.join(out, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
     return out
 
 
@@ -210,6 +264,25 @@ def prepare(workdir: str, preset: str) -> tuple[str, str]:
     return ckpt, out
 
 
+# (numerator, denominator, figure): the issue's targets as ratios of one run.
+RATIOS = [("paddle_int8", "onnx_int8", "decode_tokens_per_s"), ("paddle_int8", "paddle", "decode_tokens_per_s"),
+          ("paddle", "onnx", "decode_tokens_per_s"), ("paddle", "paddle_unfused", "decode_tokens_per_s"),
+          ("paddle_int4", "paddle_int8", "decode_tokens_per_s"), ("paddle_int8", "onnx_int8", "BATCH"),
+          ("onnx", "paddle", "prefill_ms"), ("onnx_int8", "paddle_int8", "prefill_ms")]
+
+
+def ratios(results: dict, key_b: str) -> dict:
+    """The ratios of RATIOS whose rows were measured (prefill: onnxruntime's ms over ours, so
+    above 1 means ours is faster)."""
+    out = {}
+    for num, den, key in RATIOS:
+        key = key_b if key == "BATCH" else key
+        a, b = results.get(num, {}).get(key), results.get(den, {}).get(key)
+        if a and b:
+            out[f"{num}/{den} {key}"] = round(a / b, 2)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-bench")
@@ -221,10 +294,17 @@ def main() -> None:
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--no-peer", action="store_true", help="skip the transformers and CTranslate2 peers")
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
+    p.add_argument("--no-positions", action="store_true", help="skip the steps at 100 / 900 cached tokens")
+    p.add_argument("--int-formats", default="paddle,onnx",
+                   help="formats of the int exports, or 'fused': the fused program alone (gpt-345M: the "
+                        "full int8 export needs > 6 GB)")
+    p.add_argument("--fused-threads", type=int, default=0,
+                   help="OpenMP threads of the fused operators (0: the backend's default)")
     p.add_argument("--worker", nargs=2, metavar=("BACKEND", "PATH"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(run_worker(a.worker[0], a.worker[1], a.prompt, a.new_tokens, a.batch, a.reps)))
+        print(json.dumps(run_worker(a.worker[0], a.worker[1], a.prompt, a.new_tokens, a.batch, a.reps,
+                                    positions=not a.no_positions, fused_threads=a.fused_threads)))
         return
 
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
@@ -243,13 +323,14 @@ def main() -> None:
     paths = {"ckpt": ckpt, "fp32": out}
     for bits in (8, 4):
         if any(CONTENDERS[b][1] == f"int{bits}" for b in backends):
-            paths[f"int{bits}"] = prepare_int(workdir, a.preset, ckpt, bits)
+            paths[f"int{bits}"] = (prepare_fused_int(workdir, a.preset, ckpt, bits, out) if a.int_formats == "fused"
+                                   else prepare_int(workdir, a.preset, ckpt, bits, a.int_formats.split(",")))
     export_s = time.perf_counter() - t0
 
     names = backends + ([] if a.no_peer else ["hf_peer", "ct2_peer"])
     runs: dict[str, list[dict]] = {n: [] for n in names}
     common = ["--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
-              "--reps", str(a.reps)]
+              "--reps", str(a.reps), "--fused-threads", str(a.fused_threads)] + (["--no-positions"] * a.no_positions)
     peer_args = ["--layers", str(cfg.num_layers), "--hidden", str(cfg.hidden_size),
                  "--heads", str(cfg.num_attention_heads), "--vocab", str(cfg.vocab_size),
                  "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens), "--threads", str(threads)]
@@ -286,13 +367,19 @@ def main() -> None:
             results[name] = rs[-1]
             continue
         med = {}
-        for k in ("decode_tokens_per_s", "prefill_ms", key_b, "step_ms_at_100", "step_ms_at_900"):
+        for k in ("decode_tokens_per_s", "prefill_ms", key_b, "step_ms_at_100", "step_ms_at_900", "peak_rss_mb"):
             vals = [x[k] for x in ok if x.get(k) is not None]
             if vals:
                 med[k] = round(max(vals) if "tokens_per_s" in k else min(vals), 2)
+        for k in ("weights_mb", "threads", "backend_class"):
+            if ok[-1].get(k) is not None:
+                med[k] = ok[-1][k]
+        if med.get("weights_mb") and med.get("peak_rss_mb"):
+            med["rss_over_weights"] = round(med["peak_rss_mb"] / med["weights_mb"], 2)
         if "step_ms_at_900" in med:
             med["step_900_over_100"] = round(med["step_ms_at_900"] / med["step_ms_at_100"], 2)
-        med[f"rounds_batch{a.batch}"] = [x.get(key_b) for x in ok]
+        if a.batch > 1:
+            med[f"rounds_batch{a.batch}"] = [x.get(key_b) for x in ok]
         med["fraction_of_bandwidth_limit"] = round(med["decode_tokens_per_s"] / limit, 3)
         if key_b in med:
             med[f"batch{a.batch}_fraction_of_limit"] = round(med[key_b] / (a.batch * limit), 3)
@@ -305,7 +392,7 @@ def main() -> None:
             if peer.get(key_b) and key_b in results[name]:
                 results[name][f"vs_peer_batch{a.batch}"] = round(results[name][key_b] / peer[key_b], 2)
     print(json.dumps({
-        "bench": "decode", "preset": a.preset, "params": cfg.num_parameters(), "threads": threads,
+        "bench": "decode", "ratios": ratios(results, key_b), "preset": a.preset, "params": cfg.num_parameters(), "threads": threads,
         "prompt_tokens": a.prompt, "new_tokens": a.new_tokens, "batch": a.batch,
         "copy_bandwidth_gbps": round(gbps, 1), "weight_bytes_per_token": per_token,
         "bandwidth_limit_tokens_per_s": round(limit, 1), "export_seconds": round(export_s, 1),

@@ -226,3 +226,50 @@ def test_a_corrupt_cached_library_is_detected(dirs, tmp_path):
     assert problem is not None and str(so) in problem and "corrupt" in problem
     os.remove(so)
     assert kernels.cached_library_problem(str(copy)) is None  # missing: simply built
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(dirs, monkeypatch, mode):
+    """Batch invariance (what ``gptc serve``'s continuous batching relies on): a sequence's logits
+    are bitwise identical run alone, as a left-padded row of a batch (on 2 OpenMP threads), and
+    with its prompt fed token by token (GEMV decode steps) instead of in one prefill (GEMM)."""
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.config import QuantConfig
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.export.fused import FusedLM, fused_weights
+    from gpt_compress.qat.quantize import quantize_model
+
+    model = load_model(dirs["ckpt"])
+    if mode == "int8":
+        model = quantize_model(model, QuantConfig(targets=[], weight_only=["*"], weight_bits=8))
+    model.eval()
+    fused, cfg = FusedLM(fused_weights(model)), model.config
+    ids, mask = _left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
+    steps = np.random.default_rng(0).integers(0, cfg.vocab_size, (len(PROMPTS), 3))
+
+    def run(ids, mask, new, chunks):
+        """Feed ids (B, T) + new (B, 3) in chunks of ``chunks`` columns: logits (B, positions, V)."""
+        b, t = ids.shape
+        ids, mask = np.concatenate([ids, new], 1), np.concatenate([mask, np.ones_like(new)], 1)
+        caches = [paddle.zeros([b, cfg.heads(i), ids.shape[1], cfg.dim_head]) for i in range(cfg.num_layers)
+                  for _ in "kv"]
+        out, s = [], 0
+        for n in chunks:
+            with paddle.no_grad():
+                got = fused(paddle.to_tensor(ids[:, s:s + n]), paddle.to_tensor(mask[:, :s + n]),
+                            paddle.to_tensor(np.arange(b * n)), caches).numpy()
+            out.append(got.reshape(b, n, -1))
+            s += n
+        return np.concatenate(out, 1)
+
+    t = ids.shape[1]
+    monkeypatch.setenv("GPTC_THREADS", "2")
+    batch = run(ids, mask, steps, [t, 1, 1, 1])
+    monkeypatch.setenv("GPTC_THREADS", "1")
+    for i in range(len(PROMPTS)):
+        n = int(mask[i].sum())
+        alone = run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1], [n, 1, 1, 1])[0]
+        assert np.array_equal(alone, batch[i, t - n:]), f"row {i}: batch vs alone"
+        if i == 1:  # the prompt token by token: every position's logits as from the prefill
+            assert np.array_equal(run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1], [1] * (n + 3))[0],
+                                  alone)

@@ -64,6 +64,29 @@ def run(args) -> int:
     out = gen.generate(PROMPT, max_new_tokens=40, repetition_penalty=1.3)
     completion = out.texts[0]
     print(f"greedy completion by {int8} (repetition penalty 1.3):\n{PROMPT}{completion}\n", flush=True)
+    if "paddle" in cfg.pipeline.formats:
+        _print_fused_row(int8, gen)
     print(f"report: {result['report']}", flush=True)
     print_json({**result, "completion": completion})
     return 0
+
+
+def _print_fused_row(model_dir: str, other) -> None:
+    """The int8 model on Paddle Inference's fused CPU operators (the report's paddle rows run
+    them too) next to ``other``'s backend: one line of decode speed."""
+    from ..eval.speed import measure_speed
+    from ..inference.fused import FusedBackend
+    from ..inference.runner import Generator
+
+    fused = Generator.from_dir(model_dir, backend="paddle")
+    ids = (other.tokenizer.encode(PROMPT) if other.tokenizer else [1, 2, 3, 4, 5, 6]) * 4
+    rows = [("fused int8 (Paddle Inference, gpt-compress CPU operators)" if isinstance(fused.backend, FusedBackend)
+             else "int8 (Paddle Inference, unfused: the operators could not be built)", fused)]
+    if other.backend is not fused.backend and type(other.backend).__name__ != type(fused.backend).__name__:
+        rows.append((f"int8 ({type(other.backend).__name__})", other))
+    cells = []
+    for label, g in rows:
+        s = measure_speed(g, ids, 64, 2).to_dict()
+        cells.append(f"{label}: {s['decode_tokens_per_s']} tok/s, prefill {s['prefill_ms']} ms")
+    print(" | ".join(cells) + "\n", flush=True)
+

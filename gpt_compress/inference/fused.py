@@ -30,8 +30,10 @@ from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores). 1 by default: on the shared 2-core
 # machines here (load ~12) two threads made a gpt-bench step 10-20x slower than one (every op's
-# barrier waits for a descheduled thread; bench/decode.py, 2026-11-22), while one thread ran
-# ~10 ms steps. On a quiet machine threads=0 may pay off for the LM head: measure it.
+# barrier waits for a descheduled thread; bench/decode.py, 2026-11-22); the kernels alone, best of
+# 50 at load ~6 (2026-11-23): int8 LM head (50304 x 384) 1.9 ms on one thread, 14.0 ms on two;
+# float32 1536 x 384 GEMV 0.25 vs 9.6 ms. On a quiet machine threads=0 may pay off for the LM
+# head: measure it (bench/decode.py --fused-threads 2).
 DEFAULT_THREADS = 1
 
 

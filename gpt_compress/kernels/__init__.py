@@ -64,12 +64,15 @@ def cache_key() -> str:
     """Hash of the source, compiler, flags, Paddle version and CPU flags (the cache subdirectory)."""
     import paddle
 
-    h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    h = hashlib.sha256(_source_bytes())
     for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
+
+
+def _source_bytes() -> bytes:
+    with open(SOURCE, "rb") as f:
+        return f.read()
 
 
 def cache_dir() -> str:
@@ -96,13 +99,27 @@ def _file_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _snapshot_source(directory: str) -> str:
+    """The source the library in ``directory`` is built from: a copy made once, inside the keyed
+    directory, so the build compiles exactly the hashed text at one fixed path (not whatever
+    ``gptc_ops.cc`` holds mid-edit, nor a rebuild for every checkout's different path)."""
+    path = os.path.join(directory, NAME + ".cc")
+    if not os.path.isfile(path):
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(_source_bytes())
+        os.replace(tmp, path)
+    return path
+
+
 def _build(directory: str):
     from paddle.utils.cpp_extension import load
 
     log = io.StringIO()
+    source = _snapshot_source(directory)
     try:
         with contextlib.redirect_stdout(log):
-            return load(name=NAME, sources=[SOURCE], extra_cxx_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            return load(name=NAME, sources=[source], extra_cxx_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                         build_directory=directory, verbose=False)
     except Exception as e:  # noqa: BLE001  (setuptools/compiler errors of every kind)
         tail = "\n".join((log.getvalue() + "\n" + str(e)).strip().splitlines()[-15:])

@@ -16,6 +16,13 @@
 // and qat.quantize.fake_quant_dynamic) or int8 with one calibrated scale (act > 0: W8A8,
 // weights per channel, blk == K). Integer dots accumulate in int32 per block, exactly.
 // Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
+// Matrix products run in blocks of 12 weight rows, each read once for all M input rows (a GEMM
+// for prefill and batches: 4x3 float tiles, 2x4 int8 tiles; GEMV for M = 1). Batch invariant:
+// an output's arithmetic never depends on M, the tile, the thread or the other rows, and
+// attention runs over each row's unmasked keys in order, so a sequence's logits are bitwise the
+// same alone, left-padded in a batch, prefilled at once or token by token (tests/test_fused.py).
+// Vector paths are AVX2 (+FMA); VNNI dot products compile in where -march=native has them
+// (not verified on the AVX2-only machines this was developed on).
 #include <omp.h>
 
 #include <algorithm>
@@ -75,6 +82,7 @@ Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Ten
 }
 
 #if defined(__AVX2__)
+// The one horizontal sum every output of the float kernels goes through (a fixed tree).
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -83,11 +91,10 @@ inline float hsum(__m256 v) {
 }
 
 // 32 int8 x 32 int8 -> 8 int32 partial sums: |x| as unsigned times w with x's sign, exact
-// (maddubs pairs stay below 2 * 128 * 127 < 2^15). VNNI does it in one instruction.
-inline __m256i dot32_i8(const int8_t* a, const int8_t* b) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  const __m256i ax = _mm256_sign_epi8(x, x), sw = _mm256_sign_epi8(w, x);
+// (maddubs pairs stay below 2 * 128 * 127 < 2^15). VNNI does it in one instruction (compiled in
+// by -march=native where the CPU has it; unverified on the AVX2-only machines of this repo).
+inline __m256i dot32_i8(__m256i ax, __m256i x, __m256i w) {
+  const __m256i sw = _mm256_sign_epi8(w, x);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
 #elif defined(__AVXVNNI__)
@@ -96,54 +103,111 @@ inline __m256i dot32_i8(const int8_t* a, const int8_t* b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
 #endif
 }
+
+// exp of 8 lanes (Cephes' polynomial, ~1 ulp); every lane independent of the others, so a
+// value's exp never depends on where it sits in a buffer.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
 #endif
 
-// R float dot products of one weight row with R input rows (rows ldx apart).
-template <int R>
-inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out) {
-  int64_t k = 0;
+// ------------------------------------------------------------------ matrix kernels
+// Batch invariance (the serving engine relies on it): every output y[m][n] is computed by the
+// same sequence of operations whatever M, the tile it falls in or the other rows: one 8-lane
+// accumulator over k in steps of 8 (float) or of 32 (int8, one fma of the block's int32 dot
+// times its scale), then hsum, then the k tail with scalar fmas in order. Tiles only decide
+// which outputs share a pass over the weights.
+
 #if defined(__AVX2__)
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
-    for (int r = 0; r < R; ++r) {
-      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k + 8), w1, a1[r]);
+// MR input rows x NR weight rows (float); y rows ldy apart.
+template <int MR, int NR>
+inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+                  const float* bias) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
-#else
-  for (int r = 0; r < R; ++r) out[r] = 0.f;
-#endif
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int64_t kk = k; kk < K; ++kk) s += x[r * ldx + kk] * w[kk];
-    out[r] += s;
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) {
+      float s = hsum(acc[r][n]);
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[r * ldx + kk], w[n * ldw + kk], s);
+      y[r * ldy + n] = s + (bias ? bias[n] : 0.f);
+    }
 }
 
-// One int8 weight row against one int8 input row, both K long: the sum over blocks of
-// dot * (input scale * weight scale); the dots are exact int32.
-inline float int_dot_row(const int8_t* xq, const float* sx, const int8_t* q, const float* sw, int64_t K,
-                         int64_t blk) {
-#if defined(__AVX2__)
-  if (K % 32 == 0 && blk % 32 == 0) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < K; c += 32) {
-      const int64_t b = c / blk;
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(xq + c, q + c)), _mm256_set1_ps(sx[b] * sw[b]), acc);
+// MR int8 input rows (K apart, scales sx nb apart) x NR int8 weight rows (pointers q, scales sw).
+template <int MR, int NR>
+inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
+                  const float* const* sw, float* y, int64_t ldy, const float* bias) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K; c += 32) {
+    const int64_t b = c / blk;
+    __m256i wv[NR];
+    __m256 swb[NR];
+    for (int n = 0; n < NR; ++n) {
+      wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
+      swb[n] = _mm256_set1_ps(sw[n][b]);
     }
-    return hsum(acc);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
+      const __m256i ax = _mm256_sign_epi8(xv, xv);
+      const __m256 sxb = _mm256_set1_ps(sx[r * nb + b]);
+      for (int n = 0; n < NR; ++n)
+        acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_mul_ps(sxb, swb[n]),
+                                    acc[r][n]);
+    }
   }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
+}
 #endif
-  float acc = 0.f;
-  for (int64_t b = 0; b < K / blk; ++b) {
-    int32_t s = 0;
-    for (int64_t j = b * blk; j < (b + 1) * blk; ++j) s += int32_t(int16_t(xq[j]) * int16_t(q[j]));
-    acc += float(s) * (sx[b] * sw[b]);
-  }
-  return acc;
+
+// Scalar forms (no AVX2, or shapes the vector tiles do not cover: then for the whole layer).
+inline void ftile_scalar(const float* x, int64_t ldx, int MR, const float* w, int64_t ldw, int NR, int64_t K,
+                         float* y, int64_t ldy, const float* bias) {
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(x[r * ldx + k], w[n * ldw + k], s);
+      y[r * ldy + n] = s + (bias ? bias[n] : 0.f);
+    }
+}
+
+inline void itile_scalar(const int8_t* xq, const float* sx, int MR, int64_t K, int64_t nb, int64_t blk,
+                         const int8_t* const* q, const float* const* sw, int NR, float* y, int64_t ldy,
+                         const float* bias) {
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t s = 0;
+        for (int64_t j = b * blk; j < (b + 1) * blk; ++j) s += int32_t(xq[r * K + j]) * int32_t(q[n][j]);
+        acc += float(s) * (sx[r * nb + b] * sw[n][b]);
+      }
+      y[r * ldy + n] = acc + (bias ? bias[n] : 0.f);
+    }
 }
 
 // Row n of an int weight as int8 codes (int4 unpacked into buf).
@@ -165,76 +229,108 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
   return buf;
 }
 
-// y (M, N) = x (M, K) @ W^T + bias.
-void linear(const Lin& L, const float* x, int64_t M, float* y) {
-  const int64_t N = L.n, K = L.k;
-  if (L.bits == 32 || L.act < 0.f) {
-#pragma omp parallel num_threads(nthreads())
-    {
-      std::vector<float> wbuf(L.bits == 32 ? 0 : K);
-      std::vector<int8_t> ibuf(L.bits == 4 ? K : 0);
-#pragma omp for schedule(static)
-      for (int64_t n = 0; n < N; ++n) {
-        const float* w = L.wf ? L.wf + n * K : nullptr;
-        if (!w) {  // dequantize the row: codes * block scales (the fake-quant weight)
-          const int8_t* q = int_row(L, n, ibuf.data());
-          const float* sc = L.scale + n * (K / L.blk);
-          for (int64_t j = 0; j < K; ++j) wbuf[j] = float(q[j]) * sc[j / L.blk];
-          w = wbuf.data();
-        }
-        const float b = L.bias ? L.bias[n] : 0.f;
-        int64_t m = 0;
-        float o[4];
-        for (; m + 4 <= M; m += 4) {
-          dot_rows<4>(x + m * K, K, w, K, o);
-          for (int r = 0; r < 4; ++r) y[(m + r) * N + n] = o[r] + b;
-        }
-        for (; m < M; ++m) {
-          dot_rows<1>(x + m * K, K, w, K, o);
-          y[m * N + n] = o[0] + b;
-        }
-      }
+// Weight rows per block: the unit of work of a thread. A block's weights are read from memory
+// once for all M input rows (GEMM for M > 1: prefill, batches); int4 rows are unpacked (and
+// float-input int rows dequantized) once per block.
+constexpr int NBLK = 12;
+
+// Float weights (NBLK or fewer rows) against all M input rows.
+inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr, float* y, int64_t ldy,
+                   const float* bias) {
+#if defined(__AVX2__)
+  if (nr == NBLK) {
+    for (int s = 0; s < NBLK; s += 3) {  // 4 x 3 tiles: 12 accumulators, 7 loads per 12 fmas
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) ftile<4, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr);
+      for (; m < M; ++m) ftile<1, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr);
     }
     return;
   }
-  // Integer path: quantize the inputs once, (M, K) int8 codes and (M, K/blk) scales.
-  const int64_t nb = K / L.blk;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> sx(M * nb);
-#pragma omp parallel for schedule(static) num_threads(nthreads()) if (M > 1)
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * L.blk;
-      float s = L.act;
-      if (s == 0.f) {
-        float amax = 0.f;
-        for (int64_t j = 0; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        s = std::max(amax, 1e-30f) / 127.0f;
-      }
-      sx[m * nb + b] = s;
-      for (int64_t j = 0; j < L.blk; ++j) {
-        float q = std::round(xb[j] / s);
-        xq[m * K + b * L.blk + j] = int8_t(std::min(127.f, std::max(-128.f, q)));
-      }
+  for (int n = 0; n < nr; ++n)
+    for (int64_t m = 0; m < M; ++m) ftile<1, 1>(x + m * K, K, w + n * K, K, K, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+#else
+  ftile_scalar(x, K, int(M), w, K, nr, K, y, ldy, bias);
+#endif
+}
+
+inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                   const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias) {
+#if defined(__AVX2__)
+  if (K % 32 == 0 && blk % 32 == 0) {
+    int n = 0;
+    for (; n + 4 <= nr; n += 4) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2)
+        itile<2, 4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+      for (; m < M; ++m)
+        itile<1, 4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
     }
+    for (; n < nr; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        itile<1, 1>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+    return;
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    itile_scalar(xq + m * K, sx + m * nb, 1, K, nb, blk, q, sw, nr, y + m * ldy, ldy, bias);
+}
+
+// y (M, N) = x (M, K) @ W^T + bias.
+void linear(const Lin& L, const float* x, int64_t M, float* y) {
+  const int64_t N = L.n, K = L.k, nblocks = (N + NBLK - 1) / NBLK;
+  const bool integer = !(L.bits == 32 || L.act < 0.f);
+  const int64_t nb = integer ? K / L.blk : 0;
+  std::vector<int8_t> xq(integer ? M * K : 0);
+  std::vector<float> sx(M * nb);
+  if (integer) {  // quantize the inputs once: (M, K) int8 codes, (M, K/blk) scales
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * K + b * L.blk;
+        float s = L.act;
+        if (s == 0.f) {
+          float amax = 0.f;
+          for (int64_t j = 0; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
+          s = std::max(amax, 1e-30f) / 127.0f;
+        }
+        sx[m * nb + b] = s;
+        for (int64_t j = 0; j < L.blk; ++j) {
+          const float v = std::round(xb[j] / s);
+          xq[m * K + b * L.blk + j] = int8_t(std::min(127.f, std::max(-128.f, v)));
+        }
+      }
   }
 #pragma omp parallel num_threads(nthreads())
   {
-    std::vector<int8_t> ibuf(L.bits == 4 ? K : 0);
+    std::vector<float> wbuf(L.bits != 32 && !integer ? NBLK * K : 0);  // dequantized rows
+    std::vector<int8_t> ibuf(L.bits == 4 ? NBLK * K : 0);              // unpacked int4 rows
+    const int8_t* q[NBLK];
+    const float* sw[NBLK];
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const int8_t* q = int_row(L, n, ibuf.data());
-      const float* sw = L.scale + n * nb;
-      const float b = L.bias ? L.bias[n] : 0.f;
-      for (int64_t m = 0; m < M; ++m)
-        y[m * N + n] = int_dot_row(xq.data() + m * K, sx.data() + m * nb, q, sw, K, L.blk) + b;
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t n0 = blk * NBLK;
+      const int nr = int(std::min<int64_t>(NBLK, N - n0));
+      const float* bias = L.bias ? L.bias + n0 : nullptr;
+      if (L.bits == 32) {
+        fblock(x, M, K, L.wf + n0 * K, nr, y + n0, N, bias);
+        continue;
+      }
+      for (int n = 0; n < nr; ++n) {
+        q[n] = int_row(L, n0 + n, ibuf.data() + n * K);
+        sw[n] = L.scale + (n0 + n) * (K / L.blk);
+      }
+      if (integer) {
+        iblock(xq.data(), sx.data(), M, K, nb, L.blk, q, sw, nr, y + n0, N, bias);
+        continue;
+      }
+      for (int n = 0; n < nr; ++n)  // the fake-quant weight: codes * block scales
+        for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
+      fblock(x, M, K, wbuf.data(), nr, y + n0, N, bias);
     }
   }
 }
 
 void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps,
                 float* y) {
-#pragma omp parallel for schedule(static) num_threads(nthreads()) if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * C;
     float mean = 0.f, var = 0.f;
@@ -246,17 +342,114 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const floa
   }
 }
 
+// Activation in place, elementwise (each value's result depends on that value only).
 void activate(float* h, int64_t n, int act) {
-#pragma omp parallel for schedule(static) num_threads(nthreads()) if (n > 4096)
+  if (act == 0) {
+    for (int64_t i = 0; i < n; ++i) h[i] = h[i] > 0.f ? h[i] : 0.f;
+    return;
+  }
+  if (act == 1) {  // exact erf GELU (libm)
+    for (int64_t i = 0; i < n; ++i) h[i] = 0.5f * h[i] * (1.f + std::erf(h[i] * 0.70710678118654752f));
+    return;
+  }
+#if defined(__AVX2__)
+  // gelu_new: 0.5 v (1 + tanh(u)), tanh(u) = 1 - 2 / (exp(2u) + 1); the tail goes through the
+  // same 8-lane code (padded), so no value is computed two ways.
+  auto gelu8 = [](__m256 v) {
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.79788456080286536f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), v), _mm256_mul_ps(v, v), v));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.f), u));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                                   _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.f), t));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, gelu8(_mm256_loadu_ps(h + i)));
+  if (i < n) {
+    float buf[8] = {0.f};
+    std::memcpy(buf, h + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(buf, gelu8(_mm256_loadu_ps(buf)));
+    std::memcpy(h + i, buf, (n - i) * sizeof(float));
+  }
+#else
   for (int64_t i = 0; i < n; ++i) {
     const float v = h[i];
-    if (act == 0)
-      h[i] = v > 0.f ? v : 0.f;
-    else if (act == 1)
-      h[i] = 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
-    else
-      h[i] = 0.5f * v * (1.f + std::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    h[i] = 0.5f * v * (1.f + std::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
   }
+#endif
+}
+
+// One query against its n keys (rows idx[0..n) of kb/vb, D floats each): softmax(q.k * scale) @ v
+// into o. Keys are the query's unmasked cache columns in order, so every reduction runs over
+// the same values in the same order whatever the padding, batch or prefill/decode split.
+// p: scratch of n + 8 floats.
+void attend(const float* qv, const float* kb, const float* vb, const int32_t* idx, int64_t n, int64_t D,
+            float scale, float* p, float* o) {
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  if (n == 0) return;  // a padding query: attends to nothing real
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8) {  // 8 keys per pass, one fixed reduction tree per key
+      __m256 a[8];
+      const float* kr[8];
+      for (int j = 0; j < 8; ++j) {
+        kr[j] = kb + int64_t(idx[std::min<int64_t>(i + j, n - 1)]) * D;
+        a[j] = _mm256_setzero_ps();
+      }
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(qv + d);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[j] + d), a[j]);
+      }
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+      _mm256_storeu_ps(p + i, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+    }
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vmx));
+      if (i + 8 > n) {  // zero the lanes past the last key
+        alignas(32) float keep[8];
+        for (int j = 0; j < 8; ++j) keep[j] = i + j < n ? 1.f : 0.f;
+        e = _mm256_mul_ps(e, _mm256_load_ps(keep));
+      }
+      _mm256_storeu_ps(p + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const float inv = 1.f / hsum(sum);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // sum_i p_i v_i, 8 accumulators of 8 dims
+      const int nd = int(std::min<int64_t>(64, D - d0) / 8);
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 w = _mm256_set1_ps(p[i]);
+        const float* vr = vb + int64_t(idx[i]) * D + d0;
+        for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < nd; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    }
+    return;
+  }
+#endif
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s = std::fma(qv[d], kb[int64_t(idx[i]) * D + d], s);
+    p[i] = s * scale;
+    mx = std::max(mx, p[i]);
+  }
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = std::exp(p[i] - mx);
+    sum += p[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p[i], vb[int64_t(idx[i]) * D + d], o[d]);
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
 int64_t cols(const paddle::Tensor& t) { return t.shape()[t.shape().size() - 1]; }
@@ -372,41 +565,25 @@ std::vector<paddle::Tensor> LayerForward(
         std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
       }
   const float scale = 1.f / std::sqrt(float(D));
+  // Each row's unmasked cache columns, in order: a query at column S+t attends to those <= S+t.
+  std::vector<int32_t> keys(B * L);
+  std::vector<int64_t> nkeys(B * T);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; ++j) {
+      if (mk[b * L + j]) keys[b * L + n++] = int32_t(j);
+      if (j >= S) nkeys[b * T + j - S] = n;
+    }
+  }
   const int nt = nthreads();
-  std::vector<std::vector<float>> pbuf(nt, std::vector<float>(L));
-#pragma omp parallel for collapse(3) schedule(dynamic) num_threads(nt)
+  std::vector<std::vector<float>> pbuf(nt, std::vector<float>(L + 8));
+#pragma omp parallel for collapse(3) schedule(dynamic) num_threads(nt) if (B * H * T > 1)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hh = 0; hh < H; ++hh)
-      for (int64_t t = 0; t < T; ++t) {
-        float* p = pbuf[omp_get_thread_num()].data();
-        const float* qv = q.data() + (b * T + t) * 3 * inner + hh * 3 * D;
-        const float* kb = K_ + (b * H + hh) * cap * D;
-        const float* vb = V_ + (b * H + hh) * cap * D;
-        const int64_t last = S + t;  // causal: keys 0..last, those with mask 1
-        float mx = -INFINITY;
-        for (int64_t j = 0; j <= last; ++j) {
-          if (!mk[b * L + j]) continue;
-          float s;
-          dot_rows<1>(qv, 0, kb + j * D, D, &s);
-          p[j] = s * scale;
-          mx = std::max(mx, p[j]);
-        }
-        float* o = ctx.data() + (b * T + t) * inner + hh * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-        if (mx == -INFINITY) continue;  // a padding query: attends to nothing real
-        float sum = 0.f;
-        for (int64_t j = 0; j <= last; ++j) {
-          if (!mk[b * L + j]) continue;
-          p[j] = std::exp(p[j] - mx);
-          sum += p[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j <= last; ++j) {
-          if (!mk[b * L + j]) continue;
-          const float w = p[j] * inv;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * vb[j * D + d];
-        }
-      }
+      for (int64_t t = 0; t < T; ++t)
+        attend(q.data() + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D,
+               V_ + (b * H + hh) * cap * D, keys.data() + b * L, nkeys[b * T + t], D, scale,
+               pbuf[omp_get_thread_num()].data(), ctx.data() + (b * T + t) * inner + hh * D);
   linear(out, ctx.data(), M, yd);
   for (int64_t i = 0; i < M * C; ++i) yd[i] += xd[i];  // residual 1
   layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h.data());
@@ -486,3 +663,4 @@ PD_BUILD_OP(gptc_head)
     .SetKernelFn(PD_KERNEL(HeadForward))
     .SetInferShapeFn(PD_INFER_SHAPE(HeadShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(HeadDtype));
+
