@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from .errors import CheckpointError  # noqa: F401  (re-exported)
 
-import json
 import os
 from typing import Optional
 
@@ -17,7 +16,7 @@ import numpy as np
 from .config import ConfigError, ModelConfig
 # Re-exported: older call sites write checkpoints and exports through these names.
 from .fileio import CHECKSUMS, sha256_file, verify_checksums, write_json_atomic  # noqa: F401
-from .fileio import write_dir_atomic
+from .fileio import read_json, write_dir_atomic
 from .fileio import write_dir_atomic as write_checkpoint_dir  # noqa: F401
 
 FORMAT = "gpt-compress-checkpoint"
@@ -29,13 +28,8 @@ CONFIG = "config.json"
 def read_config(path: str) -> tuple[ModelConfig, dict]:
     """The ``ModelConfig`` and the metadata stored in a checkpoint directory."""
     cfg_path = os.path.join(path, CONFIG)
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"{cfg_path} not found: {path} is not a gpt-compress checkpoint")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+    meta = read_json(cfg_path, CheckpointError,
+                     missing=f"{cfg_path} not found: {path} is not a gpt-compress checkpoint")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{cfg_path}: format {meta.get('format')!r} is not {FORMAT!r}")
     if meta.get("format_version", 0) > FORMAT_VERSION:

@@ -88,16 +88,22 @@ def write_checksums(path: str) -> dict[str, str]:
     return sums
 
 
+def read_json(path: str, error: type = ValueError, missing: str = "", hint: str = ""):
+    """The JSON value in file ``path``. A missing file raises ``error(missing)`` (default: "PATH
+    not found"); an unreadable one or invalid JSON ``error("PATH is not valid JSON: why" + hint)``."""
+    if not os.path.isfile(path):
+        raise error(missing or f"{path} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise error(f"{path} is not valid JSON: {e}{hint}") from None
+
+
 def verify_checksums(path: str) -> None:
     """Raise ``CheckpointError`` if any file listed in checksums.json is missing or altered."""
-    sums_path = os.path.join(path, CHECKSUMS)
-    if not os.path.isfile(sums_path):
-        raise CheckpointError(f"{path}: no {CHECKSUMS}; not a complete gpt-compress checkpoint")
-    try:
-        with open(sums_path, encoding="utf-8") as f:
-            sums = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{sums_path} is unreadable: {e}") from None
+    sums = read_json(os.path.join(path, CHECKSUMS), CheckpointError,
+                     missing=f"{path}: no {CHECKSUMS}; not a complete gpt-compress checkpoint")
     for name, digest in sums.items():
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):

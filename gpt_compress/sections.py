@@ -38,6 +38,7 @@ class FinetuneConfig:
     train_file: str = ""  # JSONL, one object a line
     eval_file: str = ""  # JSONL in the same layout; "" evaluates nothing (unless eval_holdout)
     eval_holdout: int = 0  # with no eval_file: the last N rows of train_file are held out for evaluation
+    eval_shuffle_seed: int = -1  # >= 0: shuffle train_file's rows with this seed before holding out (sorted files)
     prompt_field: str = ""  # "": "src", else "src_txt"
     response_field: str = ""  # "": "tgt", else "tgt_txt"; a row without one is continuation text
     text_field: str = ""  # continuation rows: "": "text", else "src_txt" (when no response field exists)

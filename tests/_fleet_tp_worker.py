@@ -10,7 +10,7 @@ import paddle.distributed as dist
 from gpt_compress.config import ModelConfig
 from gpt_compress.model.gpt import GPTForCausalLM
 from gpt_compress.parallel.fleet import init_mp, mp_group, route_mp_collectives_through_gloo, shard_model
-from gpt_compress.parallel.pipeline import _LossFn, _TokenEmbedding, _tied_head
+from gpt_compress.parallel.pipeline import PipelineLoss, TokenEmbedding, tied_head
 from gpt_compress.parallel.plan import tp_split_of
 
 out, ids_path = sys.argv[1], sys.argv[2]
@@ -22,8 +22,8 @@ rank = dist.get_rank()
 model = shard_model(model, rank, 2)
 data = np.load(ids_path)
 ids, labels = paddle.to_tensor(data[:, :-1]), paddle.to_tensor(data[:, 1:])
-logits = _tied_head(_TokenEmbedding(model.gpt.wte), model.gpt(ids))  # (B, T, V / 2)
-loss = _LossFn(2)(logits, labels)
+logits = tied_head(TokenEmbedding(model.gpt.wte), model.gpt(ids))  # (B, T, V / 2)
+loss = PipelineLoss(2)(logits, labels)
 loss.backward()
 grads = {}
 for name, p in model.named_parameters():

@@ -156,6 +156,28 @@ def test_fast_scoring_equals_full_logits_reference(gens, backend, wiki_part, sha
     assert _rel(fast_l.target_ppl, ref_l.target_ppl) < 1e-6
 
 
+def test_chosen_rows_path_equals_full_logits_reference(dirs, gens, wiki_part):
+    """A backend with ``logits_at`` (the fused Paddle program, which also runs int8 and older
+    exports; tensor-parallel ranks) computes logits only at the chosen rows, a call holding the
+    rows of consecutive sequences up to ``rows``: the same numbers as its full logits."""
+    from gpt_compress.eval.scoring import _groups, label_logprobs, score_positions
+    from gpt_compress.inference.runner import Generator
+
+    assert [(g.start, g.stop) for g in _groups(np.array([3, 0, 2, 5, 0, 1]), 5)] == [(0, 3), (3, 5), (5, 6)]
+    gen, tok = Generator.from_dir(dirs["export"], backend="paddle", fused=True), gens["dygraph"].tokenizer
+    assert gen.scores_rows and not gen.scores_positions
+    ids = np.asarray(tok.encode(open(wiki_part, encoding="utf-8").read(4000))[:3 * 40]).reshape(3, 40)
+    logits = gen.score(ids)
+    labels = np.roll(ids, -1, axis=1)
+    labels[:, ::3] = logits.argmax(axis=-1)[:, ::3]  # greedy hits at every third position
+    select = np.zeros(ids.shape, bool)
+    select[0, 30:], select[2, :12] = True, True  # the middle sequence scores nothing
+    lp, hit = score_positions(gen, ids, labels, select, rows=8)  # calls: rows 0, then 2 (12 > 8)
+    ref_lp, ref_hit = label_logprobs(logits, labels)
+    np.testing.assert_allclose(lp, ref_lp[select], rtol=1e-6)
+    assert (hit == ref_hit[select]).all() and 0 < hit.sum() < hit.size
+
+
 def test_exports_without_scoring_programs_still_evaluate(dirs, gens, tmp_path, shared_data):
     """An export from before the scoring programs (manifest without them) falls back to the
     ``forward`` program's full logits, with the same figures."""

@@ -16,10 +16,10 @@ import pytest
 from gpt_compress.checkpoint import build_model, load_model
 from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
-from gpt_compress.errors import DataError
+from gpt_compress.errors import ConfigError, DataError
 from gpt_compress.sections import FinetuneConfig, LoraConfig
-from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, pack, plan_batches,
-                                        read_rows)
+from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, hold_out, pack,
+                                        plan_batches, read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
 from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_generations
 from gpt_compress.train.loss import lm_head_loss
@@ -130,6 +130,23 @@ def test_malformed_rows_and_truncation_rule(tmp_path, shakespeare):
 
 
 # ----------------------------------------------------------------------------- 4. LoRA mechanics
+def test_hold_out_shuffles_a_sorted_file_first(shared_data):
+    """tang300.jsonl is ordered by form: its last 20 poems are all seven-character verse; with
+    Finetune.eval_shuffle_seed the held-out rows are a seeded mix (the same poems as
+    ``random.Random(seed).shuffle``, which the Tang fixture below uses)."""
+    cfg = FinetuneConfig(response_field="text", prompt_template="《{title}》{author}\n", eval_shuffle_seed=0)
+    rows = read_rows(str(shared_data / "chinese" / "tang300.jsonl"), cfg)
+    seven = lambda r: len(r.response.split("，")[0]) == 7  # noqa: E731
+    train, held = hold_out(rows, 20)
+    assert train + held == rows and all(seven(r) for r in held)
+    train, held = hold_out(rows, 20, cfg.eval_shuffle_seed)
+    expected = list(rows)
+    random.Random(0).shuffle(expected)
+    assert (train, held) == (expected[:-20], expected[-20:]) and 0 < sum(map(seven, held)) < 20
+    with pytest.raises(ConfigError, match="leaves no training rows"):
+        hold_out(rows, len(rows))
+
+
 def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, shared_data):
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.train.optim import build_optimizer, build_scheduler
@@ -275,9 +292,11 @@ def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespear
 
 
 # ----------------------------------------------------------------------------- 3/4. Chinese: Tang poems
-ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_HELDOUT = 2048, 100, 60, 30
+ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_BATCH, TANG_HELDOUT = 2048, 100, 120, 4, 30
+TANG_SAMPLING = ["Generation.decode_strategy=sampling", "Generation.temperature=0.7", "Generation.seed=0"]
+TANG_MIN_FORM = 3.0  # % of the generated poems' clauses in form (sampling, seed 0): see the Tang test
 TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 1.1, 0.6
-REFERENCE_MIN_FORM = 80.0  # % of the 12 held-out references' clauses in form (measured 85.3: some lines have 3, 4, 6 characters)
+REFERENCE_MIN_FORM = 80.0  # % of the 30 held-out references' clauses in form (measured 91.8: some lines have 3, 4, 6 characters)
 EXPORT_LOGIT_ATOL = 1e-4  # the float export's own tolerance vs dygraph (gpt_compress/export/api.py)
 LORA = ["Finetune.lora.enabled=true", "Finetune.lora.rank=4", "Finetune.lora.alpha=8",
         'Finetune.lora.targets=["gpt.blocks.*","gpt.wte"]']
@@ -319,14 +338,14 @@ def test_chinese_tokenizer_round_trips_every_character(chinese_gpt, shared_data)
     assert tok.decode(tok.encode(text[:20000])) == text[:20000]
 
 
-def _tang(chinese_gpt, out, lora=False, lr=3e-3):
+def _tang(chinese_gpt, out, lora=False, lr=5e-3):
     ckpt, _, train, held = chinese_gpt
     extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
-             "Finetune.eval_generate=12", "Generation.max_new_tokens=48"]
+             f"Finetune.eval_generate={TANG_HELDOUT}", "Generation.max_new_tokens=48", *TANG_SAMPLING]
     if lora:
         extra += LORA
     return gptc("finetune", "--no-progress", "--model", ckpt,
-                *_finetune_args(out, train, held, TANG_STEPS, batch=8, lr=lr, extra=extra))
+                *_finetune_args(out, train, held, TANG_STEPS, batch=TANG_BATCH, lr=lr, extra=extra))
 
 
 @pytest.fixture(scope="session")
@@ -335,33 +354,37 @@ def tang_full(chinese_gpt, tmp_path_factory):
 
 
 def test_tang_finetune_lowers_perplexity_well_below_the_pretrained_model(tang_full):
-    """Held-out (30 poems) response perplexity after 60 finetuning steps is at most
-    TANG_MAX_PPL_RATIO of the pretrained model's (measured 533 -> 246, ratio 0.46). Generation
-    on 12 held-out titles is scored, the verse form included (``poem_form``): the held-out
-    references have REFERENCE_MIN_FORM % of their clauses in form; this 2-layer, 64-wide model's
-    greedy poems have none (measured 0 of 383 clauses: it writes 1-3 character clauses; 300
-    steps at LR 5e-3 reached 2.6%), so the form rate it reaches is stated, not a threshold."""
+    """Held-out (30 poems) response perplexity after 120 finetuning steps (4 packed rows of 128,
+    LR 5e-3) is at most TANG_MAX_PPL_RATIO of the pretrained model's (measured 533 -> 231, ratio
+    0.43). All 30 held-out titles are decoded (sampling at temperature 0.7, seed 0: greedy
+    decoding of a model this small loops on ，and newlines, measured 0%) and scored, the verse form
+    included (``poem_form``): the references have REFERENCE_MIN_FORM % of their clauses in form
+    (measured 91.8% of 329); the generated poems TANG_MIN_FORM % (measured 5.4% of 204; the
+    pretrained model, same decoding: 0.6%). That is chance level, not the form: its clause
+    lengths fall off from 1 character (86 of 204) with no bump at 5 or 7; this 2-layer, 64-wide
+    model at ~5.4 nats a token has learnt how often ，and 。 occur, not to count the characters
+    before them (2.5-5x this compute reached 5-28%; an 8,192-token BPE did not help: README)."""
     res = tang_full
     before, after = res["eval_before"]["ppl"], res["eval_after"]["ppl"]
     assert res["eval_before"]["tokens"] == res["eval_after"]["tokens"] > 1000
     assert after < TANG_MAX_PPL_RATIO * before, (before, after)
     gen = res["generation"]
-    assert gen["samples"] == 12 and len(gen["hypotheses"]) == 12 and 0 <= gen["chrf"] <= 100
+    assert gen["samples"] == TANG_HELDOUT == len(gen["hypotheses"]) and 0 <= gen["chrf"] <= 100
     assert res["truncation"]["truncated_responses"] > 0  # long poems hit the 128-token rule, counted
     print("tang form", gen["form"], "references", gen["reference_form"])
     assert gen["reference_form"]["form_rate"] >= REFERENCE_MIN_FORM and gen["reference_form"]["clauses"] > 90
-    assert gen["form"]["clauses"] > 12  # measured 383 clauses, none in form
+    assert gen["form"]["clauses"] > TANG_HELDOUT and gen["form"]["form_rate"] >= TANG_MIN_FORM, gen["form"]
 
 
 def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(tang_full, chinese_gpt, tmp_path):
     """LoRA (rank 4, alpha 8, LR 1e-2) on every block Linear and on the tied token embedding /
-    LM head ``gpt.wte``, against the full finetune (LR 3e-3), same 60 steps and data: held-out
-    perplexity within LORA_PPL_MARGIN x the full finetune's (measured 248.6 vs 246.0: 1.01x).
+    LM head ``gpt.wte``, against the full finetune (LR 5e-3), same 120 steps and data: held-out
+    perplexity within LORA_PPL_MARGIN x the full finetune's (measured 233.6 vs 230.7: 1.01x).
     Without the ``gpt.wte`` adapter (rank 8 on the blocks only, 100 steps) it measured 2.06x:
     on this 64-wide model most parameters are the embedding, and poems need other tokens than
     the pretraining text. Then `gptc export`'s code path exports the merged checkpoint to ONNX;
     its logits equal the unmerged (adapter) dygraph model's within EXPORT_LOGIT_ATOL (measured
-    5.7e-6 max over 4 held-out poems) and its greedy poems are token-identical."""
+    1.4e-5 max over 4 held-out poems) and its greedy poems are token-identical."""
     from gpt_compress.export import export
     from gpt_compress.finetune.lora import lora_layers
     from gpt_compress.inference.dygraph import DygraphBackend
@@ -394,8 +417,12 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     diff = float(np.abs(got - ref)[mask > 0].max())
     print("export vs unmerged max |logit diff|", diff)
     assert diff < EXPORT_LOGIT_ATOL, diff
-    with paddle.no_grad():  # and the merged dygraph model, against the same reference
-        assert np.abs(merged(paddle.to_tensor(ids[:1, :len(rows[0])])).numpy() - ref[:1, :len(rows[0])]).max() < 1e-5
+    with paddle.no_grad():  # and the merged dygraph model, against the same reference: float32 rounding of
+        # W + s*A@B vs x@W + s*(x@A)@B, within 1e-5 of the largest |logit| (measured 1.25e-5 absolute;
+        # the 1e-5 absolute check after a short run: test_lora_trains_only_adapters_and_merges_exactly)
+        got_merged = merged(paddle.to_tensor(ids[:1, :len(rows[0])])).numpy()
+        scale = float(np.abs(ref[:1, :len(rows[0])]).max())
+        assert np.abs(got_merged - ref[:1, :len(rows[0])]).max() < 1e-5 * scale
     a, b = (g.generate(prompts, max_new_tokens=24) for g in (onnx, dygraph))
     assert a.sequences == b.sequences and len(a.sequences[0]) > 0
 

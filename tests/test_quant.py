@@ -115,6 +115,13 @@ def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL
     return diffs
 
 
+class _FullLogits:
+    """A backend reduced to ``score``: evaluation then reduces full (B, T, V) logits in numpy."""
+
+    def __init__(self, gen):
+        self.score = gen.score
+
+
 def _onnx_op_types(path, program="forward"):
     """Node types of onnxruntime's optimized graph of ``program`` (what it really runs)."""
     import onnx
@@ -190,6 +197,18 @@ def test_int8_dir_manifest_and_cli_eval_infer(qat_run, wiki):
     res = _gptc("eval", "--model", path, "--backend", "onnx", "--task", "wikitext", "--data", wiki,
                 "--seq-len", "128", "--no-progress")
     assert res["ppl"] == pytest.approx(report["int8_onnx"]["wikitext_ppl"], rel=1e-5)
+    # The int8 scoring programs (head only at the scored rows) give the full logits' figures.
+    from gpt_compress.eval.wikitext import evaluate_wikitext
+
+    text = os.path.join(os.path.dirname(path), "wiki_head.raw")
+    with open(wiki, encoding="utf-8") as f, open(text, "w", encoding="utf-8") as g:
+        g.write(f.read(2000))
+    for b in ("paddle", "onnx"):
+        gen = Generator.from_dir(path, backend=b, fused=False) if b == "paddle" else Generator.from_dir(path, backend=b)
+        assert gen.scores_positions, b
+        fast = evaluate_wikitext(gen, gen.tokenizer, text, "raw", seq_len=128, stride=64, progress=False)
+        full = evaluate_wikitext(_FullLogits(gen), gen.tokenizer, text, "raw", seq_len=128, stride=64, progress=False)
+        assert fast.num_scored == full.num_scored and fast.avg_loss == pytest.approx(full.avg_loss, rel=1e-6), b
     res = _gptc("infer", "--model-dir", path, "--backend", "paddle", "--prompt-ids", "1,2,3",
                 "-o", "Generation.max_new_tokens=4")
     assert res["new_tokens"] == 4

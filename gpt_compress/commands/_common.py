@@ -8,7 +8,7 @@ import random
 import numpy as np
 
 from ..cli import add_config_arguments
-from ..config import Config, load_config
+from ..config import SECTIONS, Config, ConfigError, load_config
 
 __all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
            "find_tokenizer", "print_json", "lm_batches", "add_overwrite_argument", "check_output_arg"]
@@ -28,6 +28,16 @@ def config_from_args(args) -> Config:
     if getattr(args, "resume", None):
         overrides.append(f"Engine.resume={args.resume}")
     return load_config(getattr(args, "config", None), overrides)
+
+
+def training_config(args, required: str, hint: str) -> Config:
+    """``config_from_args`` for a training command whose setting ``required`` ("Section.key", the
+    data it trains on) must be set: empty, it raises ``ConfigError("... is empty: " + hint)``."""
+    cfg = config_from_args(args)
+    section, key = required.split(".", 1)
+    if not getattr(getattr(cfg, SECTIONS[section]), key):
+        raise ConfigError(f"{required} is empty: {hint}")
+    return cfg
 
 
 def seed_everything(seed: int) -> None:

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 
-from ._common import add_config_arguments, add_training_arguments, config_from_args, print_json, seed_everything
+from ._common import add_config_arguments, add_training_arguments, print_json, seed_everything, training_config
 
 
 def add_arguments(parser) -> None:
@@ -44,17 +44,14 @@ def run(args) -> int:
     from ..checkpoint import save_model
     from ..fileio import write_json_atomic
     from ..errors import ConfigError, DataError
-    from ..finetune.data import PlanIterator, encode_rows, plan_batches, read_rows
+    from ..finetune.data import PlanIterator, encode_rows, hold_out, plan_batches, read_rows
     from ..finetune.lora import apply_lora, merge_lora, save_adapters
     from ..finetune.metrics import finetune_loss, generate_texts, response_perplexity, score_generations
     from ..train.trainer import fit
     from ._common import find_tokenizer
 
-    cfg = config_from_args(args)
+    cfg = training_config(args, "Finetune.train_file", "point it at a JSONL file of prompt/response (src/tgt) or text rows")
     fc, eng = cfg.finetune, cfg.engine
-    if not fc.train_file:
-        raise ConfigError("Finetune.train_file is empty: point it at a JSONL file of prompt/response "
-                          "(src/tgt) or text rows")
     seed = cfg.global_.seed
     seed_everything(seed)
     model = load_base(args.model)
@@ -71,9 +68,7 @@ def run(args) -> int:
     rows = read_rows(fc.train_file, fc)
     eval_rows = read_rows(fc.eval_file, fc) if fc.eval_file else []
     if fc.eval_holdout and not fc.eval_file:
-        if fc.eval_holdout >= len(rows):
-            raise ConfigError(f"Finetune.eval_holdout {fc.eval_holdout} leaves no training rows of {len(rows)}")
-        rows, eval_rows = rows[:-fc.eval_holdout], rows[-fc.eval_holdout:]
+        rows, eval_rows = hold_out(rows, fc.eval_holdout, fc.eval_shuffle_seed)
     if fc.max_train_examples:
         rows = rows[: fc.max_train_examples]
     train_ex, stats = encode_rows(tok, rows, seq)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from ._common import (add_config_arguments, add_training_arguments, config_from_args, fail,
-                      find_tokenizer, print_json, seed_everything)
+from ._common import (add_config_arguments, add_training_arguments, fail, find_tokenizer, print_json,
+                      seed_everything, training_config)
 
 
 def add_arguments(parser) -> None:
@@ -21,11 +21,8 @@ def run(args) -> int:
     from ..train.loss import causal_lm_loss
     from ..train.trainer import TrainingDiverged, evaluate, fit
 
-    cfg = config_from_args(args)
+    cfg = training_config(args, "Data.data_prefix", "point it at a preprocessed dataset prefix (see `gptc preprocess`)")
     eng, data = cfg.engine, cfg.data
-    if not data.data_prefix:
-        raise ConfigError("Data.data_prefix is empty: point it at a preprocessed dataset prefix "
-                          "(see `gptc preprocess`)")
     from ..memory import check_fits, model_config_of
 
     sized = (eng.init_from and model_config_of(eng.init_from)) or cfg.model

@@ -1,12 +1,17 @@
 """Log-probabilities of chosen tokens from any backend, computing logits only where they are scored.
 
-A backend with ``scores_positions`` (float exports with the scoring programs, dygraph) runs the
-body for the whole batch (``hidden_states``) and the LM head only at the chosen positions
-(``head_scores``, ``ROWS`` rows a call): one log-sum-exp per scored position, no (B, T, V)
-logits and no log-softmax. Any other backend (older exports, int8, tensor-parallel, a
-transformers model in the tests) gives full logits through ``score``; then only the chosen rows
-are reduced, here in numpy (``label_logprobs``, also the reference the fast path is tested
-against).
+Three paths, best first:
+
+* ``scores_positions`` (float and int8 exports with the scoring programs, dygraph): the body
+  runs on the whole batch (``hidden_states``), the LM head only at the chosen positions
+  (``head_scores``, ``ROWS`` rows a call) and returns one log-probability and argmax per row:
+  the log-softmax is taken inside the program, no (N, V) logits leave it.
+* ``scores_rows`` (the fused Paddle program, ``inference/fused.py``, which also runs int8 and
+  exports without the scoring programs): one call per group of sequences gives logits (n, V)
+  at the chosen flat rows only; they are reduced here (``label_logprobs``).
+* otherwise (older exports, tensor-parallel, a transformers model in the tests) ``score``'s full
+  (B, T, V) logits, reduced at the chosen rows only. ``label_logprobs`` is also the reference
+  the fast paths are tested against.
 """
 from __future__ import annotations
 
@@ -43,6 +48,15 @@ def score_positions(backend, input_ids: np.ndarray, labels: np.ndarray, select: 
             lp, top = backend.head_scores(hidden[i:i + rows], y[i:i + rows])
             lps.append(np.asarray(lp, dtype=np.float64))
             hits.append(np.asarray(top) == y[i:i + rows])
+    elif getattr(backend, "scores_rows", False):
+        for seqs in _groups(select.sum(axis=1), rows):  # sequences whose rows fit one call
+            sub = np.nonzero(select[seqs])
+            flat = sub[0] * select.shape[1] + sub[1]
+            mask = None if attention_mask is None else attention_mask[seqs]
+            logits = backend.logits_at(np.asarray(input_ids)[seqs], mask, flat)  # (n, V)
+            lp, hit = label_logprobs(logits, labels[seqs][sub])
+            lps.append(lp)
+            hits.append(hit)
     else:
         logits = backend.score(input_ids, attention_mask)  # (B, T, V) float32
         for i in range(0, len(y), rows):
@@ -50,6 +64,21 @@ def score_positions(backend, input_ids: np.ndarray, labels: np.ndarray, select: 
             lps.append(lp)
             hits.append(hit)
     return np.concatenate(lps), np.concatenate(hits)
+
+
+def _groups(counts: np.ndarray, rows: int):
+    """Consecutive slices of sequences holding at most ``rows`` chosen rows each (a sequence with
+    more is a group of its own); sequences without chosen rows are left out."""
+    start, total = None, 0
+    for i, n in enumerate(counts):
+        if start is not None and total + n > rows:
+            yield slice(start, i)
+            start, total = None, 0
+        if n and start is None:
+            start = i
+        total += n if start is not None else 0
+    if start is not None:
+        yield slice(start, len(counts))
 
 
 def token_logprobs(backend, input_ids: np.ndarray, labels: np.ndarray,

@@ -9,7 +9,7 @@ the pipeline) never branch on quantisation state:
 
 * float: ``static.save_paddle_programs`` (+ ``onnx.convert_programs``);
 * int8, when the model has quantized layers (a ``gptc qat/ptq`` checkpoint):
-  ``int8.save_int8_programs``, and the manifest's ``quant`` entry;
+  ``int8.save_int8_programs`` (the scoring programs included), and the manifest's ``quant`` entry;
 * tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank), unfused;
 * single-card Paddle exports also get ``fused.save_fused``'s program (our CPU operators).
 
@@ -35,6 +35,7 @@ from ..qat.quantize import load_quantized, read_quant_state
 from .fused import try_save_fused
 from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
+from .onnx_scoring import scoring_transform
 from .partition import partition
 from .static import program_weights, save_paddle_programs
 from .validate import reference, validate_dir
@@ -132,7 +133,8 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int, fre
     files = {"paddle": save_paddle_programs(model, pdir, split_decode="paddle" in formats, score=True)}
     if "onnx" in formats:  # weights attached from the model, one tensor at a time
         files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
-                                         tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model))
+                                         tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model),
+                                         transform=scoring_transform)
     if free_weights:  # the programs read model.pdiparams / model.onnx.data from now on
         for p in model.parameters():
             p._clear_data()

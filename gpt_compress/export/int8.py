@@ -22,7 +22,9 @@ unchanged; the manifest adds ``weight_dtype`` and a ``quant`` entry.
   - the tied embedding lookup ``Gather(W^T, ids, axis=1)`` -> ``com.microsoft.GatherBlockQuantized``
     on the same uint8 bytes as the head's MatMulNBits (stored once: ``externalize`` dedups).
 
-  A quantized layer that cannot be found in a graph is an error, never a silent float layer.
+  A quantized layer that cannot be found in a graph is an error, never a silent float layer
+  (the scoring programs split the model into body and head: there, the two together must hold
+  every quantized layer).
 
 Every export is validated: prefill, decode and scoring logits of each backend against the
 fake-quant dygraph model, within ``atol`` relative to the logits' magnitude.
@@ -40,10 +42,11 @@ import numpy as np
 import paddle.nn as nn
 
 from ..errors import ExportError
-from ..inference.manifest import io_spec
+from ..inference.manifest import SCORE_PROGRAMS, io_spec
 from ..config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
 from .onnx import convert_programs
+from .onnx_scoring import scoring_transform
 from .static import ExportableLM, program_weights, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
@@ -226,12 +229,16 @@ class _Rewriter:
             op.domain, op.version = ORT_DOMAIN, 1
 
 
-def rewrite_onnx(model, table: list[dict], base_dir: str = "") -> dict:
+def rewrite_onnx(model, table: list[dict], base_dir: str = "", uses: Optional[Counter] = None) -> dict:
     """Rewrite the quantized weights of ONNX ``model`` in place (see the module docstring); raises
-    ``ExportError`` naming any quantized layer not found. Returns {op: count}. ``base_dir``: where
-    external tensors' locations resolve."""
+    ``ExportError`` naming any quantized layer not found, unless ``uses`` is given: then the
+    layers found are added to it (a program holding part of the model). Returns {op: count}.
+    ``base_dir``: where external tensors' locations resolve."""
     rw = _Rewriter(model, table, base_dir)
     rw.run()
+    if uses is not None:
+        uses.update({k: v for k, v in rw.uses.items() if v})
+        return dict(rw.ops)
     missing = [e["name"] for e in table if not rw.uses[e["name"]]]
     if missing:
         raise ExportError(f"quantized layer(s) {', '.join(missing)} not found in the ONNX graph "
@@ -247,15 +254,24 @@ def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: in
     pdir = os.path.join(work, "paddle")
     os.makedirs(pdir)
     fmodel = fake_quant_float_model(qmodel)
-    pfiles = save_paddle_programs(fmodel, pdir, split_decode=False)
-    ops = {}
+    wrapper = ExportableLM(fmodel)
+    wrapper.shared_params = False  # converted to ONNX only: no float copy of the int8 weights
+    pfiles = save_paddle_programs(fmodel, pdir, wrapper=wrapper, split_decode=False, score=True)
+    ops, found = {}, Counter()
 
     def rewrite(name, model, base_dir):
         model.graph.name = name
-        ops[name] = rewrite_onnx(model, table, base_dir)
+        # The scoring programs split the model (body / head): each holds part of the quantized
+        # layers, together all of them (checked below).
+        ops[name] = rewrite_onnx(model, table, base_dir, uses=found if name in SCORE_PROGRAMS else None)
+        scoring_transform(name, model)
 
     files = convert_programs(pdir, pfiles, out_dir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new",
                              transform=rewrite, weights=program_weights(fmodel))
+    missing = [e["name"] for e in table if not found[e["name"]]]
+    if missing:
+        raise ExportError(f"quantized layer(s) {', '.join(missing)} not found in the scoring programs "
+                          f"{' + '.join(SCORE_PROGRAMS)}; refusing to export them as float")
     return files, ops
 
 
@@ -293,7 +309,7 @@ def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list
     if "paddle" in formats:
         deploy = deploy_model(qmodel)
         wrapper = _Int8ExportableLM(deploy) if isinstance(deploy.gpt.wte, Int8TransposedEmbedding) else None
-        files["paddle"] = save_paddle_programs(deploy, out_dir, wrapper=wrapper)
+        files["paddle"] = save_paddle_programs(deploy, out_dir, wrapper=wrapper, score=True)
     if "onnx" in formats:
         work = tempfile.mkdtemp(prefix=".onnx-work-", dir=out_dir)
         try:

@@ -1,5 +1,7 @@
 """Model -> Paddle Inference programs: ``prefill``/``decode``/``forward`` (and, for Paddle
-Inference, ``decode`` split into ``decode_hidden`` + ``lm_head``: ``SPLIT_PROGRAMS``).
+Inference, ``decode`` split into ``decode_hidden`` + ``lm_head``: ``SPLIT_PROGRAMS``; for
+evaluation, ``forward_hidden`` + ``score_head``: ``SCORE_PROGRAMS``, the body on the window and
+the head with its log-softmax only at the scored rows, ``model.gpt.label_logprobs``).
 
 A leaf of the exporter: ``save_paddle_programs`` writes the programs into a directory and
 returns their file names; ``export/api.py`` builds the directory around them (manifest,
@@ -62,6 +64,12 @@ class ExportableLM(nn.Layer):
     """The three inference entry points around one ``GPTForCausalLM`` (mutated in place: with
     tied embeddings its ``gpt.wte`` becomes a ``TransposedEmbedding``; the math is unchanged)."""
 
+    # Programs that use a part of the weights (``lm_head``, ``score_head``) also read every other
+    # parameter (``_reads_all_parameters``) so that Paddle Inference loads the one shared params
+    # file. False for programs only converted to ONNX (the int8 export's float pass), where those
+    # reads would keep float copies of weights stored as int8.
+    shared_params = True
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -106,6 +114,8 @@ class ExportableLM(nn.Layer):
         """``x`` plus a zero read from every parameter other than ``used`` (folded away at load) so
         that a program using only the head has the shared model.pdiparams as its parameter file:
         Paddle loads a combined file whole, in order."""
+        if not self.shared_params:
+            return x
         others = [t for t in list(self.parameters()) + [b for b in self.buffers() if b.persistable]
                   if t is not used]
         if others:

@@ -69,13 +69,15 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
         ref_lp = np.take_along_axis(full, labels[..., None], -1)[..., 0] - top[..., 0] - np.log(
             np.exp(full - top).sum(-1, dtype=np.float64))
         got.append((lp, ref_lp[real]))
+    if getattr(backend, "scores_rows", False):  # the fused program's head at chosen rows only
+        got.append((backend.logits_at(ids, mask, np.flatnonzero(mask)), full[mask > 0]))
     # Padded query rows attend to nothing real; their logits are meaningless, compare real rows.
     diffs = [float(np.max(np.abs(np.where(mask[..., None] > 0, a - b, 0) if a.ndim == 3 else a - b)))
              for a, b in got]
     scale = max(1.0, float(np.max(np.abs(full))))
     if max(diffs) > atol * scale:
         raise ExportError(f"{where}: exported logits differ from dygraph by {max(diffs):.3g} "
-                          f"(prefill, score, decode[, scoring programs' log-probabilities]: "
+                          f"(prefill, score, decode[, scoring log-probabilities or rows' logits]: "
                           f"{', '.join(f'{d:.3g}' for d in diffs)}; "
                           f"tolerance {atol * scale:.3g})")
     return max(diffs)

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..sections import FinetuneConfig
 
 IGNORE_INDEX = -100
@@ -105,6 +106,18 @@ def read_rows(path: str, cfg: FinetuneConfig) -> list[Row]:
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def hold_out(rows: Sequence[Row], n: int, shuffle_seed: int = -1) -> tuple[list[Row], list[Row]]:
+    """(training rows, the last ``n`` rows held out for evaluation); with ``shuffle_seed`` >= 0 the
+    rows are shuffled first (``random.Random(seed).shuffle``), so that a file ordered by kind (the
+    Tang poems are sorted by form) does not hold out a single kind."""
+    if n >= len(rows):
+        raise ConfigError(f"Finetune.eval_holdout {n} leaves no training rows of {len(rows)}")
+    rows = list(rows)
+    if shuffle_seed >= 0:
+        random.Random(shuffle_seed).shuffle(rows)
+    return rows[:-n], rows[-n:]
 
 
 def _text(obj: dict, key: str, where: str) -> str:

@@ -81,18 +81,9 @@ class FusedBackend:
         self._pred = self._call(self._create)
 
     def _create(self):
-        import paddle.inference as pi
+        from .predictor import ProgramOptions, create_predictor  # plain CPU kernels, no oneDNN
 
-        config = pi.Config(self.files["model"], self.files["params"])
-        config.disable_glog_info()
-        config.disable_gpu()
-        config.disable_onednn()
-        config.set_cpu_math_library_num_threads(self.threads)
-        try:
-            return pi.create_predictor(config)
-        except (RuntimeError, ValueError, OSError) as e:
-            raise ModelDirError(f"Paddle Inference could not load {self.files['model']} with "
-                                f"{self.files['params']}: {e}") from None
+        return create_predictor(self.files, ProgramOptions(threads=self.threads))
 
     def _call(self, fn, *args):
         """Run on this backend's own worker thread (a predictor keeps per-thread state)."""
@@ -178,6 +169,21 @@ class FusedBackend:
             attention_mask = np.ones_like(input_ids)
         logits = self._run(input_ids, attention_mask, np.arange(b * t), self._alloc(b, t))
         return logits.reshape(b, t, -1)
+
+    # Evaluation of an export without the scoring programs (``eval/scoring.py``): the head only at
+    # the scored positions, float or int8.
+    scores_rows = True
+
+    def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        """Logits (n, V) float32 at the flat positions ``rows`` (n,) of ``input_ids`` (B, T)
+        (``b * T + t``): the body runs on the whole batch, the LM head only at those rows."""
+        return self._call(self._logits_at, input_ids, attention_mask, rows)
+
+    def _logits_at(self, input_ids, attention_mask, rows):
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = np.ones_like(input_ids)
+        return self._run(input_ids, attention_mask, rows, self._alloc(b, t))
 
 
 def paddle_backend(manifest: Manifest, fused: Optional[bool] = None, verify: bool = True, **options):

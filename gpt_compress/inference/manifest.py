@@ -23,11 +23,12 @@ Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the n
 * Paddle only, optional (fp32 heads): ``decode_hidden`` (``decode`` with the last hidden state
   (B,hidden) in place of the logits) and ``lm_head(hidden (B,hidden)) -> logits (B,V)``, which
   Paddle Inference runs with different thread counts for batch-1 decode (``predictor.py``)
-* Optional, float exports (``SCORE_PROGRAMS``): ``forward_hidden(input_ids, attention_mask) ->
-  hidden (B,T,hidden)`` and ``score_head(hidden (N,hidden), labels (N,)) -> logprob (N,) float64,
+* Optional, float and int8 exports (``SCORE_PROGRAMS``): ``forward_hidden(input_ids, attention_mask)
+  -> hidden (B,T,hidden)`` and ``score_head(hidden (N,hidden), labels (N,)) -> logprob (N,) float64,
   argmax (N,) int64``: evaluation takes logits only where it scores. Without them (exports from
-  before, int8, tensor-parallel) it uses ``forward``; the format version is unchanged because
-  readers of either age ignore or do without them.
+  before, tensor-parallel ones) it uses the fused program's chosen rows or ``forward``
+  (``eval/scoring.py``); the format version is unchanged because readers of either age ignore or
+  do without them.
 
 ``H_i`` may differ per layer (structurally pruned models).
 
@@ -44,7 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..fileio import CHECKSUMS, sha256_file, write_json_atomic
+from ..fileio import CHECKSUMS, read_json, sha256_file, write_json_atomic
 
 FORMAT = "gpt-compress-inference"
 FORMAT_VERSION = 1
@@ -52,7 +53,7 @@ MANIFEST = "manifest.json"
 PROGRAMS = ("prefill", "decode", "forward")
 # Optional Paddle-only programs: ``decode`` as its body and its LM head (see the list above).
 SPLIT_PROGRAMS = ("decode_hidden", "lm_head")
-# Optional scoring programs (every format; float exports from this version on): evaluation runs
+# Optional scoring programs (every format; float and int8 exports from this version on): evaluation runs
 # the body, then the head only at the positions it scores (see the list above).
 SCORE_PROGRAMS = ("forward_hidden", "score_head")
 BACKENDS = ("paddle", "onnx")
@@ -219,8 +220,7 @@ def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Se
     {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
-    # The scoring programs, when every format has them (older exports and int8 / tensor-parallel
-    # ones do not: evaluation then falls back to ``forward``).
+    # The scoring programs, when every format has them (tensor-parallel rank exports do not).
     programs.update({name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}}
                      for name in SCORE_PROGRAMS if all(name in files[fmt] for fmt in formats)})
     if "paddle" in formats:  # the split decode, when saved (Paddle only)
@@ -273,11 +273,7 @@ def build_tp_manifest(cfg, mp: int, tokenizer: Optional[list[str]], source: str)
 
 
 def _load_json(fp: str):
-    try:
-        with open(fp, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{fp} is not valid JSON ({e}); re-export the model") from None
+    return read_json(fp, ModelDirError, hint="; re-export the model")
 
 
 def read_tp_manifest(path: str) -> dict:

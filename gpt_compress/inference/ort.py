@@ -48,7 +48,7 @@ class OrtBackend:
                  providers: Optional[list] = None, verify: bool = True):
         self.manifest = model_dir if isinstance(model_dir, Manifest) else read_manifest(model_dir)
         programs = self.manifest.data["programs"]
-        # Exports from before the scoring programs (and int8 ones) score through ``forward``.
+        # Exports from before the scoring programs score through ``forward``.
         self.scores_positions = all("onnx" in programs.get(p, {}) for p in SCORE_PROGRAMS)
         names = ("prefill", "decode", "forward") + (SCORE_PROGRAMS if self.scores_positions else ())
         self._files = {name: self.manifest.files("onnx", name) for name in names}

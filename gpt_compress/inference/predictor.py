@@ -123,6 +123,15 @@ def make_config(files: dict[str, str], opts: ProgramOptions, device: str = "cpu"
     return config
 
 
+def create_predictor(files: dict[str, str], opts: ProgramOptions, device: str = "cpu", gpu_id: int = 0) -> pi.Predictor:
+    """A predictor of one program (``make_config``); a program Paddle Inference cannot load (or
+    set up on ``device``) raises ``ModelDirError`` naming its files. Also the fused backend's."""
+    try:
+        return pi.create_predictor(make_config(files, opts, device, gpu_id))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ModelDirError(f"Paddle Inference could not load {files['model']} with {files['params']}: {e}") from None
+
+
 @dataclass
 class PaddleCache:
     """KV cache: [k_0, v_0, k_1, ...], each (B, H_i, C, D), of which positions ``< length`` are
@@ -154,7 +163,7 @@ class PaddleBackend:
         # Exports from before the split (or int8 / tensor-parallel ones) lack these programs.
         self.split_head = split_head and device != "gpu" and all(p in self.manifest.data["programs"] for p in SPLIT_PROGRAMS)
         programs += list(SPLIT_PROGRAMS) if self.split_head else []
-        # Exports from before the scoring programs (and int8 / tensor-parallel ones) score through ``forward``.
+        # Exports from before the scoring programs (and tensor-parallel ranks) score through ``forward``.
         self.scores_positions = all("paddle" in self.manifest.data["programs"].get(p, {}) for p in SCORE_PROGRAMS)
         programs += list(SCORE_PROGRAMS) if self.scores_positions else []
         self._files = {name: self.manifest.files("paddle", name) for name in programs}
@@ -183,13 +192,8 @@ class PaddleBackend:
 
     def _predictor(self, role: str) -> pi.Predictor:
         if role not in self._predictors:
-            files = self._files[ROLES[role]]
-            try:
-                config = make_config(files, self.options[role], self.device, self.gpu_id)
-                self._predictors[role] = pi.create_predictor(config)
-            except (RuntimeError, ValueError, OSError) as e:
-                raise ModelDirError(f"Paddle Inference could not load {files['model']} with "
-                                    f"{files['params']}: {e}") from None
+            self._predictors[role] = create_predictor(self._files[ROLES[role]], self.options[role], self.device,
+                                                      self.gpu_id)
         return self._predictors[role]
 
     def release(self) -> None:

@@ -8,6 +8,8 @@
     if gen.scores_positions:                                    # logits only where they are scored:
         hidden = gen.hidden_states(input_ids, attention_mask)   # (B, T, hidden), then for chosen rows
         logprob, argmax = gen.head_scores(hidden[sel], labels[sel])  # (N,) each
+    if gen.scores_rows:                                         # the fused program: head at flat rows
+        logits = gen.logits_at(input_ids, attention_mask, rows) # (n, V)
 
 Decoding itself (greedy, sampling, top-k/top-p, repetition penalty, beam search) is
 ``model/generation.py``, shared by all backends; a backend only runs the network.
@@ -231,8 +233,9 @@ class Generator:
 
     @property
     def scores_positions(self) -> bool:
-        """True when the backend has ``hidden_states`` + ``head_scores`` (float exports from the
-        scoring programs on, and dygraph); else evaluation takes ``score``'s full logits."""
+        """True when the backend has ``hidden_states`` + ``head_scores`` (float and int8 exports
+        with the scoring programs, and dygraph); else evaluation takes ``logits_at`` (``scores_rows``)
+        or ``score``'s full logits (``eval/scoring.py``)."""
         return bool(getattr(self.backend, "scores_positions", False))
 
     def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
@@ -253,6 +256,22 @@ class Generator:
             raise InputError(f"labels has token ids outside the vocabulary [0, {self.vocab_size})")
         with self._lock:
             return self.backend.head_scores(hidden, labels)
+
+    @property
+    def scores_rows(self) -> bool:
+        """True when the backend has ``logits_at`` (the fused Paddle program, float or int8): the
+        body runs on the batch and the LM head only at chosen rows, in one call."""
+        return bool(getattr(self.backend, "scores_rows", False))
+
+    def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        """Logits (n, V) float32 at the flat positions ``rows`` (``b * T + t``) of ``input_ids``
+        (B, T) (needs ``scores_rows``)."""
+        input_ids, attention_mask = self._check_scoring(input_ids, attention_mask)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= input_ids.size):
+            raise InputError(f"rows must index the {input_ids.size} positions of input_ids")
+        with self._lock:
+            return self.backend.logits_at(input_ids, attention_mask, rows)
 
     def _check_scoring(self, input_ids, attention_mask):
         input_ids = np.asarray(input_ids, dtype=np.int64)

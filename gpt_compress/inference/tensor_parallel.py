@@ -9,7 +9,9 @@
 predictors on its ``rank_{r}/`` directory, then all of them run the same numpy decoding loop
 (``model/generation.py``) in lock-step: after each program call the ranks all-gather their
 vocabulary slices of the logits, so every rank picks the same next token. Rank 0 writes the
-result. ``TensorParallelBackend`` is the ``DecodeBackend`` doing that gather.
+result. ``TensorParallelBackend`` is the ``DecodeBackend`` doing that gather; for evaluation it
+gathers only the scored rows (``logits_at``; the rank programs are unfused and have no scoring
+programs: a rank's head holds a vocabulary slice, so its log-sum-exp is not the model's).
 """
 from __future__ import annotations
 
@@ -61,6 +63,15 @@ class TensorParallelBackend:
     def score(self, input_ids, attention_mask=None):
         """Full-sequence logits (B, T, V), gathered over the ranks."""
         return self._gather(self.local.score(input_ids, attention_mask))
+
+    # Evaluation (``eval/scoring.py``): only the scored rows' vocabulary slices are gathered.
+    scores_rows = True
+
+    def logits_at(self, input_ids, attention_mask, rows):
+        """Logits (n, V) at the flat positions ``rows`` of ``input_ids`` (B, T): each rank's
+        ``forward`` runs on the batch, then only those rows of its slice are all-gathered."""
+        local = self.local.score(input_ids, attention_mask)
+        return self._gather(local.reshape(-1, local.shape[-1])[np.asarray(rows, dtype=np.int64)])
 
 
 def run_rank(model_dir: str, request: str, output: str) -> None:

@@ -1,6 +1,6 @@
 """Cross-entropy on logits split along the vocabulary across tensor-parallel ranks: the one
 vocab-parallel cross-entropy, used by auto-parallel training (``plan.AutoParallel``) and by
-pipeline stages with mp > 1 (``pipeline._LossFn``).
+pipeline stages with mp > 1 (``pipeline.PipelineLoss``).
 
 Paddle's ``ParallelCrossEntropy`` (``c_softmax_with_cross_entropy``) has no CPU kernel, so the
 math is written with ordinary ops. On auto-parallel tensors the engine turns each reduction

@@ -85,7 +85,7 @@ class _Final(nn.Layer):
         return x if self.lm_head is None else self.lm_head(x)
 
 
-class _TokenEmbedding(nn.Layer):
+class TokenEmbedding(nn.Layer):
     """The shared piece: ``gpt.wte`` (vocab-parallel under mp), used as lookup table and as tied
     LM head. ``weight`` is the attribute fleet syncs (and all-reduces the gradient of) between the
     first and the last stage."""
@@ -104,7 +104,9 @@ def _lookup(shared, input_ids):
     return shared.embedding(input_ids)  # (B, T) -> (B, T, H)
 
 
-def _tied_head(shared, hidden):
+def tied_head(shared, hidden):
+    """The tied LM head on the shared ``TokenEmbedding``: hidden (B, T, H) -> logits (B, T, V [/ mp]);
+    under mp the input's gradient is summed over the vocabulary slices."""
     if getattr(shared.embedding, "is_mp", False):
         from paddle.distributed.fleet.layers.mpu import mp_ops
 
@@ -118,11 +120,11 @@ def pipeline_layers(model) -> list:
 
     gpt = model.gpt
     tied = model.config.tie_word_embeddings
-    pieces = [SharedLayerDesc("wte", _TokenEmbedding, _lookup, "weight", gpt.wte), _Embeddings(gpt)]
+    pieces = [SharedLayerDesc("wte", TokenEmbedding, _lookup, "weight", gpt.wte), _Embeddings(gpt)]
     pieces += [_StageBlock(b) for b in gpt.blocks]
     pieces.append(_Final(model))
     if tied:
-        pieces.append(SharedLayerDesc("wte", _TokenEmbedding, _tied_head, "weight", gpt.wte))
+        pieces.append(SharedLayerDesc("wte", TokenEmbedding, tied_head, "weight", gpt.wte))
     return pieces
 
 
@@ -150,7 +152,7 @@ class Pipeline:
         seg = "layer:^_StageBlock$"
         layers = PipelineLayer(layers=pipeline_layers(model), num_stages=par.pp_degree,
                                topology=fleet.get_hybrid_communicate_group().topology(),
-                               loss_fn=_LossFn(par.mp_degree), seg_method=seg,
+                               loss_fn=PipelineLoss(par.mp_degree), seg_method=seg,
                                num_virtual_pipeline_stages=vpp if vpp > 1 else None)
         own = {id(p) for p in layers.parameters()}
         for p in model.parameters():
@@ -306,7 +308,7 @@ class Pipeline:
         return state
 
 
-class _LossFn(nn.Layer):
+class PipelineLoss(nn.Layer):
     """Last stage: logits (B, T, V [/ mp]) and labels (B, T) -> mean CE over counted positions.
     Under mp the logits are this rank's vocabulary slice (``ParallelCrossEntropy`` has no CPU
     kernel): ``loss.vocab_parallel_cross_entropy`` over the mp group."""
