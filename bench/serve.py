@@ -67,11 +67,12 @@ class Stats:
                 "errors": self.errors, "unserved": self.unserved}
 
 
-def start_server(model_dir: str, backend: str, max_batch: int, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, backend: str, max_batch: int, log_path: str,
+                 extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "gpt_compress", "serve", "--model-dir", model_dir,
                              "--backend", backend, "--port", "0", "--max-batch", str(max_batch),
-                             "--max-queue", "256", "--timeout", "0"],
+                             "--max-queue", "256", "--timeout", "0", *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     url = json.loads(proc.stdout.readline())["url"]
     end = time.monotonic() + 600
@@ -203,6 +204,8 @@ def main() -> None:
     p.add_argument("--soak", type=float, default=0.0, help="soak seconds against the batched server (0: none)")
     p.add_argument("--soak-clients", type=int, default=8)
     p.add_argument("--soak-warmup", type=float, default=60.0, help="seconds of soak load before the first RSS")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="an extra `gptc serve` argument for both servers (repeat), e.g. -o=Serve.prefill_budget=512")
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     a = p.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
@@ -214,10 +217,11 @@ def main() -> None:
     _, model_dir = prepare(workdir, a.preset)
     levels = [int(x) for x in a.levels.split(",")]
     results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "mix": MIX, "duration_s": a.duration,
-               "threads": os.environ.get("OMP_NUM_THREADS", ""), "levels": [{"clients": c} for c in levels]}
+               "threads": os.environ.get("OMP_NUM_THREADS", ""), "serve_args": a.serve_arg, "levels": [{"clients": c} for c in levels]}
     servers = {"batched": a.max_batch, "max_batch_1": 1}
     for name, max_batch in servers.items():
-        proc, url = start_server(model_dir, a.backend, max_batch, os.path.join(workdir, f"{name}.log"))
+        proc, url = start_server(model_dir, a.backend, max_batch, os.path.join(workdir, f"{name}.log"),
+                                 tuple(a.serve_arg))
         try:
             asyncio.run(run_level(url, min(max_batch, 8), 3.0, vocab, seed=99))  # warm-up (kernels per shape)
             wait_idle(url)

@@ -68,7 +68,7 @@ class ServeConfig:
     model_name: str = ""  # the id /v1/models reports and requests may name; "": the directory's name
     max_batch: int = 16  # sequences decoded together (continuous batching); 1 serves one at a time
     max_queue: int = 64  # requests waiting for a batch slot; more get 429 with Retry-After
-    prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request)
+    prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request; no limit when none runs)
     admit_wait_steps: int = 4  # steps a lone arrival may wait for others (serve/batch.py: onnx, unfused)
     request_timeout: float = 300.0  # seconds a request may take (queued + generating); 0: no limit
     max_tokens_default: int = 16  # max_tokens of a request that gives none (as OpenAI)

@@ -194,28 +194,38 @@ def test_concurrent_greedy_requests_equal_each_alone(server, gen):
 
 
 def test_slot_decoder_rows_equal_each_alone(gen, monkeypatch):
-    """In-process, the fused backend: sequences join one by one (prompts of 1..100 tokens: a long
-    one arriving moves the write column, leaving gaps in the other rows), leave at different
-    steps (the last row moves into the freed slot), and the cache, 24 columns at first, is
-    repacked and grown several times: every row's greedy tokens are those of running it alone."""
+    """In-process, the fused backend: every third step the waiting sequences join as the free
+    slots allow, several at once, prefilled together in one left-padded batch (prompts of
+    1..100 tokens; a long one arriving moves the write column, leaving gaps in the other rows),
+    leave at different steps (the last row moves into the freed slot), and the cache, 24 columns
+    at first, is repacked and grown several times: every row's greedy tokens are those of
+    running it alone."""
     from gpt_compress.serve import slots
 
+    assert slots.prefill_groups([90, 3, 40, 2, 38], 1.25) == [[3, 1], [4, 2], [0]]
+    assert slots.prefill_groups([5, 5, 5], 1.25) == [[0, 1, 2]] and slots.prefill_groups([], 1.25) == []
     assert type(gen.backend).__name__ == "FusedBackend"
     monkeypatch.setattr(slots, "INITIAL_CAPACITY", 24)
+    monkeypatch.setattr(slots, "PAD_WASTE", 100.0)  # one prefill batch per admission, whatever the padding
+    calls = []
+    real_prefill = gen.backend.prefill
+    monkeypatch.setattr(gen.backend, "prefill", lambda ids, mask: calls.append(ids.shape) or real_prefill(ids, mask))
     rng = np.random.default_rng(0)
     lengths = [3, 40, 2, 90, 5, 60, 7, 100, 20, 1]
     jobs = [(rng.integers(0, gen.vocab_size, n).tolist(), min(10 + 5 * i, 128 - n)) for i, n in enumerate(lengths)]
     want = [gen.generate([p], max_new_tokens=m, min_new_tokens=m).sequences[0] for p, m in jobs]
+    calls.clear()
     dec = slots.SlotDecoder(gen.backend, max_batch=4, slack=2)
     out: dict[int, list] = {}
     logits: dict[int, np.ndarray] = {}
     waiting, step = list(range(len(jobs))), 0
     while waiting or logits:
-        if waiting and len(dec) < 4 and step % 3 == 0:  # a newcomer every third step
-            i = waiting.pop(0)
-            logits[i], state = dec.prefill(jobs[i][0])
-            dec.join([(i, state)])
-            out[i] = []
+        if waiting and len(dec) < 4 and step % 3 == 0:
+            new, waiting = waiting[:4 - len(dec)], waiting[4 - len(dec):]
+            states = dec.prefill_many([jobs[i][0] for i in new])
+            dec.join([(i, state) for i, (_, state) in zip(new, states)])
+            for i, (row, _) in zip(new, states):
+                logits[i], out[i] = row, []
         tokens = {}
         for i, row in list(logits.items()):
             out[i].append(int(np.argmax(row)))
@@ -228,6 +238,7 @@ def test_slot_decoder_rows_equal_each_alone(gen, monkeypatch):
             logits.update(dec.step(tokens))
         step += 1
     assert [out[i] for i in range(len(jobs))] == want
+    assert calls[0] == (4, 90) and len(calls) < len(jobs)  # the first four joined at once, left-padded
     assert dec.relayouts >= 3 and dec.capacity > 24 and dec.max_rows == 4 and len(dec) == 0
 
 

@@ -3,10 +3,13 @@
 Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 
 1. drops requests that were cancelled (client gone) or ran past their deadline,
-2. admits waiting requests while the batch has room and the iteration's prompt tokens stay
-   within ``prefill_budget`` (so that running sequences are not stalled by a burst of
-   arrivals): each is prefilled alone, then they join the running batch together
-   (``decoder``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
+2. admits waiting requests (in arrival order) while the batch has room and, when sequences
+   are running, the iteration's prompt tokens stay within ``prefill_budget`` (at least one
+   request; so that running sequences are not stalled by a burst of arrivals; with nothing
+   running, no one waits on them and all that fit are admitted): on the fused program they are
+   prefilled together (``SlotDecoder.prefill_many``: left-padded batches of similar lengths;
+   alone, one by one, if that fails or on the other backends), then they join the running
+   batch together (``decoder``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
    slot of a preallocated cache; ``BatchDecoder`` on the other backends merges caches); their
    first tokens are chosen at once. With ``BatchDecoder``, while a large batch runs, a lone
    arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the running
@@ -243,29 +246,22 @@ class Engine:
             self._pending = keep
 
     def _admit(self) -> None:
-        """Prefill waiting requests (alone, one by one) while the batch has room and this
-        iteration's prompt tokens stay within ``prefill_budget`` (at least one request is
-        admitted: the running sequences wait for these prefills), then join them together."""
+        """Take waiting requests while the batch has room and, if sequences are running (they
+        wait for these prefills), this iteration's prompt tokens stay within ``prefill_budget``
+        (at least one request); with nothing running, as many as the batch has room for. Prefill
+        them together (``_prefill``), then join them together."""
         with self._cond:
             if (not getattr(self.batch, "cheap_join", False) and self._running and self._pending
                     and len(self._pending) < max(1, len(self._running) // 4)
                     and self.steps - self._pending[0].submitted_step < self.admit_wait_steps):
                 return  # a join copies the batch's cache: let a few arrivals gather (a few steps at most)
-        joining: list[tuple[Request, tuple]] = []
-        budget = self.prefill_budget
-        while len(self._running) + len(joining) < self.max_batch and (budget > 0 or not joining):
-            with self._cond:
-                if not self._pending:
-                    break
-                req = self._pending.popleft()
-            try:
-                req.logits, state = self.batch.prefill(req.prompt)
-            except Exception as e:
-                log.exception("prefill of request %d failed", req.id)
-                self._finish(req, Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
-                continue
-            joining.append((req, state))
-            budget -= len(req.prompt)
+            taken: list[Request] = []
+            budget = self.prefill_budget if self._running else float("inf")
+            while (self._pending and len(self._running) + len(taken) < self.max_batch
+                   and (not taken or len(self._pending[0].prompt) <= budget)):
+                taken.append(self._pending.popleft())
+                budget -= len(taken[-1].prompt)
+        joining = self._prefill(taken)
         if not joining:
             return
         try:
@@ -283,6 +279,30 @@ class Engine:
             self._running[req.id] = req
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(req.prompt))
+
+    def _prefill(self, reqs: list[Request]) -> list[tuple[Request, tuple]]:
+        """Prefill ``reqs`` (setting their first logits); returns ``[(req, join state), ...]``.
+        Together in one call when the decoder can (``SlotDecoder.prefill_many``); if that fails,
+        or the decoder cannot, one by one, so that a failing prompt fails only its request."""
+        if len(reqs) > 1 and hasattr(self.batch, "prefill_many"):
+            try:
+                results = self.batch.prefill_many([req.prompt for req in reqs])
+            except Exception:
+                log.exception("batched prefill of %d requests failed: prefilling them one by one", len(reqs))
+            else:
+                for req, (logits, _) in zip(reqs, results):
+                    req.logits = logits
+                return [(req, state) for req, (_, state) in zip(reqs, results)]
+        joining = []
+        for req in reqs:
+            try:
+                req.logits, state = self.batch.prefill(req.prompt)
+            except Exception as e:
+                log.exception("prefill of request %d failed", req.id)
+                self._finish(req, Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
+                continue
+            joining.append((req, state))
+        return joining
 
     def _choose(self, req: Request) -> bool:
         """Pick, record and emit the next token of ``req``; True when it has finished."""

@@ -11,9 +11,11 @@ masked columns (padding, gaps) anywhere in it. This class keeps ONE such cache o
   backend on views of the first n rows (``Tensor._slice(0, n)`` shares the cache's memory,
   whatever ``FLAGS_use_stride_kernel`` says: ``gptc`` turns strided views off, runtime.py), so
   free slots cost nothing;
-* ``prefill`` runs a newcomer's prompt alone (batch 1, as ``Generator.generate`` does) and
-  ``join`` copies its p prompt columns into a free slot's row at [S-p, S): one row copied,
-  never the batch. A prompt longer than S moves S to p (the other rows get masked columns);
+* ``prefill_many`` runs the newcomers' prompts together, left-padded batches of similar lengths
+  (a row's numbers are those of running it alone, whatever the batch: the kernels' guarantee),
+  and ``join`` copies each one's p prompt columns into a free slot's row at [S-p, S): one row
+  copied per newcomer, never the batch. A prompt longer than S moves S to p (the other rows get
+  masked columns);
 * ``remove`` moves the last running row into the freed slot (one row copied);
 * when S reaches the capacity, ``_relayout`` packs each row's valid columns to the right of a
   new S (the longest row), dropping padding and gaps, into a new cache that may be larger
@@ -31,6 +33,24 @@ from typing import Hashable
 import numpy as np
 
 INITIAL_CAPACITY = 256  # columns allocated at first; doubled (to at most context + slack) when full
+PAD_WASTE = 1.25  # a prefill batch computes at most this many times its prompts' tokens (padding)
+
+
+def prefill_groups(lengths: list[int], waste: float) -> list[list[int]]:
+    """Split prompts of ``lengths`` into left-padded prefill batches: by increasing length, a
+    prompt joins the current batch while the batch's padded size (rows x longest) stays within
+    ``waste`` times its real tokens, else starts the next. Returns lists of indices."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= waste * (total + n):
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
 
 
 class SlotDecoder:
@@ -78,9 +98,26 @@ class SlotDecoder:
     # ------------------------------------------------------------------ join
     def prefill(self, prompt: list[int]) -> tuple[np.ndarray, tuple]:
         """Run ``prompt`` alone (batch 1); returns its logits (V,) and the state ``join`` takes."""
-        ids = np.asarray([prompt], dtype=np.int64)
-        logits, cache = self.backend.prefill(ids, np.ones_like(ids))
-        return logits[0], (cache, len(prompt))
+        return self.prefill_many([prompt])[0]
+
+    def prefill_many(self, prompts: list[list[int]]) -> list[tuple[np.ndarray, tuple]]:
+        """Prefill several prompts together: left-padded batches of similar lengths
+        (``prefill_groups`` with ``PAD_WASTE``), one backend call each. A row's numbers do not depend on the other
+        rows nor on the batch size (the fused kernels' guarantee, tested), so each prompt gets
+        the logits and keys/values of running it alone. Returns ``[(logits (V,), state), ...]``
+        in the order of ``prompts``."""
+        out: list = [None] * len(prompts)
+        for group in prefill_groups([len(p) for p in prompts], PAD_WASTE):
+            t = max(len(prompts[i]) for i in group)
+            ids = np.zeros((len(group), t), np.int64)
+            mask = np.zeros((len(group), t), np.int64)
+            for r, i in enumerate(group):
+                p = len(prompts[i])
+                ids[r, t - p:], mask[r, t - p:] = prompts[i], 1
+            logits, cache = self.backend.prefill(ids, mask)
+            for r, i in enumerate(group):
+                out[i] = (logits[r], (cache, r, len(prompts[i])))
+        return out
 
     def join(self, entries: list[tuple[Hashable, tuple]]) -> None:
         """Put prefilled sequences ``[(key, state from prefill), ...]`` into free slots."""
@@ -91,8 +128,8 @@ class SlotDecoder:
             raise ValueError(f"{len(self.keys)} running + {len(entries)} joining > max_batch {self.max_batch}")
         placed = []
         try:
-            for key, (cache, p) in entries:
-                self.backend._call(self._place, cache, p)
+            for key, (cache, row, p) in entries:
+                self.backend._call(self._place, cache, row, p)
                 self.keys.append(key)
                 placed.append(key)
         except Exception:
@@ -106,17 +143,18 @@ class SlotDecoder:
         self.join([(key, state)])
         return logits
 
-    def _place(self, cache, p: int) -> None:
-        """Copy a batch-1 prefill cache of ``p`` positions into slot ``len(self.keys)``."""
+    def _place(self, cache, row: int, p: int) -> None:
+        """Copy row ``row`` of a (left-padded) prefill cache, its last ``p`` positions, into slot
+        ``len(self.keys)``."""
         if max(self.width, p) + 1 > self.capacity:  # room for the prompt and the next step's column
             self._relayout(p)
         if self.width < p:  # the other rows get masked columns up to p
             self._mask = np.pad(self._mask, ((0, 0), (0, p - self.width)))
-        s, row = self.width, len(self.keys)
+        s, slot, t = self.width, len(self.keys), cache.length
         for dst, src in zip(self._tensors, cache.tensors):
-            dst[row, :, s - p:s] = src[0, :, :p]
-        self._mask[row] = 0
-        self._mask[row, s - p:] = 1
+            dst[slot, :, s - p:s] = src[row, :, t - p:t]
+        self._mask[slot] = 0
+        self._mask[slot, s - p:] = 1
 
     # ------------------------------------------------------------------ decode
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
