@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .errors import CheckpointError  # noqa: F401  (re-exported)
 
+import json
 import os
 from typing import Optional
 
@@ -47,16 +48,41 @@ def state_dict_numpy(model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}
 
 
+def write_weights(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """Write Paddle tensors (or arrays) ``tensors`` to safetensors file ``path`` one tensor at a
+    time (``safetensors.numpy.save_file`` needs them all as numpy at once: a second copy of the
+    weights). Keys in sorted order, the header padded to 8 bytes, as safetensors writes it."""
+    codes = {v.name: k for k, v in _DTYPES.items()}
+    header, offset = {}, 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        name = t.dtype.name if isinstance(t, np.ndarray) else str(t.dtype).replace("paddle.", "")
+        if name not in codes:
+            raise CheckpointError(f"cannot store {k} of dtype {name} (supported: {', '.join(codes)})")
+        shape = [int(d) for d in t.shape]
+        size = int(np.prod(shape, dtype=np.int64)) * _DTYPES[codes[name]].itemsize
+        header[k] = {"dtype": codes[name], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(np.uint64(len(raw)).astype("<u8").tobytes() + raw)
+        for k in sorted(tensors):
+            t = tensors[k]
+            a = np.ascontiguousarray(t if isinstance(t, np.ndarray) else t.numpy(), dtype=_DTYPES[header[k]["dtype"]])
+            f.write(memoryview(a).cast("B"))  # little-endian, C order: safetensors' layout
+            del a
+
+
 def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None, overwrite: bool = False) -> str:
     """Save weights + config (+ tokenizer files) to checkpoint directory ``path`` (an existing
     one is replaced only with ``overwrite``: see ``fileio.check_output``)."""
-    from safetensors.numpy import save_file
-
     head = "cls" if type(model).__name__ == "GPTForSequenceClassification" else "lm"
-    tensors = state_dict_numpy(model)
 
     def write(tmp):
-        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
+        write_weights(model.state_dict(), os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "head": head,
                 "model": model.config.to_dict(), **(extra or {})}
         write_json_atomic(os.path.join(tmp, CONFIG), meta)
@@ -131,10 +157,49 @@ def load_model(path: str, head: Optional[str] = None, verify: bool = True):
     cfg, meta = read_config(path)
     stored = meta.get("head", "lm")
     model = build_model(cfg, head or stored)
-    weights = load_weights(path)
     if head == "cls" and stored == "lm":
+        weights = load_weights(path)
         weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
         weights["score.weight"] = model.score.weight.numpy()
-    assign_weights(model, weights, os.path.join(path, WEIGHTS))
+        assign_weights(model, weights, os.path.join(path, WEIGHTS))
+    else:
+        stream_weights(model, os.path.join(path, WEIGHTS))
     model.eval()
     return model
+
+
+_DTYPES = {code: np.dtype(name) for code, name in (("F64", "<f8"), ("F32", "<f4"), ("F16", "<f2"), ("I64", "<i8"),
+                                                    ("I32", "<i4"), ("I16", "<i2"), ("I8", "i1"), ("U8", "u1"),
+                                                    ("BOOL", "?"))}
+
+
+def stream_weights(model, fp: str) -> None:
+    """Check then copy the tensors of safetensors file ``fp`` into ``model`` one at a time, read
+    with plain file reads: the model plus one tensor in memory. Loading the whole file (or
+    reading it through a memory map, whose pages count as resident until it is closed) held a
+    second copy: ``gptc export`` of gpt-345M peaked at 3x its weight bytes while loading."""
+    import types
+
+    import paddle
+
+    if not os.path.isfile(fp):
+        raise CheckpointError(f"{fp} not found")
+    with open(fp, "rb") as f:
+        try:
+            (n,) = np.frombuffer(f.read(8), "<u8")
+            header = json.loads(f.read(int(n)))
+            header.pop("__metadata__", None)
+            for k, info in header.items():
+                if info["dtype"] not in _DTYPES:
+                    raise ValueError(f"{k}: dtype {info['dtype']} is not supported here")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{fp} is not a readable safetensors file: {e}") from None
+        base = 8 + int(n)
+        check_state_dict(model, {k: types.SimpleNamespace(shape=tuple(v["shape"])) for k, v in header.items()}, fp)
+        for k, v in model.state_dict().items():
+            info = header[k]
+            begin, end = info["data_offsets"]
+            f.seek(base + begin)
+            a = np.frombuffer(f.read(end - begin), _DTYPES[info["dtype"]]).reshape(info["shape"])
+            v.set_value(paddle.to_tensor(a, dtype=v.dtype))
+            del a

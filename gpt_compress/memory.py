@@ -9,13 +9,17 @@ limit of the memory cgroup it runs in, v1 or v2, whichever is smaller) and raise
 The multiples of the float32 weight bytes ``W`` come from the peaks ``bench/scale.py``
 measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
 
-* ``init``: the model plus the copy being written (measured 1.5 W; 2 W);
+* ``init``: the model, written tensor by tensor (measured 1.16 W with the libraries at gpt-1.3B;
+  1.3 W);
 * ``pretrain``: weights, gradients and the two AdamW moments (4 W) and the optimizer's
   temporaries (measured 5.0 W in all) plus activations: with ``Model.recompute`` only each
   block's input is kept, and one block's internals are rebuilt during backward; the
   (micro batch x sequence x vocab) logits, their softmax and gradient come on top;
-* ``export``: the largest of saving the Paddle programs, converting one program to ONNX with
-  the model alive, and validating one runtime at a time (measured 4.7 W);
+* ``export``: the largest stage (measured at gpt-345M, each stage's own peak: loading 1.3 W,
+  the fused program 3.0 W (the model, the fused weights as numpy and as the fused layer's
+  buffers), saving the Paddle programs 1.3 W, converting to ONNX 1.3 W, validating Paddle
+  Inference 2.3 W (batch-1 decode runs two predictors, each loading the whole params file),
+  onnxruntime 2.2 W): 3.1 W, or 2.4 W without the fused program (``fused=False``);
 * ``ptq``: the float model, its quantized copy and the int8 export (4.8 W);
 * ``eval`` / ``infer``: one runtime's weights (2 W: onnxruntime pre-packs its MatMul weights;
   Paddle Inference holds one copy per program in use) plus one batch of logits (x3 while
@@ -33,7 +37,8 @@ from .errors import InsufficientMemory
 
 GB = 1 << 30
 BASE_BYTES = 1 * GB  # Python, Paddle, onnxruntime and their libraries, before any weight
-WEIGHT_MULTIPLE = {"init": 2.0, "pretrain": 5.0, "export": 4.8, "ptq": 4.8, "eval": 2.0, "infer": 2.0}
+WEIGHT_MULTIPLE = {"init": 1.3, "pretrain": 5.0, "export": 3.1, "export_unfused": 2.4, "ptq": 4.8, "eval": 2.0,
+                   "infer": 2.0}
 
 
 @dataclass
@@ -154,6 +159,29 @@ def available_bytes() -> int:
     return min(candidates) if candidates else 1 << 62
 
 
+def return_freed_memory() -> bool:
+    """Let this process give freed memory back to the OS: large blocks (>= 1 MB) get their own
+    mappings again, released on free, and the heap is trimmed now. ``runtime.tune_cpu`` serves
+    every block from the heap and keeps what is freed (faster training); an export frees whole
+    copies of the weights between stages (the dygraph model, each runtime it validates), and with
+    the heap kept they stayed resident: gpt-345M's export peaked at 7.8x its weights, each
+    runtime's freed copy unusable by the next (they allocate from different arenas). Returns
+    False off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4  # <malloc.h>
+    ok = libc.mallopt(m_mmap_max, 65536) and libc.mallopt(m_mmap_threshold, 1 << 20) \
+        and libc.mallopt(m_trim_threshold, 32 << 20)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+    return bool(ok)
+
+
 def model_config_of(path: str):
     """The ``ModelConfig`` of a checkpoint or exported directory (``config.json`` or
     ``manifest.json``), or None when ``path`` is neither (the command reports that itself)."""
@@ -191,7 +219,7 @@ def check_fits(command: str, model, batch: int = 1, seq: Optional[int] = None, r
             hint = "use a machine with more memory" + (", or split the model and optimizer state over several "
                                                        "processes (Parallel section)" if command == "pretrain" else "")
         raise InsufficientMemory(
-            f"{command} of {what or getattr(model, 'name', '') or 'this model'} "
+            f"{command.replace('_unfused', ' (no fused program)')} of {what or getattr(model, 'name', '') or 'this model'} "
             f"({model.num_parameters() / 1e6:.0f}M parameters, {weight_bytes(model) / GB:.2f} GB of float32 weights) "
             f"needs about {est.total / GB:.1f} GB ({parts}) but only {room / GB:.1f} GB is available; "
             f"{hint} (GPTC_SKIP_MEMORY_CHECK=1 runs it anyway)")

@@ -28,7 +28,8 @@ def run(args) -> int:
 
     model = model_config_of(args.model)
     if model is not None:
-        check_fits("export", model, what=args.model)
+        fused = not args.no_fused and args.format != "onnx"
+        check_fits("export" if fused else "export_unfused", model, what=args.model)
     formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
     check_output_arg(args, args.model)
     t0 = time.perf_counter()

@@ -30,6 +30,7 @@ from ..data.tokenizer import find_tokenizer
 from ..errors import ExportError
 from ..fileio import check_output, write_dir_atomic
 from ..inference.manifest import build_manifest, io_spec, write_manifest
+from ..memory import return_freed_memory
 from ..qat.deploy import quant_table
 from ..qat.quantize import load_quantized, read_quant_state
 from .fused import try_save_fused
@@ -74,6 +75,7 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
         if formats != ["paddle"] or read_quant_state(checkpoint) is not None:
             raise ExportError("a tensor-parallel export (mp_degree > 1) is float Paddle Inference only")
         return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir, overwrite=overwrite)
+    return_freed_memory()  # before the model is loaded, so that freeing its weights later returns them
     # load_* verify checksums, parameter names and shapes vs the config.
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
@@ -93,6 +95,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     that converting and validating do not hold a dygraph copy too."""
     formats = _formats(formats)
     check_output(output, overwrite)
+    return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
     model.eval()
     cfg = model.config
     table = quant_table(model)
@@ -103,6 +106,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     def write(tmp: str) -> None:
         # The fused CPU program (kernels/), from the model before the float path mutates it.
         fused_info = try_save_fused(model, tmp) if fused and "paddle" in formats else None
+        gc.collect()  # the fused layer (its own copy of the weights) is only freed with its cycles
         if table:
             files, ops = save_int8_programs(model, tmp, formats, table, opset)
             extra = quant_info(table, source)
@@ -134,7 +138,7 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int, fre
     if "onnx" in formats:  # weights attached from the model, one tensor at a time
         files["onnx"] = convert_programs(pdir, files["paddle"], out_dir, io_spec(cfg), opset=opset,
                                          tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model),
-                                         transform=scoring_transform)
+                                         transform=scoring_transform, stream=True)  # it only drops the head's tail
     if free_weights:  # the programs read model.pdiparams / model.onnx.data from now on
         for p in model.parameters():
             p._clear_data()

@@ -24,10 +24,11 @@ What we do to paddle2onnx's output, each step a function below:
 Memory: paddle2onnx converts each program's **graph alone** (no params file) and the
 parameters are attached from the model (``attach_weights``; paddle2onnx itself holds ~5 copies
 of the weights while converting: 6.9 GB RSS for one gpt-345M program). Programs are converted
-**one at a time** and each one's weights are appended to the data file **tensor by tensor**
-(``DataFile``) before the next is converted. When paddle2onnx does read a params file past
-protobuf's 2 GB limit, it writes the weights to the ``external_file`` we give it;
-``tensor_bytes`` reads them back one tensor at a time.
+**one at a time**; each weight goes to the data file **as it is attached** (``DataFile.write``),
+so a graph never holds the weights (the int8 export, whose ``transform`` replaces weights,
+attaches them in memory and writes the program's survivors after the rewrite). When paddle2onnx
+does read a params file past protobuf's 2 GB limit, it writes the weights to the
+``external_file`` we give it; ``tensor_bytes`` reads them back one tensor at a time.
 """
 from __future__ import annotations
 
@@ -39,10 +40,13 @@ import os
 import sys
 from typing import Callable, Optional
 
+import numpy as np
+
 from ..errors import ExportError
 from ..inference.manifest import PROGRAMS, SCORE_PROGRAMS
 
 DATA_FILE = "model.onnx.data"
+P2O_DATA_FILE = "paddle2onnx.data"  # where paddle2onnx puts a >2 GB program's weights (scratch)
 ALIGN = 4096  # page-aligned offsets let onnxruntime map the data file instead of copying it
 MIN_EXTERNAL_BYTES = 1024  # smaller tensors (shapes, scalars) stay inside the graph
 
@@ -300,25 +304,26 @@ class DataFile:
         self._f = open(self.path, "wb")
         self._offsets: dict[str, tuple[int, int]] = {}
 
+    def write(self, data, data_type: int) -> tuple[int, int]:
+        """Append tensor bytes ``data`` (any buffer) unless the same bytes of ``data_type`` are
+        already in the file; returns their (offset, length)."""
+        key = hashlib.sha256(data).hexdigest() + f":{data_type}"
+        if key not in self._offsets:
+            self._f.write(b"\0" * ((-self._f.tell()) % ALIGN))
+            self._offsets[key] = (self._f.tell(), memoryview(data).nbytes)
+            self._f.write(data)
+        return self._offsets[key]
+
     def add(self, model, base_dir: str = "") -> None:
-        """Externalize ``model``'s large initializers (external ones are read from ``base_dir``)."""
+        """Externalize ``model``'s large initializers (external ones are read from ``base_dir``;
+        those already in this file, ``attach_weights``', stay as they are)."""
         for t in model.graph.initializer:
-            if not _large(t):
+            if not _large(t) or (_is_external(t) and _location(t) == DATA_FILE):
                 continue
             data = tensor_bytes(t, base_dir)
-            key = hashlib.sha256(data).hexdigest() + f":{t.data_type}"
-            if key not in self._offsets:
-                self._f.write(b"\0" * ((-self._f.tell()) % ALIGN))
-                self._offsets[key] = (self._f.tell(), len(data))
-                self._f.write(data)
+            offset, length = self.write(data, t.data_type)
             del data
-            offset, length = self._offsets[key]
-            t.ClearField("raw_data")
-            t.data_location = 1  # TensorProto.EXTERNAL
-            del t.external_data[:]
-            for k, v in (("location", DATA_FILE), ("offset", str(offset)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
+            reference(t, offset, length)
 
     def flush(self) -> None:
         """Make what was added so far visible to readers of the file."""
@@ -333,6 +338,20 @@ class DataFile:
         return os.path.getsize(self.path)
 
 
+def _location(t) -> str:
+    return {e.key: e.value for e in t.external_data}.get("location", "")
+
+
+def reference(t, offset: int, length: int) -> None:
+    """Make tensor ``t`` point at ``length`` bytes at ``offset`` of ``DATA_FILE`` (no data inside)."""
+    t.ClearField("raw_data")
+    t.data_location = 1  # TensorProto.EXTERNAL
+    del t.external_data[:]
+    for k, v in (("location", DATA_FILE), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v
+
+
 def externalize(models: dict, out_dir: str) -> int:
     """Move large initializers of all ``models`` into one ``DATA_FILE`` in ``out_dir``, each
     distinct tensor once. Returns the data file size."""
@@ -342,32 +361,44 @@ def externalize(models: dict, out_dir: str) -> int:
     return data.close()
 
 
-def attach_weights(model, weights: Callable[[str], "np.ndarray"]) -> int:
+def attach_weights(model, weights: Callable[[str], "np.ndarray"], data: Optional[DataFile] = None) -> int:
     """Add an initializer for every tensor the graph reads but nothing defines (the parameters of
-    a program converted without its params file), its value ``weights(name)``. Returns how many."""
-    from onnx import numpy_helper
+    a program converted without its params file), its value ``weights(name)``. With ``data``, each
+    large one goes straight to the data file and the graph keeps a reference (the graph never
+    holds the weights: one tensor in memory at a time). Returns how many."""
+    from onnx import helper, numpy_helper
 
     graph = model.graph
     defined = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | \
         {t.name for t in graph.initializer}
     missing = sorted({i for n in graph.node for i in n.input if i and i not in defined})
     for name in missing:
-        graph.initializer.append(numpy_helper.from_array(weights(name), name))
+        value = weights(name)
+        if data is None or value.nbytes < MIN_EXTERNAL_BYTES:
+            graph.initializer.append(numpy_helper.from_array(value, name))
+            continue
+        t = graph.initializer.add()
+        t.name, t.data_type = name, helper.np_dtype_to_tensor_dtype(value.dtype)
+        t.dims.extend(value.shape)
+        # ONNX stores little-endian, C order: the bytes of a contiguous array on this (x86) machine
+        reference(t, *data.write(memoryview(np.ascontiguousarray(value)).cast("B"), t.data_type))
+        del value
     return len(missing)
 
 
 def convert_program(paddle_dir: str, files: dict, io: dict, scratch: str, opset: int = 17,
-                    tanh_gelu: bool = False, weights: Optional[Callable] = None):
+                    tanh_gelu: bool = False, weights: Optional[Callable] = None, data: Optional[DataFile] = None):
     """One exported Paddle program -> a cleaned-up ``onnx.ModelProto`` (see the module docstring).
     With ``weights`` (parameter name -> array) paddle2onnx converts the graph alone and the
     parameters are attached one by one: paddle2onnx holds ~5 copies of the weights while it
     converts (6.9 GB RSS for one gpt-345M program), the graph alone takes ~0.3 GB. Without,
-    past 2 GB the weights come back external, in ``scratch`` (pass it to ``DataFile.add``)."""
+    past 2 GB the weights come back external, in ``scratch`` (pass it to ``DataFile.add``).
+    ``data``: with ``weights``, write them straight into this data file (``attach_weights``)."""
     params = os.path.join(paddle_dir, files["params"]) if weights is None else os.path.join(scratch, "none.pdiparams")
     model = paddle_to_onnx(os.path.join(paddle_dir, files["model"]), params, opset,
-                           external_file=os.path.join(scratch, DATA_FILE))
+                           external_file=os.path.join(scratch, P2O_DATA_FILE))
     if weights is not None:
-        attach_weights(model, weights)
+        attach_weights(model, weights, data)
     constants_to_initializers(model)
     rename_io(model, io)
     if tanh_gelu:
@@ -379,26 +410,29 @@ def convert_program(paddle_dir: str, files: dict, io: dict, scratch: str, opset:
 
 def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict, opset: int = 17,
                      tanh_gelu: bool = False, transform: Optional[Callable] = None,
-                     weights: Optional[Callable] = None) -> dict:
+                     weights: Optional[Callable] = None, stream: Optional[bool] = None) -> dict:
     """Convert the exported Paddle programs in ``paddle_dir`` to ``{name}.onnx`` files plus one
     shared ``model.onnx.data`` in ``out_dir``, one program at a time (its weights streamed into
     the data file before the next is converted); ``io`` is ``inference.manifest.io_spec(cfg)``;
     ``tanh_gelu``: the model uses ``gelu_new`` (see ``fix_tanh_gelu``); ``transform(name, model,
     base_dir)`` rewrites each converted graph before it is written (the int8 export);
-    ``weights``: parameter name -> array, to attach the weights ourselves (``convert_program``).
-    Returns ``{program: {"model": file, "data": shared data file}}``."""
+    ``weights``: parameter name -> array, to attach the weights ourselves (``convert_program``);
+    ``stream``: write each attached weight to the data file at once (default: without a
+    ``transform``; pass True for a transform that only drops or adds small tensors, never one
+    that replaces weights, whose float bytes would stay in the file unused). Returns ``{program: {"model": file, "data": shared data file}}``."""
     import shutil
     import tempfile
 
     onnx, _ = _onnx()
     data = DataFile(out_dir)
+    stream = transform is None if stream is None else stream
     out = {}
     try:
         for name in [p for p in PROGRAMS + SCORE_PROGRAMS if p in paddle_files]:
             scratch = tempfile.mkdtemp(prefix=f".onnx-{name}-", dir=out_dir)
             try:
                 model = convert_program(paddle_dir, paddle_files[name], io[name], scratch, opset, tanh_gelu,
-                                        weights)
+                                        weights, data if stream else None)
                 if transform is not None:
                     transform(name, model, scratch)
                 data.add(model, scratch)

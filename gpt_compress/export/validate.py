@@ -49,6 +49,16 @@ def reference(model, seed: int = 0):
     return ids, mask, full, nxt, step
 
 
+def _detached(cache):
+    """onnxruntime's present ``OrtValue``s keep the session that made them (and its weights) alive:
+    copy them so that ``release`` frees it before the next program loads (one runtime at a time)."""
+    if isinstance(cache, list) and cache and type(cache[0]).__name__ == "OrtValue":
+        import onnxruntime as ort
+
+        return [ort.OrtValue.ortvalue_from_numpy(v.numpy()) for v in cache]
+    return cache
+
+
 def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     """Compare a runner's prefill/decode/score with dygraph ``ref``; raise ``ExportError`` beyond
     ``atol`` (relative to the logits' magnitude). Returns the max abs diff."""
@@ -56,6 +66,7 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     # One program's runtime at a time: each predictor/session holds its own copy of the weights.
     release = getattr(backend, "release", lambda: None)
     logits, cache = backend.prefill(ids, mask)
+    cache = _detached(cache)
     release()
     got = [(logits, full[:, -1]), (backend.score(ids, mask), full)]
     release()
@@ -64,7 +75,10 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     got.append((logits, step))
     if getattr(backend, "scores_positions", False):  # the scoring programs, at the real positions
         real, labels = mask > 0, np.roll(ids, -1, axis=1)
-        lp, _ = backend.head_scores(backend.hidden_states(ids, mask)[real], labels[real])
+        hidden = backend.hidden_states(ids, mask)[real]
+        release()
+        lp, _ = backend.head_scores(hidden, labels[real])
+        release()
         top = full.max(axis=-1, keepdims=True)
         ref_lp = np.take_along_axis(full, labels[..., None], -1)[..., 0] - top[..., 0] - np.log(
             np.exp(full - top).sum(-1, dtype=np.float64))
