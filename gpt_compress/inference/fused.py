@@ -6,7 +6,7 @@ it). The KV cache is ours: per layer a key and a value tensor (B, H_i, capacity,
 at prefill with room for ``reserve`` more positions and grown (one copy) only when a decode
 passes the capacity; the ops write each step's keys/values into it in place. The operator
 library is loaded before the predictor is created (``kernels.load_ops``); the ops use OpenMP
-threads (``threads``, ``DEFAULT_THREADS`` = 1, 0 for $OMP_NUM_THREADS or all cores; one setting
+threads (``threads``; ``DEFAULT_THREADS`` = 0: $OMP_NUM_THREADS or all cores; one setting
 per process, passed as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
 
 ``paddle_backend`` picks this backend or the unfused ``PaddleBackend``: ``fused=None`` (default)
@@ -28,13 +28,15 @@ from ..errors import KernelError
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
-# OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores). 1 by default: on the shared 2-core
-# machines here (load ~12) two threads made a gpt-bench step 10-20x slower than one (every op's
-# barrier waits for a descheduled thread; bench/decode.py, 2026-11-22); the kernels alone, best of
-# 50 at load ~6 (2026-11-23): int8 LM head (50304 x 384) 1.9 ms on one thread, 14.0 ms on two;
-# float32 1536 x 384 GEMV 0.25 vs 9.6 ms. On a quiet machine threads=0 may pay off for the LM
-# head: measure it (bench/decode.py --fused-threads 2).
-DEFAULT_THREADS = 1
+# OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
+# sleep at once at each barrier (kernels.load_ops sets GOMP_SPINCOUNT=0 unless the user did): with
+# its default spinning, two threads on a loaded 2-core machine made a step 10-30x slower than one
+# (a spinning thread waits out a descheduled one). bench/decode.py gpt-bench, --rounds 2 --reps 2,
+# 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet, batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs
+# 92-114, int8 108-123 vs 244-269, prefill 56-61 vs 25-26 ms, batch 8 int8 372 vs 745; with two
+# busy loops beside it (load 2): fp32 31-40 vs 32-41, int8 108-112 vs 63-167, prefill 72-75 vs
+# 40-51 ms. Spinning (libgomp's default) under that load: 2.9 tok/s.
+DEFAULT_THREADS = 0
 
 
 @dataclass

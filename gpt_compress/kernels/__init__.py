@@ -149,6 +149,10 @@ def load_ops():
     with _lock:
         if _module is not None:
             return _module
+        # libgomp reads this when the library loads: its threads sleep at a barrier instead of
+        # spinning (inference/fused.py DEFAULT_THREADS has the measurements). No effect when
+        # another library (torch) loaded libgomp earlier in the process: then only speed differs.
+        os.environ.setdefault("GOMP_SPINCOUNT", "0")
         directory = cache_dir()  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
         so = library_path()
