@@ -6,7 +6,7 @@ Face transformers and CTranslate2 peers, side by side in one run; prints one JSO
     python bench/decode.py --backends paddle,onnx_int8 --no-peer --rounds 1
     python bench/decode.py --preset gpt-345M --batch 1 --no-positions --int-formats fused ...
 
-Every row reports the peak RSS of its worker process (``peak_rss_mb``, ``getrusage``): a runner's
+Every row reports the peak RSS of its worker process (``peak_rss_mb``, /proc VmHWM): a runner's
 whole memory, weights included (``weights_mb``: the weight files its backend loads).
 
 Exported backends also report a batch-1 decode step with 100 and with 900 tokens in the cache
@@ -115,6 +115,20 @@ def step_ms_at(gen, position: int, steps: int = 16) -> float:
     return round(statistics.median(times), 2)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS: /proc's VmHWM (of this program only). ``getrusage``'s ru_maxrss
+    survives exec, so a worker started by a driver that had exported a model reported the
+    driver's peak (every row of a run showed the same figure)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)  # kB
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
+
+
 def weights_mb(path: str, backend_class: str) -> float:
     """MB of the weight files the backend reads (the fused program's, the unfused Paddle
     programs', the ONNX external data, or the checkpoint)."""
@@ -165,7 +179,7 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
         out["step_ms_at_100"], out["step_ms_at_900"] = step_ms_at(gen, 100), step_ms_at(gen, 900)
     out["threads"] = getattr(gen.backend, "threads", None)
     out["weights_mb"] = weights_mb(path, out["backend_class"])
-    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
+    out["peak_rss_mb"] = peak_rss_mb()
     return out
 
 
