@@ -390,9 +390,9 @@ def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_
     All 30 held-out titles are decoded (sampling at temperature 0.7, seed 0; greedy decoding of a
     model this small loops) and scored, the verse form included (``poem_form``): the references
     have REFERENCE_MIN_FORM % of their clauses in form (measured 91.8% of 329); the finetuned
-    model's poems TANG_MIN_FORM % (measured 43.0% of 223 clauses, seeds 1-3: 33.9-37.4%; clause
-    lengths peak at 5: 93 of 223), the pretrained model's, same prompts and decoding, 1.5%, so
-    the test fails on a model that has not learnt the form.
+    model's poems TANG_MIN_FORM % (measured 43.0% of 223 clauses; sampling seeds 1-3 on the same
+    model: 33.9-37.4%; clause lengths peak at 5 characters), the pretrained model's, same prompts
+    and decoding, 1.6% of 183, so the test fails on a model that has not learnt the form.
     What makes the form learnable at this size (README "Finetuning for generation"): one token a
     character (`train-tokenizer --split-cjk`) and every response starting at the same position
     (``Finetune.prompt_tokens``): the model places ，and 。by position. With "《title》author"
@@ -432,7 +432,7 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     other tokens than the pretraining text.) 36,992 trainable parameters, 12.7% of the model:
     the rank-4 adapter on the 8,192 x 32 embedding is 4 x (8192 + 32) of them. Then `gptc export`'s code path exports the merged checkpoint to ONNX;
     its logits equal the unmerged (adapter) dygraph model's within EXPORT_LOGIT_ATOL (measured
-    1.4e-5 max over 4 held-out poems) and its greedy poems are token-identical."""
+    1.9e-5 max over 4 held-out poems) and its greedy poems are token-identical."""
     from gpt_compress.export import export
     from gpt_compress.finetune.lora import lora_layers
     from gpt_compress.inference.dygraph import DygraphBackend
