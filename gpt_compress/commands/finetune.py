@@ -77,8 +77,8 @@ def run(args) -> int:
         eng.max_steps = max(1, math.ceil(fc.epochs * plan.units / eng.global_batch_size))
     eval_plan = None
     if eval_rows:
-        eval_plan = plan_batches(encode_rows(tok, eval_rows, seq, fc.prompt_tokens)[0], fc.batching, micro, seq, tok.pad_id,
-                                 seed, shuffle=False)
+        eval_plan = plan_batches(encode_rows(tok, eval_rows, seq, fc.prompt_tokens)[0], fc.batching, micro, seq,
+                                 tok.pad_id, seed, shuffle=False)
 
     def eval_all():
         return (eval_plan.collate(b) for b in eval_plan.batches)

@@ -198,7 +198,7 @@ class Tokenizer:
               min_frequency: int = 2, show_progress: bool = False, split_cjk: bool = False) -> "Tokenizer":
         """Train a new GPT-2-style byte-level BPE (with ``<|endoftext|>``) on files or strings.
         ``split_cjk``: each CJK character is its own pre-token (see CJK_CHARS), so for Chinese a
-        token is one character (or a byte of a rare one), the unit the text is written in; the
+        token is one character (a rare one: a few byte tokens), the unit the text is written in; the
         BPE stays byte-level and round-trips every character either way."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:

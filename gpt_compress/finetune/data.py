@@ -26,7 +26,7 @@ embeddings then sees a response's structure at fixed positions; a small one lear
 5- or 7-character lines of Tang verse from that, where with prompts of varying length it would
 have to count characters from the last line end, which it does not learn in a short finetune
 (README "Finetuning for generation"). To generate from such a model give the same ids
-(``fixed_prompt``; `gptc generate --prompt-ids`).
+(``encode_prompts``; `gptc generate --prompt-ids`).
 
 **Batches.** ``pack``: examples (in a seeded order) are packed first-fit into rows of
 ``seq_length`` positions; ``segment_ids`` keep each example's attention inside itself and
