@@ -16,8 +16,9 @@ extra run of the new path by backend method (``hidden_states`` = the body, ``hea
 matmul + log-sum-exp + gathers + argmax, ``logits_at`` + ``numpy`` for the fused program);
 "python" is the rest. "gemm" is the head's bare matmul for the same number of rows, in
 onnxruntime (a MatMul-only graph, rows per call as the scoring path uses) and numpy, with its
-GFLOP/s: the floor of any exact scoring path, which must compute every logit of every scored row
-("square_2048_numpy_gflops": a 2048^3 GEMM, what the cores give at that moment).
+GFLOP/s: the floor of any exact scoring path, which must compute every logit of every scored row;
+beside it ``gptc_head_score`` (the Paddle backend's whole head: matmul + log-sum-exp + argmax)
+and "square_2048_numpy_gflops" (a 2048^3 GEMM: what the cores give at that moment).
 "load" is the 1-minute load average before and after (2 cores: above 2 means contention).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -131,6 +133,19 @@ def gemm(rows: int, hidden: int, vocab: int, per_call: int = ROWS, threads: int 
             fn(x[i:i + per_call])
         dt = time.perf_counter() - t
         out[name] = {"s": round(dt, 2), "gflops": round(flop / dt / 1e9, 1)}
+    try:  # the Paddle backend's head: gptc_head_score (matmul + log-sum-exp + argmax, no logits kept)
+        import paddle
+
+        from gpt_compress.kernels import load_ops
+
+        op, wt, labels = load_ops().gptc_head_score, paddle.to_tensor(w), rng.integers(0, vocab, rows)
+        t = time.perf_counter()
+        for i in range(0, rows, per_call):
+            op(paddle.to_tensor(x[i:i + per_call]), paddle.to_tensor(labels[i:i + per_call]), wt)
+        dt = time.perf_counter() - t
+        out["gptc_head_score"] = {"s": round(dt, 2), "gflops": round(flop / dt / 1e9, 1)}
+    except Exception as e:  # no compiler: the figure is left out
+        out["gptc_head_score"] = f"unavailable: {e}"
     sq = rng.standard_normal((2048, 2048), dtype=np.float32)  # a square GEMM: the machine's ceiling now
     t = time.perf_counter()
     sq @ sq
@@ -163,7 +178,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-old", action="store_true", help="only the new path and its breakdown")
     p.add_argument("--output", default=None)
     a = p.parse_args(argv)
-    path = write_text_prefix(a.data, a.chars, os.path.join(os.path.abspath("."), ".eval_speed_wiki.raw")) \
+    path = write_text_prefix(a.data, a.chars, os.path.join(tempfile.gettempdir(), "gptc_eval_speed_wiki.raw")) \
         if a.chars else a.data
     result = {"model": os.path.abspath(a.model), "chars": a.chars, "batch_size": a.batch_size,
               "threads": os.environ.get("OMP_NUM_THREADS", ""), "load_before": load(), "runs": {}}
