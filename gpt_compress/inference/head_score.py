@@ -10,7 +10,10 @@ and an online log-sum-exp, at onnxruntime's MatMul rate (bench/eval_speed.py).
 ``head_scorer`` finds the head weight in the ``score_head`` program's parameters (the one float32
 (hidden, vocab) tensor) and checks the operator against the program on a probe batch before
 using it; an export whose head is anything else (int8, a layout this does not know), or a
-machine without a C++ compiler, keeps the program (``None``).
+machine without a C++ compiler, keeps the program (``None``). Finding the weight loads every
+parameter the program reads (all of them: the programs share one params file) once and keeps
+only the head, so params files above ``MAX_PARAMS_BYTES`` keep the program too: evaluation of a
+large export stays within the memory it needed before (export/ and memory.py's bounds).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import numpy as np
 
 from ..errors import KernelError
 
+MAX_PARAMS_BYTES = 1 << 30  # gpt2-small's 0.5 GB loads once more for a moment; gpt-345M's 1.4 GB does not
 PROBE_ROWS = 16
 PROBE_RTOL = 1e-5  # the op and the program sum the same logits in different orders (~1e-7 apart)
 
@@ -59,6 +63,8 @@ def head_scorer(files: dict, hidden: int, vocab: int, program) -> Optional[HeadS
     """A ``HeadScorer`` for the ``score_head`` program in ``files`` ({"model", "params"}), or
     None when it cannot stand in for it. ``program(hidden, labels)`` runs the program (the probe's
     reference)."""
+    if os.path.getsize(files["params"]) > MAX_PARAMS_BYTES:
+        return None
     try:
         from ..kernels import load_ops
 

@@ -200,6 +200,7 @@ class PaddleBackend:
     def release(self) -> None:
         """Drop the predictors (each holds its own copy of the weights); re-created on next use."""
         self._call(self._predictors.clear)
+        self._scorer = None
 
     def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
         pred = self._predictor(role)
