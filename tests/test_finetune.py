@@ -390,20 +390,19 @@ def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_
     All 30 held-out titles are decoded (sampling at temperature 0.7, seed 0; greedy decoding of a
     model this small loops) and scored, the verse form included (``poem_form``): the references
     have REFERENCE_MIN_FORM % of their clauses in form (measured 91.8% of 329); the finetuned
-    model's poems TANG_MIN_FORM % (measured 43.0% of 223 clauses when this test runs alone and
-    37.2% of 223 inside its file's run, each the same on a second run: the 600 steps come out a
-    few float bits apart when an earlier test has made MKL pick its generic kernels before `gptc`
-    set MKL_DEBUG_CPU_TYPE=5 (runtime.tune_cpu, AMD), and the samples differ from there (with the
-    variable set before pytest starts, the file's order gives 43.0% too); other
-    sampling seeds on the first model: 33.9-37.4%; clause lengths peak at 5 characters), the
-    pretrained model's, same prompts and decoding, 1.6% of 183 (both ways), so the test fails on
-    a model that has not learnt the form.
-    What makes the form learnable at this size (README "Finetuning for generation"): one token a
-    character (`train-tokenizer --split-cjk`) and every response starting at the same position
-    (``Finetune.prompt_tokens``): the model places ，and 。by position. With "《title》author"
-    prompts of 7-22 tokens it would have to count characters since the last line end, which it
-    did not learn (the previous recipe: 5.4%; 400 steps of 4 on this tokenizer: 12%, the same
-    with fixed prompts 44%)."""
+    model's poems TANG_MIN_FORM % (measured 43.0% of 223 clauses when this test runs alone, 37.2%
+    of 223 inside its file's run, each the same on a second run: there an earlier test's matmul
+    makes MKL pick its generic kernels before `gptc` sets MKL_DEBUG_CPU_TYPE=5 (runtime.tune_cpu,
+    AMD), the 600 steps end a few float bits apart and the samples differ; with the variable set
+    before pytest starts the file's order gives 43.0% too. Other sampling seeds on the first
+    model: 33.9-37.4%. Clause lengths peak at 5 characters). The pretrained model, same prompts
+    and decoding: 1.6% of 183 (both ways), so the test fails on a model that has not learnt the
+    form. What makes the form learnable at this size (README "Finetuning for generation"): one
+    token a character (`train-tokenizer --split-cjk`) and every response starting at the same
+    position (``Finetune.prompt_tokens``): the model places ，and 。by position. With
+    "《title》author" prompts of 7-22 tokens it would have to count characters since the last line
+    end, which it did not learn (the previous recipe: 5.4%; at width 64, 400 steps of 4 on this
+    tokenizer: 12%, the same with prompts fixed to 24 tokens: 44%)."""
     from gpt_compress.config_train import GenerationConfig
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.finetune.metrics import generate_texts
@@ -417,7 +416,8 @@ def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_
     assert res["truncation"]["truncated_responses"] > 0  # long poems hit the 128-token rule, counted
     # The pretrained model, same prompts (fixed to 24 tokens) and decoding.
     ckpt, tok_dir, _, held = chinese_gpt
-    prompts = [f"《{r['title']}》{r['author']}\n" for r in map(json.loads, open(held, encoding="utf-8"))]
+    with open(held, encoding="utf-8") as f:
+        prompts = [f"《{r['title']}》{r['author']}\n" for r in map(json.loads, f)]
     pre = poem_form(generate_texts(load_model(ckpt), Tokenizer.load(tok_dir),
                                    encode_prompts(Tokenizer.load(tok_dir), prompts, TANG_PROMPT_TOKENS),
                                    GenerationConfig(decode_strategy="sampling", temperature=0.7, seed=0,
