@@ -202,24 +202,29 @@ inline __m256 exp8(__m256 x) {
 // which outputs share a pass over the weights.
 
 #if defined(__AVX2__)
+// Every loop over the MR x NR accumulators fully unrolled: otherwise GCC 12 keeps the array
+// in memory and stores all accumulators on every step of the k loop (store-bound: 30 instead
+// of 43 GFLOP/s for a 4x3 float tile on the AMD EPYC here).
+#define GPTC_UNROLL _Pragma("GCC unroll 16")
+
 // MR input rows x NR weight rows (float); y rows ldy apart.
 template <int MR, int NR>
 inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
                   const float* bias) {
   __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
-    for (int r = 0; r < MR; ++r) {
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+    GPTC_UNROLL for (int r = 0; r < MR; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) {
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       float s = hsum(acc[r][n]);
       for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[r * ldx + kk], w[n * ldw + kk], s);
       y[r * ldy + n] = s + (bias ? bias[n] : 0.f);
@@ -231,27 +236,27 @@ template <int MR, int NR>
 inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
                   const float* const* sw, float* y, int64_t ldy, const float* bias) {
   __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K; c += 32) {
     const int64_t b = c / blk;
     __m256i wv[NR];
     __m256 swb[NR];
-    for (int n = 0; n < NR; ++n) {
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
       swb[n] = _mm256_set1_ps(sw[n][b]);
     }
-    for (int r = 0; r < MR; ++r) {
+    GPTC_UNROLL for (int r = 0; r < MR; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
       const __m256i ax = _mm256_sign_epi8(xv, xv);
       const __m256 sxb = _mm256_set1_ps(sx[r * nb + b]);
-      for (int n = 0; n < NR; ++n)
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)
         acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_mul_ps(sxb, swb[n]),
                                     acc[r][n]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
 }
 #endif
 
