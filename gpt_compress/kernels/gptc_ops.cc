@@ -232,7 +232,8 @@ inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
 }
 
 // MR int8 input rows (K apart, scales sx nb apart) x NR int8 weight rows (pointers q, scales sw).
-template <int MR, int NR>
+// I4: the rows are packed int4 (the layout above), unpacked in registers (the same codes).
+template <int MR, int NR, bool I4 = false>
 inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
                   const float* const* sw, float* y, int64_t ldy, const float* bias) {
   __m256 acc[MR][NR];
@@ -243,7 +244,13 @@ inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int6
     __m256i wv[NR];
     __m256 swb[NR];
     GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-      wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
+      if (I4) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + c / 2)), m4 = _mm_set1_epi8(0x0F);
+        wv[n] = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
+                                _mm256_set1_epi8(8));
+      } else {
+        wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
+      }
       swb[n] = _mm256_set1_ps(sw[n][b]);
     }
     GPTC_UNROLL for (int r = 0; r < MR; ++r) {
@@ -329,21 +336,32 @@ inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr,
 #endif
 }
 
+// Whether iblock takes packed int4 rows as they are (unpacked in registers): the vector path, and
+// few input rows (each input row of a tile unpacks them again; more rows unpack once into a buffer).
+inline bool packed4_ok(int64_t M, int64_t K, int64_t blk) {
+#if defined(__AVX2__)
+  return M <= 2 && K % 32 == 0 && blk % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+template <bool I4 = false>
 inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
                    const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias) {
 #if defined(__AVX2__)
-  if (K % 32 == 0 && blk % 32 == 0) {
+  if (I4 || (K % 32 == 0 && blk % 32 == 0)) {
     int n = 0;
     for (; n + 4 <= nr; n += 4) {
       int64_t m = 0;
       for (; m + 2 <= M; m += 2)
-        itile<2, 4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        itile<2, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
       for (; m < M; ++m)
-        itile<1, 4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        itile<1, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
     }
     for (; n < nr; ++n)
       for (int64_t m = 0; m < M; ++m)
-        itile<1, 1>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        itile<1, 1, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
     return;
   }
 #endif
@@ -458,12 +476,15 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   } else {
     const int8_t* q[NBLK];
     const float* sw[NBLK];
-    int8_t* ibuf = L.bits == 4 ? grow(sc.ibuf, size_t(NBLK * K)) : nullptr;  // unpacked int4 rows
+    const bool packed = L.bits == 4 && in.xq != nullptr && packed4_ok(M, K, L.blk);
+    int8_t* ibuf = L.bits == 4 && !packed ? grow(sc.ibuf, size_t(NBLK * K)) : nullptr;  // unpacked int4 rows
     for (int n = 0; n < nr; ++n) {
-      q[n] = int_row(L, n0 + n, ibuf ? ibuf + n * K : nullptr);
+      q[n] = packed ? L.wq + (n0 + n) * (K / 2) : int_row(L, n0 + n, ibuf ? ibuf + n * K : nullptr);
       sw[n] = L.scale + (n0 + n) * (K / L.blk);
     }
-    if (in.xq != nullptr) {
+    if (packed) {
+      iblock<true>(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
+    } else if (in.xq != nullptr) {
       iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
     } else {
       float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
