@@ -46,7 +46,8 @@ namespace {
 // $GPTC_PROFILE=<path> (read once, at load): every op section's wall time and count is summed
 // (decode calls with T == 1 and prefill/scoring calls apart), with the fastest call of each, and
 // written to <path> as JSON ({kind: {section: [ns, calls, least ns]}}) when the process exits
-// (bench/kernels.py). Unset: one predictable branch per section.
+// (bench/kernels.py; one predictor running at a time: the sums are not synchronized). Unset: one
+// predictable branch per section.
 enum Sec { kEmbed, kLn1, kQkv, kAttn, kOut, kLn2, kFc, kProj, kHeadLn, kHead, kGap, kOutside, kNumSec };
 const char* const kSecNames[kNumSec] = {"embed", "ln1", "qkv", "attention", "out", "ln2", "fc", "proj",
                                          "head_ln", "head_linear", "between_ops", "outside_program"};
@@ -389,6 +390,19 @@ template <class T>
 inline T* grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
+}
+
+// After a call: buffers past 8 MB (long prompts, scoring batches) are freed, not kept for the
+// life of the thread; decode-sized ones stay.
+template <class T>
+inline void trim(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > (size_t(8) << 20)) std::vector<T>().swap(v);
+}
+inline void trim(Scratch& s) {
+  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.xq), trim(s.ibuf);
+}
+inline void trim(Shared& s) {
+  trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
 }
 
 inline bool is_integer(const Lin& L) { return !(L.bits == 32 || L.act < 0.f); }
@@ -831,7 +845,9 @@ std::vector<paddle::Tensor> LayerForward(
     if (lead) lp.lap(kFc);
     linear_for(proj, prepare_inputs(proj, f, M, sc), M, yd, yd, -1);  // y += mlp
     if (lead) lp.lap(kProj);
+    trim(sc);
   }
+  trim(sh);
   op_exit(false);
   return {y};
 }
@@ -889,6 +905,8 @@ std::vector<paddle::Tensor> HeadForward(const paddle::Tensor& x, const paddle::T
   lp.lap(kHeadLn);
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, x.place());
   linear(head, h, n, out.data<float>());
+  trim(t_shared);
+  trim(t_scratch);  // the other threads' scratch of the head is one tile each
   lp.lap(kHead);
   op_exit(true);
   return {out};
