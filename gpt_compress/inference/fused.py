@@ -167,10 +167,7 @@ class FusedBackend:
 
     def _score(self, input_ids, attention_mask):
         b, t = input_ids.shape
-        if attention_mask is None:
-            attention_mask = np.ones_like(input_ids)
-        logits = self._run(input_ids, attention_mask, np.arange(b * t), self._alloc(b, t))
-        return logits.reshape(b, t, -1)
+        return self._logits_at(input_ids, attention_mask, np.arange(b * t)).reshape(b, t, -1)
 
     # Evaluation of an export without the scoring programs (``eval/scoring.py``): the head only at
     # the scored positions, float or int8.
