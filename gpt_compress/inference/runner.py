@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..config import GenerationConfig
-from ..model.generation import beam_search, stream_tokens
 from ..finetune.data import encode_prompts
+from ..model.generation import beam_search, stream_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
 Prompt = Union[str, Sequence[int]]
