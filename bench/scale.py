@@ -110,8 +110,9 @@ def corpus(work: str, tokenizer_dir: str) -> str:
     return prefix
 
 
-def bench_preset(preset: str, work: str, a, data_prefix: str, wiki: str) -> dict:
-    """Every step for one preset; returns {"weight_bytes", "parameters", step: measurement}."""
+def bench_preset(preset: str, work: str, a, data_prefix: str, wiki: str, save=lambda: None) -> dict:
+    """Every step for one preset; returns {"weight_bytes", "parameters", step: measurement}, calling
+    ``save`` after each step (the dict so far is the returned one)."""
     sys.path.insert(0, ROOT)
     from gpt_compress.config import ModelConfig
 
@@ -155,17 +156,19 @@ def bench_preset(preset: str, work: str, a, data_prefix: str, wiki: str) -> dict
              "eval": "export", "decode_onnx": "export", "decode_paddle": "export", "decode_onnx_int8": "ptq",
              "decode_paddle_int8": "ptq"}
     out = {"parameters": cfg.num_parameters(), "weight_bytes": 4 * cfg.num_parameters()}
+    save(out)
     for name in STEPS:
         if name not in a.steps:
             continue
         dep = needs.get(name)
-        if dep and out.get(dep, {}).get("exit_code", 0) != 0 or dep and "skipped" in out.get(dep, {}):
+        if dep and (out.get(dep, {}).get("exit_code", 0) != 0 or "skipped" in out.get(dep, {})):
             out[name] = {"skipped": f"{dep} failed"}
             continue
         res = run_child(steps[name], os.path.join(d, name))
         if res["peak_rss_gb"] is not None:
             res["peak_rss_x_weights"] = round(res["peak_rss_gb"] * 2 ** 30 / out["weight_bytes"], 2)
         out[name] = res
+        save(out)
         print(json.dumps({preset: {name: {k: v for k, v in res.items() if k != "result"}}}), file=sys.stderr,
               flush=True)
     return out
@@ -188,12 +191,16 @@ def main() -> None:
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_start": os.getloadavg(),
                           "note": "shared machine: other jobs ran at the same time (contended timings)"},
               "presets": {}}
-    for preset in a.presets:
-        result["presets"][preset] = bench_preset(preset, a.work, a, data_prefix, wiki)
+
+    def save(preset: str, rows: dict) -> None:  # after every step: a run cut short keeps what it measured
+        result["presets"][preset] = rows
         result["machine"]["load_average_end"] = os.getloadavg()
         if a.output:
             with open(a.output, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
+
+    for preset in a.presets:
+        bench_preset(preset, a.work, a, data_prefix, wiki, lambda rows, p=preset: save(p, rows))
     print(json.dumps(result, indent=1))
 
 
