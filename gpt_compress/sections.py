@@ -43,6 +43,7 @@ class FinetuneConfig:
     response_field: str = ""  # "": "tgt", else "tgt_txt"; a row without one is continuation text
     text_field: str = ""  # continuation rows: "": "text", else "src_txt" (when no response field exists)
     prompt_template: str = ""  # e.g. "《{title}》{author}\n": the prompt built from the row's fields
+    prompt_tokens: int = 0  # > 0: prompts left-filled with EOD (or cut at the start) to this many tokens (finetune/data.py)
     batching: str = "pack"  # "pack": examples packed into full rows, no attention across them; "group": length-grouped padding
     epochs: float = 0.0  # > 0: train this many epochs (sets Engine.max_steps)
     max_train_examples: int = 0  # use only the first N training examples (0: all)
@@ -53,7 +54,7 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         if self.batching not in BATCHING:
             raise ConfigError(f"Finetune.batching must be pack or group, got {self.batching!r}")
-        for key in ("epochs", "eval_holdout", "max_train_examples", "eval_generate", "log_generations"):
+        for key in ("epochs", "eval_holdout", "max_train_examples", "eval_generate", "log_generations", "prompt_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"Finetune.{key} must be >= 0, got {getattr(self, key)}")
 

@@ -139,6 +139,8 @@ def test_fast_scoring_equals_full_logits_reference(gens, backend, wiki_part, sha
     ref_lp, ref_hit = label_logprobs(logits, labels)
     np.testing.assert_allclose(lp, ref_lp[select], rtol=1e-6)
     assert (hit == ref_hit[select]).all() and 0 < hit.sum() < hit.size
+    if backend == "paddle":  # the head runs as the gptc_head_score operator (inference/head_score.py)
+        assert gen.backend._scorer
     ref = FullLogits(gen)
     text = tmp_path / "wiki.raw"  # ~2,000 tokens: ~40 overlapping windows
     text.write_text(open(wiki_part, encoding="utf-8").read(8000), encoding="utf-8")
@@ -154,6 +156,30 @@ def test_fast_scoring_equals_full_logits_reference(gens, backend, wiki_part, sha
     for key in ("accuracy", "accuracy_nonstrict", "accuracy_harness"):
         assert getattr(fast_l, key) == getattr(ref_l, key), key
     assert _rel(fast_l.target_ppl, ref_l.target_ppl) < 1e-6
+
+
+def test_head_score_op_equals_numpy_reference():
+    """gptc_head_score (the Paddle backend's scoring head): a vocabulary that is not a whole
+    number of chunks or tiles, rows not a whole number of tiles, labels at both ends, a tied
+    maximum (the first index wins, as numpy's argmax)."""
+    import paddle
+
+    from gpt_compress.eval.scoring import label_logprobs
+    from gpt_compress.kernels import load_ops
+
+    rng = np.random.default_rng(0)
+    c, v, n = 40, 1000, 13
+    w = (rng.standard_normal((c, v)) * 0.5).astype(np.float32)
+    w[:, 700] = w[:, 300] = w[:, 300] * 8  # columns 300 and 700 equal, large: a tie for row 0's maximum
+    h = rng.standard_normal((n, c)).astype(np.float32)
+    h[0] = w[:, 300] / np.linalg.norm(w[:, 300])
+    labels = rng.integers(0, v, n)
+    labels[:3] = [0, v - 1, 300]
+    lp, top = load_ops().gptc_head_score(paddle.to_tensor(h), paddle.to_tensor(labels), paddle.to_tensor(w))
+    logits = h @ w
+    ref_lp, _ = label_logprobs(logits, labels)
+    np.testing.assert_allclose(lp.numpy(), ref_lp, rtol=1e-6)
+    assert top.numpy()[0] == 300 and (top.numpy() == logits.argmax(axis=-1)).all()
 
 
 def test_chosen_rows_path_equals_full_logits_reference(dirs, gens, wiki_part):

@@ -18,7 +18,7 @@ from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
 from gpt_compress.errors import ConfigError, DataError
 from gpt_compress.sections import FinetuneConfig, LoraConfig
-from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, hold_out, pack,
+from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_prompts, encode_rows, hold_out, pack,
                                         plan_batches, read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
 from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_generations
@@ -127,6 +127,18 @@ def test_malformed_rows_and_truncation_rule(tmp_path, shakespeare):
     # Continuation pieces share one token: every token of [EOD] text [EOD] after the first is a target once.
     joined = [t for p in pieces for t in p.tokens[1:]]
     assert joined == tok.encode(text.response) + [tok.eod_id] and all(len(p.tokens) <= 17 for p in pieces)
+    # Fixed-length prompts (Finetune.prompt_tokens): left-filled with EOD or cut at the start, the
+    # same ids in training and in generation, so every response starts at the same position.
+    short, long_q = Row("question", "yes", "x:4"), Row(" ".join(["word"] * 9), "yes", "x:5")
+    (f1, f2), st = encode_rows(tok, [short, long_q], 16, prompt_tokens=6)
+    q = tok.encode("question")
+    assert f1.first_target == f2.first_target == 6 and f1.tokens[:6] == [tok.eod_id] * (6 - len(q)) + q
+    n_long = len(tok.encode(long_q.prompt))
+    assert f2.tokens[:6] == tok.encode(long_q.prompt)[-6:] and (st.truncated_prompts, st.dropped_prompt_tokens) == (1, n_long - 6)
+    assert encode_prompts(tok, [short.prompt, long_q.prompt], 6) == [f1.tokens[:6], f2.tokens[:6]]
+    assert encode_prompts(tok, [short.prompt]) == [q]
+    with pytest.raises(ConfigError, match="prompt_tokens 9 must be at most half"):
+        encode_rows(tok, [short], 16, prompt_tokens=9)
 
 
 # ----------------------------------------------------------------------------- 4. LoRA mechanics
@@ -292,10 +304,15 @@ def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespear
 
 
 # ----------------------------------------------------------------------------- 3/4. Chinese: Tang poems
-ZH_VOCAB, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_BATCH, TANG_HELDOUT = 2048, 100, 120, 4, 30
+# gpt-tiny at width 32 (most of it is the 8,192 x 32 embedding) on a --split-cjk BPE (one token a
+# character); finetuned one packed row a step (the form needs optimizer steps more than rows a
+# step), prompts fixed at 24 tokens (Finetune.prompt_tokens): see the Tang test.
+ZH_VOCAB, ZH_HIDDEN, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_BATCH, TANG_LR = 8192, 32, 80, 600, 1, 1e-2
+TANG_HELDOUT, TANG_PROMPT_TOKENS = 30, 24
+ZH_MIN_ALIGNED = 0.8  # share of the Tang 5/7-character clauses that are one token a character (measured 0.85)
 TANG_SAMPLING = ["Generation.decode_strategy=sampling", "Generation.temperature=0.7", "Generation.seed=0"]
-TANG_MIN_FORM = 3.0  # % of the generated poems' clauses in form (sampling, seed 0): see the Tang test
-TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 1.1, 0.6
+TANG_MIN_FORM = 25.0  # % of the generated poems' clauses in form (sampling, seed 0): see the Tang test
+TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 1.4, 0.6
 REFERENCE_MIN_FORM = 80.0  # % of the 30 held-out references' clauses in form (measured 91.8: some lines have 3, 4, 6 characters)
 EXPORT_LOGIT_ATOL = 1e-4  # the float export's own tolerance vs dygraph (gpt_compress/export/api.py)
 LORA = ["Finetune.lora.enabled=true", "Finetune.lora.rank=4", "Finetune.lora.alpha=8",
@@ -304,14 +321,17 @@ LORA = ["Finetune.lora.enabled=true", "Finetune.lora.rank=4", "Finetune.lora.alp
 
 @pytest.fixture(scope="session")
 def chinese_gpt(shared_data, tmp_path_factory):
-    """`gptc train-tokenizer` on chinese_fortunes.jsonl (byte-level BPE, 2,048 tokens), then a
-    gpt-tiny pretrained on it for 100 steps: (checkpoint, tokenizer dir, Tang train/eval JSONL)."""
+    """`gptc train-tokenizer --split-cjk` on chinese_fortunes.jsonl (byte-level BPE, 8,192 tokens),
+    then a gpt-tiny of width 32 pretrained on it for 80 steps of 16 x 128: (checkpoint, tokenizer
+    dir, Tang train/eval JSONL)."""
     out = tmp_path_factory.mktemp("chinese")
     fortunes = str(shared_data / "chinese" / "chinese_fortunes.jsonl")
-    gptc("train-tokenizer", "--input", fortunes, "--vocab-size", str(ZH_VOCAB), "--output-dir", str(out / "tok"))
+    gptc("train-tokenizer", "--input", fortunes, "--vocab-size", str(ZH_VOCAB), "--split-cjk",
+         "--output-dir", str(out / "tok"))
     gptc("preprocess", "--input", fortunes, "--output-prefix", str(out / "fortunes"),
          "--tokenizer-dir", str(out / "tok"))
     gptc("pretrain", "--no-progress", "-o", "Model.preset=gpt-tiny", "-o", f"Model.vocab_size={ZH_VOCAB}",
+         "-o", f"Model.hidden_size={ZH_HIDDEN}",
          "-o", "Model.hidden_dropout_prob=0.0", "-o", "Model.attention_probs_dropout_prob=0.0",
          "-o", "Data.seq_length=128", "-o", f"Data.data_prefix=[{out / 'fortunes_text_document'}]",
          "-o", f"Data.tokenizer_dir={out / 'tok'}", "-o", "Data.split=[98,2,0]", "-o", f"Global.output_dir={out / 'pre'}",
@@ -336,12 +356,23 @@ def test_chinese_tokenizer_round_trips_every_character(chinese_gpt, shared_data)
     assert len(chars) > 3000
     assert [tok.decode(tok.encode(c)) for c in chars] == chars
     assert tok.decode(tok.encode(text[:20000])) == text[:20000]
+    # --split-cjk: no token spans two CJK characters (merges stay inside one character's bytes),
+    # so most verse clauses are one token a character; a long text encoded in pieces (the
+    # tokenizer cuts texts over 16,384 characters) gives the ids of the whole text.
+    hanzi = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+    assert max(len(hanzi.findall(tok.decode([i]))) for i in range(tok.vocab_size)) == 1
+    tang = "".join(json.loads(x)["text"] for x in open(shared_data / "chinese" / "tang300.jsonl", encoding="utf-8"))
+    clauses = [c for c in re.findall("[^，。？！；：、\n]+[，。]", tang) if len(c) in (6, 8)]
+    aligned = np.mean([len(ids) == len(c) for ids, c in zip(tok.encode_batch(clauses), clauses)])
+    assert len(clauses) > 3000 and aligned > ZH_MIN_ALIGNED, aligned
+    assert tok.encode(text[:40000]) == tok._plain.encode(text[:40000], add_special_tokens=False).ids
 
 
-def _tang(chinese_gpt, out, lora=False, lr=5e-3):
+def _tang(chinese_gpt, out, lora=False, lr=TANG_LR):
     ckpt, _, train, held = chinese_gpt
     extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
-             f"Finetune.eval_generate={TANG_HELDOUT}", "Generation.max_new_tokens=48", *TANG_SAMPLING]
+             f"Finetune.prompt_tokens={TANG_PROMPT_TOKENS}", f"Finetune.eval_generate={TANG_HELDOUT}",
+             "Generation.max_new_tokens=48", *TANG_SAMPLING]
     if lora:
         extra += LORA
     return gptc("finetune", "--no-progress", "--model", ckpt,
@@ -353,17 +384,29 @@ def tang_full(chinese_gpt, tmp_path_factory):
     return _tang(chinese_gpt, tmp_path_factory.mktemp("tang_full"))
 
 
-def test_tang_finetune_lowers_perplexity_well_below_the_pretrained_model(tang_full):
-    """Held-out (30 poems) response perplexity after 120 finetuning steps (4 packed rows of 128,
-    LR 5e-3) is at most TANG_MAX_PPL_RATIO of the pretrained model's (measured 533 -> 231, ratio
-    0.43). All 30 held-out titles are decoded (sampling at temperature 0.7, seed 0: greedy
-    decoding of a model this small loops on ，and newlines, measured 0%) and scored, the verse form
-    included (``poem_form``): the references have REFERENCE_MIN_FORM % of their clauses in form
-    (measured 91.8% of 329); the generated poems TANG_MIN_FORM % (measured 5.4% of 204; the
-    pretrained model, same decoding: 0.6%). That is chance level, not the form: its clause
-    lengths fall off from 1 character (86 of 204) with no bump at 5 or 7; this 2-layer, 64-wide
-    model at ~5.4 nats a token has learnt how often ，and 。 occur, not to count the characters
-    before them (2.5-5x this compute reached 5-28%; an 8,192-token BPE did not help: README)."""
+def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_full, chinese_gpt):
+    """Held-out (30 poems) response perplexity after 600 finetuning steps (1 packed row of 128,
+    LR 1e-2) is at most TANG_MAX_PPL_RATIO of the pretrained model's (measured 1372 -> 442).
+    All 30 held-out titles are decoded (sampling at temperature 0.7, seed 0; greedy decoding of a
+    model this small loops) and scored, the verse form included (``poem_form``): the references
+    have REFERENCE_MIN_FORM % of their clauses in form (measured 91.8% of 329); the finetuned
+    model's poems TANG_MIN_FORM % (measured 43.0% of 223 clauses when this test runs alone, 37.2%
+    of 223 inside its file's run, each the same on a second run: there an earlier test's matmul
+    makes MKL pick its generic kernels before `gptc` sets MKL_DEBUG_CPU_TYPE=5 (runtime.tune_cpu,
+    AMD), the 600 steps end a few float bits apart and the samples differ; with the variable set
+    before pytest starts the file's order gives 43.0% too. Other sampling seeds on the first
+    model: 33.9-37.4%. Clause lengths peak at 5 characters). The pretrained model, same prompts
+    and decoding: 1.6% of 183 (both ways), so the test fails on a model that has not learnt the
+    form. What makes the form learnable at this size (README "Finetuning for generation"): one
+    token a character (`train-tokenizer --split-cjk`) and every response starting at the same
+    position (``Finetune.prompt_tokens``): the model places ，and 。by position. With
+    "《title》author" prompts of 7-22 tokens it would have to count characters since the last line
+    end, which it did not learn (the previous recipe: 5.4%; at width 64, 400 steps of 4 on this
+    tokenizer: 12%, the same with prompts fixed to 24 tokens: 44%)."""
+    from gpt_compress.config_train import GenerationConfig
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.finetune.metrics import generate_texts
+
     res = tang_full
     before, after = res["eval_before"]["ppl"], res["eval_after"]["ppl"]
     assert res["eval_before"]["tokens"] == res["eval_after"]["tokens"] > 1000
@@ -371,34 +414,45 @@ def test_tang_finetune_lowers_perplexity_well_below_the_pretrained_model(tang_fu
     gen = res["generation"]
     assert gen["samples"] == TANG_HELDOUT == len(gen["hypotheses"]) and 0 <= gen["chrf"] <= 100
     assert res["truncation"]["truncated_responses"] > 0  # long poems hit the 128-token rule, counted
-    print("tang form", gen["form"], "references", gen["reference_form"])
+    # The pretrained model, same prompts (fixed to 24 tokens) and decoding.
+    ckpt, tok_dir, _, held = chinese_gpt
+    with open(held, encoding="utf-8") as f:
+        prompts = [f"《{r['title']}》{r['author']}\n" for r in map(json.loads, f)]
+    pre = poem_form(generate_texts(load_model(ckpt), Tokenizer.load(tok_dir),
+                                   encode_prompts(Tokenizer.load(tok_dir), prompts, TANG_PROMPT_TOKENS),
+                                   GenerationConfig(decode_strategy="sampling", temperature=0.7, seed=0,
+                                                    max_new_tokens=48)))
+    print("tang form", gen["form"], "pretrained", pre, "references", gen["reference_form"])
     assert gen["reference_form"]["form_rate"] >= REFERENCE_MIN_FORM and gen["reference_form"]["clauses"] > 90
-    assert gen["form"]["clauses"] > TANG_HELDOUT and gen["form"]["form_rate"] >= TANG_MIN_FORM, gen["form"]
+    assert pre["clauses"] > 100 and pre["form_rate"] < TANG_MIN_FORM / 5, pre
+    assert gen["form"]["clauses"] > 150 and gen["form"]["form_rate"] >= TANG_MIN_FORM, gen["form"]
 
 
 def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(tang_full, chinese_gpt, tmp_path):
-    """LoRA (rank 4, alpha 8, LR 1e-2) on every block Linear and on the tied token embedding /
-    LM head ``gpt.wte``, against the full finetune (LR 5e-3), same 120 steps and data: held-out
-    perplexity within LORA_PPL_MARGIN x the full finetune's (measured 233.6 vs 230.7: 1.01x).
-    Without the ``gpt.wte`` adapter (rank 8 on the blocks only, 100 steps) it measured 2.06x:
-    on this 64-wide model most parameters are the embedding, and poems need other tokens than
-    the pretraining text. Then `gptc export`'s code path exports the merged checkpoint to ONNX;
+    """LoRA (rank 4, alpha 8) on every block Linear and on the tied token embedding / LM head
+    ``gpt.wte``, against the full finetune, same 600 steps, LR 1e-2 and data: held-out perplexity
+    within LORA_PPL_MARGIN x the full finetune's (measured 550 vs 442: 1.24x alone, 549 vs 445
+    inside the file's run; LR 2e-2: 569).
+    (On the previous recipe, a 64-wide model with a 2,048-token BPE and 120 steps of 4: 1.01x;
+    without the ``gpt.wte`` adapter 2.06x: most parameters are the embedding, and poems need
+    other tokens than the pretraining text.) 36,992 trainable parameters, 12.7% of the model:
+    the rank-4 adapter on the 8,192 x 32 embedding is 4 x (8192 + 32) of them. Then `gptc export`'s code path exports the merged checkpoint to ONNX;
     its logits equal the unmerged (adapter) dygraph model's within EXPORT_LOGIT_ATOL (measured
-    1.4e-5 max over 4 held-out poems) and its greedy poems are token-identical."""
+    1.9e-5 max over 4 held-out poems) and its greedy poems are token-identical."""
     from gpt_compress.export import export
     from gpt_compress.finetune.lora import lora_layers
     from gpt_compress.inference.dygraph import DygraphBackend
     from gpt_compress.inference.runner import Generator
 
-    res = _tang(chinese_gpt, tmp_path / "lora", lora=True, lr=1e-2)
+    res = _tang(chinese_gpt, tmp_path / "lora", lora=True)
     lora, full, before = res["eval_after"]["ppl"], tang_full["eval_after"]["ppl"], res["eval_before"]["ppl"]
     print("lora ppl", lora, "full", full, "before", before, res["trainable_parameters"])
     assert lora < LORA_PPL_MARGIN * full and lora < LORA_MAX_PPL_RATIO * before
     merged = load_model(res["model"])  # a plain checkpoint (adapters merged): exports and serves like any other
     assert sorted(merged.state_dict()) == sorted(load_model(chinese_gpt[0]).state_dict())
     total = sum(int(np.prod(v.shape)) for v in merged.state_dict().values())
-    assert res["trainable_parameters"] == 16640 < 0.1 * total
-    assert os.path.getsize(os.path.join(res["adapter"], "adapter.safetensors")) < 0.1 * 4 * total
+    assert res["trainable_parameters"] == 36992 < 0.15 * total
+    assert os.path.getsize(os.path.join(res["adapter"], "adapter.safetensors")) < 0.15 * 4 * total
     # The unmerged model: base weights + the saved adapters.
     unmerged = load_adapters(load_model(chinese_gpt[0]), res["adapter"])
     unmerged.eval()
@@ -438,7 +492,7 @@ def test_resume_after_sigkill_reproduces_the_losses(chinese_gpt, tmp_path):
     extra = ['Finetune.prompt_template="《{title}》{author}\\n"', "Finetune.response_field=text",
              "Model.hidden_dropout_prob=0.1", "Engine.save_steps=10", "Engine.keep_checkpoint_max=10"]
     args = lambda out: ["finetune", "--no-progress", "--model", ckpt,  # noqa: E731
-                        *_finetune_args(out, train, "", 40, batch=4, extra=extra)]
+                        *_finetune_args(out, train, "", 40, batch=1, extra=extra)]
     ref_out, run_out = str(tmp_path / "ref"), str(tmp_path / "run")
     cmd = [sys.executable, "-m", "gpt_compress"]
     subprocess.run(cmd + args(ref_out), check=True, env=ENV, cwd=ROOT, capture_output=True)

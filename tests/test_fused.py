@@ -228,7 +228,7 @@ def test_a_corrupt_cached_library_is_detected(dirs, tmp_path):
     assert kernels.cached_library_problem(str(copy)) is None  # missing: simply built
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
 def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(dirs, monkeypatch, mode):
     """Batch invariance (what ``gptc serve``'s continuous batching relies on): a sequence's logits
     are bitwise identical run alone, as a left-padded row of a batch (on 2 OpenMP threads), and
@@ -240,8 +240,8 @@ def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(
     from gpt_compress.qat.quantize import quantize_model
 
     model = load_model(dirs["ckpt"])
-    if mode == "int8":
-        model = quantize_model(model, QuantConfig(targets=[], weight_only=["*"], weight_bits=8))
+    if mode != "fp32":  # int4: one or two rows read the packed weights, more unpack them first
+        model = quantize_model(model, QuantConfig(targets=[], weight_only=["*"], weight_bits=int(mode[3:])))
     model.eval()
     fused, cfg = FusedLM(fused_weights(model)), model.config
     ids, mask = _left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)

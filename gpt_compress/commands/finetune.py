@@ -44,7 +44,7 @@ def run(args) -> int:
     from ..checkpoint import save_model
     from ..fileio import write_json_atomic
     from ..errors import ConfigError, DataError
-    from ..finetune.data import PlanIterator, encode_rows, hold_out, plan_batches, read_rows
+    from ..finetune.data import PlanIterator, encode_prompts, encode_rows, hold_out, plan_batches, read_rows
     from ..finetune.lora import apply_lora, merge_lora, save_adapters
     from ..finetune.metrics import finetune_loss, generate_texts, response_perplexity, score_generations
     from ..train.trainer import fit
@@ -71,14 +71,14 @@ def run(args) -> int:
         rows, eval_rows = hold_out(rows, fc.eval_holdout, fc.eval_shuffle_seed)
     if fc.max_train_examples:
         rows = rows[: fc.max_train_examples]
-    train_ex, stats = encode_rows(tok, rows, seq)
+    train_ex, stats = encode_rows(tok, rows, seq, fc.prompt_tokens)
     plan = plan_batches(train_ex, fc.batching, micro, seq, tok.pad_id, seed)
     if fc.epochs > 0:
         eng.max_steps = max(1, math.ceil(fc.epochs * plan.units / eng.global_batch_size))
     eval_plan = None
     if eval_rows:
-        eval_plan = plan_batches(encode_rows(tok, eval_rows, seq)[0], fc.batching, micro, seq, tok.pad_id,
-                                 seed, shuffle=False)
+        eval_plan = plan_batches(encode_rows(tok, eval_rows, seq, fc.prompt_tokens)[0], fc.batching, micro, seq,
+                                 tok.pad_id, seed, shuffle=False)
 
     def eval_all():
         return (eval_plan.collate(b) for b in eval_plan.batches)
@@ -106,20 +106,21 @@ def run(args) -> int:
     if eval_plan is not None:
         summary["eval_after"] = response_perplexity(model, eval_all())
         summary["generation"] = _generation_eval(model, tok, cfg, eval_rows, result.steps, out,
-                                                 generate_texts, score_generations)
+                                                 generate_texts, score_generations, encode_prompts)
         write_json_atomic(os.path.join(out, "finetune_eval.json"), summary)
     print_json(summary)
     return 0
 
 
-def _generation_eval(model, tok, cfg, eval_rows, step, out, generate_texts, score_generations):
+def _generation_eval(model, tok, cfg, eval_rows, step, out, generate_texts, score_generations, encode_prompts):
     """Generate for the first ``Finetune.eval_generate`` prompt rows; scores + a few samples
     (also appended to ``train_log.jsonl``)."""
     fc = cfg.finetune
     rows = [r for r in eval_rows if r.prompt is not None][: fc.eval_generate]
     if not rows:
         return None
-    hyps = generate_texts(model, tok, tok.encode_batch([r.prompt for r in rows]), cfg.generation, batch_size=64)
+    prompts = encode_prompts(tok, [r.prompt for r in rows], fc.prompt_tokens)
+    hyps = generate_texts(model, tok, prompts, cfg.generation, batch_size=64)
     scores = score_generations(hyps, [r.response for r in rows])
     samples = [{"prompt": r.prompt, "output": h, "reference": r.response}
                for r, h in zip(rows[: fc.log_generations], hyps)]

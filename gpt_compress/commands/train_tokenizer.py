@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="writes tokenizer.json, vocab.json and merges.txt here")
     parser.add_argument("--min-frequency", type=int, default=2,
                         help="a pair must occur this often to be merged")
+    parser.add_argument("--split-cjk", action="store_true",
+                        help="make each CJK character its own pre-token: merges stay within one "
+                             "character's bytes, so a Chinese token is one character (for Chinese "
+                             "text; give a vocabulary that holds its common characters, e.g. 8192)")
 
 
 def _texts(paths, key: str):
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     paths = [os.path.abspath(p) for p in args.input]
     source = _texts(paths, args.jsonl_key) if any(p.endswith(".jsonl") for p in paths) else paths
     tok = Tokenizer.train(source, args.vocab_size,
-                          min_frequency=args.min_frequency, show_progress=sys.stderr.isatty())
+                          min_frequency=args.min_frequency, show_progress=sys.stderr.isatty(),
+                          split_cjk=args.split_cjk)
     paths = tok.save(args.output_dir)
     print(json.dumps({"vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                       "seconds": round(time.perf_counter() - start, 3),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Sequence, Union
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from ..fileio import write_text_atomic
 from .errors import DataError
@@ -35,6 +35,33 @@ _PIECE_CHARS = 16384
 _SAFE_CUT = re.compile(r"(?<=\S)[ \t\n\r]")
 
 PathLike = Union[str, os.PathLike]
+
+# CJK ideographs (Unified, Extension A, Compatibility). ``Tokenizer.train(split_cjk=True)`` makes
+# each one its own pre-token before the byte-level step, so merges stay inside one character's
+# bytes: a character is one token (or, if rare, a few byte tokens), never part of a multi-character
+# token. Chinese verse then has a fixed token period (5 characters + ，= 6 tokens).
+CJK_CHARS = "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
+
+
+def _pre_tokenizer(split_cjk: bool):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if not split_cjk:
+        return byte_level
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(CJK_CHARS), "isolated"), byte_level])
+
+
+def _is_gpt2_byte_level(pre: dict) -> bool:
+    return pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and pre.get("use_regex", True)
+
+
+def _cuttable(pre: dict) -> bool:
+    """True for the GPT-2 pre-tokenizer, alone or after isolating CJK characters: for both, a
+    text cut before an ASCII whitespace that follows a non-space encodes to the same ids."""
+    if pre.get("type") == "Sequence":
+        steps = pre.get("pretokenizers") or []
+        return (len(steps) == 2 and _is_gpt2_byte_level(steps[1]) and steps[0].get("type") == "Split"
+                and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"))
+    return _is_gpt2_byte_level(pre)
 
 
 def _split_long(text: str) -> list[str]:
@@ -107,9 +134,9 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         spec = json.loads(text)
         pre = spec.get("pre_tokenizer") or {}
-        # Cutting long texts is exact only for the GPT-2 pre-tokenizer with nothing before it.
-        self._cut_long = (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
-                          and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+        # Cutting long texts is exact only for the GPT-2 pre-tokenizer (optionally after isolating
+        # CJK characters) with no normalizer.
+        self._cut_long = spec.get("normalizer") is None and _cuttable(pre)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -168,14 +195,17 @@ class Tokenizer:
 
     @classmethod
     def train(cls, files_or_iterator: Union[Sequence[PathLike], Iterable[str]], vocab_size: int,
-              min_frequency: int = 2, show_progress: bool = False) -> "Tokenizer":
-        """Train a new GPT-2-style byte-level BPE (with ``<|endoftext|>``) on files or strings."""
+              min_frequency: int = 2, show_progress: bool = False, split_cjk: bool = False) -> "Tokenizer":
+        """Train a new GPT-2-style byte-level BPE (with ``<|endoftext|>``) on files or strings.
+        ``split_cjk``: each CJK character is its own pre-token (see CJK_CHARS), so for Chinese a
+        token is one character (a rare one: a few byte tokens), the unit the text is written in; the
+        BPE stays byte-level and round-trips every character either way."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:
             raise DataError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
                             f"{len(alphabet) + 1} tokens (256 bytes + {EOD_TOKEN})")
         backend = tokenizers.Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.pre_tokenizer = _pre_tokenizer(split_cjk)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                       special_tokens=[EOD_TOKEN], initial_alphabet=alphabet,

@@ -5,7 +5,8 @@ Three paths, best first:
 * ``scores_positions`` (float and int8 exports with the scoring programs, dygraph): the body
   runs on the whole batch (``hidden_states``), the LM head only at the chosen positions
   (``head_scores``, ``ROWS`` rows a call) and returns one log-probability and argmax per row:
-  the log-softmax is taken inside the program, no (N, V) logits leave it.
+  the log-softmax is taken inside the program, no (N, V) logits leave it (Paddle Inference runs
+  it as the ``gptc_head_score`` operator, ``inference/head_score.py``, which never makes them).
 * ``scores_rows`` (the fused Paddle program, ``inference/fused.py``, which also runs int8 and
   exports without the scoring programs): one call per group of sequences gives logits (n, V)
   at the chosen flat rows only; they are reduced here (``label_logprobs``).

@@ -19,6 +19,15 @@ response follows the prompt's end). Continuation text is not truncated but split
 of ``max_tokens`` tokens that share one token, so every token is a target exactly once.
 ``TruncationStats`` counts every case; `gptc finetune` reports it.
 
+**Fixed-length prompts** (``Finetune.prompt_tokens`` = N > 0, ``fixed_prompt``): every prompt is
+left-filled with EOD tokens (or cut at its start) to exactly N tokens, in training and in
+generation alike, so every response starts at position N. A GPT with learned absolute position
+embeddings then sees a response's structure at fixed positions; a small one learns, e.g., the
+5- or 7-character lines of Tang verse from that, where with prompts of varying length it would
+have to count characters from the last line end, which it does not learn in a short finetune
+(README "Finetuning for generation"). To generate from such a model give the same ids
+(``encode_prompts``; `gptc generate --prompt-ids`).
+
 **Batches.** ``pack``: examples (in a seeded order) are packed first-fit into rows of
 ``seq_length`` positions; ``segment_ids`` keep each example's attention inside itself and
 ``position_ids`` restart at 0 per example, so a packed row computes exactly what the examples
@@ -164,9 +173,27 @@ def _row(obj: dict, cfg: FinetuneConfig, where: str) -> Row:
     return Row(prompt, response, where)
 
 
-def encode_rows(tokenizer, rows: Sequence[Row], seq_length: int) -> tuple[list[Example], TruncationStats]:
-    """Examples of at most ``seq_length + 1`` tokens under the truncation rule, and its counts."""
+def fixed_prompt(ids: list[int], length: int, eod: int) -> list[int]:
+    """``ids`` left-filled with ``eod`` or cut at the start to ``length`` tokens (0: unchanged)."""
+    if length <= 0:
+        return list(ids)
+    return [eod] * (length - len(ids)) + list(ids[-length:])
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], prompt_tokens: int = 0) -> list[list[int]]:
+    """Token ids of ``prompts`` as finetuning sees them (``fixed_prompt`` when ``prompt_tokens``)."""
+    return [fixed_prompt(p, prompt_tokens, tokenizer.eod_id) for p in tokenizer.encode_batch(list(prompts))]
+
+
+def encode_rows(tokenizer, rows: Sequence[Row], seq_length: int,
+                prompt_tokens: int = 0) -> tuple[list[Example], TruncationStats]:
+    """Examples of at most ``seq_length + 1`` tokens under the truncation rule, and its counts;
+    ``prompt_tokens`` > 0 fixes every prompt's length first (``fixed_prompt``; a cut counts as a
+    truncated prompt)."""
     eod, max_tokens = tokenizer.eod_id, seq_length + 1
+    if prompt_tokens > max_tokens // 2:
+        raise ConfigError(f"Finetune.prompt_tokens {prompt_tokens} must be at most half of Data.seq_length + 1 "
+                          f"({max_tokens // 2})")
     stats, out = TruncationStats(), []
     prompts = tokenizer.encode_batch([r.prompt or "" for r in rows])
     responses = tokenizer.encode_batch([r.response for r in rows])
@@ -182,6 +209,11 @@ def encode_rows(tokenizer, rows: Sequence[Row], seq_length: int) -> tuple[list[E
             continue
         if not p:
             raise DataError(f"{row.where}: the prompt encodes to no tokens")
+        if prompt_tokens:
+            if len(p) > prompt_tokens:
+                stats.truncated_prompts += 1
+                stats.dropped_prompt_tokens += len(p) - prompt_tokens
+            p = fixed_prompt(p, prompt_tokens, eod)
         if len(p) + len(r) > max_tokens:
             keep_p = max(max_tokens - len(r), min(len(p), max_tokens // 2))
             keep_r = max_tokens - keep_p

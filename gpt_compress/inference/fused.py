@@ -29,7 +29,7 @@ from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
-# sleep at once at each barrier (kernels.load_ops sets GOMP_SPINCOUNT=0 unless the user did): with
+# spin only briefly at each barrier (kernels.load_ops sets GOMP_SPINCOUNT=2000 unless the user did): with
 # its default spinning, two threads on a loaded 2-core machine made a step 10-30x slower than one
 # (a spinning thread waits out a descheduled one). bench/decode.py gpt-bench, --rounds 2 --reps 2,
 # 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet, batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs
@@ -167,10 +167,7 @@ class FusedBackend:
 
     def _score(self, input_ids, attention_mask):
         b, t = input_ids.shape
-        if attention_mask is None:
-            attention_mask = np.ones_like(input_ids)
-        logits = self._run(input_ids, attention_mask, np.arange(b * t), self._alloc(b, t))
-        return logits.reshape(b, t, -1)
+        return self._logits_at(input_ids, attention_mask, np.arange(b * t)).reshape(b, t, -1)
 
     # Evaluation of an export without the scoring programs (``eval/scoring.py``): the head only at
     # the scored positions, float or int8.

@@ -171,6 +171,7 @@ class PaddleBackend:
             names = sorted({os.path.basename(p) for f in self._files.values() for p in f.values()})
             verify_files(self.manifest.path, names)
         self._predictors: dict[str, pi.Predictor] = {}
+        self._scorer = None  # inference/head_score.py's op for score_head once checked (False: not usable)
         self._place = paddle.CUDAPlace(gpu_id) if device == "gpu" else paddle.CPUPlace()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-predictor")
 
@@ -199,6 +200,7 @@ class PaddleBackend:
     def release(self) -> None:
         """Drop the predictors (each holds its own copy of the weights); re-created on next use."""
         self._call(self._predictors.clear)
+        self._scorer = None
 
     def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
         pred = self._predictor(role)
@@ -290,6 +292,17 @@ class PaddleBackend:
         return outs[0].numpy()
 
     def _head_scores(self, hidden, labels):
+        hidden_size = self.manifest.data.get("model", {}).get("hidden_size")
+        if self._scorer is None:
+            from .head_score import head_scorer
+
+            self._scorer = self.device == "cpu" and bool(hidden_size) and head_scorer(
+                self._files["score_head"], hidden_size, self.manifest.vocab_size, self._head_program) or False
+        if self._scorer:
+            return self._scorer(hidden, labels)
+        return self._head_program(hidden, labels)
+
+    def _head_program(self, hidden, labels):
         hidden = paddle.to_tensor(np.ascontiguousarray(hidden, dtype=np.float32), place=self._place)
         outs = self._run("score_head", {"hidden": hidden, "labels": self._tensor(labels)})
         return outs[0].numpy(), outs[1].numpy()

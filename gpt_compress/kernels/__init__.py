@@ -40,6 +40,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: 
 # a batch-1 step 4x slower on a busy machine: its threads spin 200 ms after every region.)
 LDFLAGS = ["-fopenmp"]
 OPS = ("gptc_embed", "gptc_layer", "gptc_head")
+SPINCOUNT = "2000"  # libgomp's $GOMP_SPINCOUNT default for the ops (see load_ops)
 
 _lock = threading.Lock()
 _module = None
@@ -60,11 +61,12 @@ def _compiler() -> str:
     return out.splitlines()[0] if out else path
 
 
-def cache_key() -> str:
-    """Hash of the source, compiler, flags, Paddle version and CPU flags (the cache subdirectory)."""
+def cache_key(source: Optional[bytes] = None) -> str:
+    """Hash of the source (``source``, else the file's bytes), compiler, flags, Paddle version and
+    CPU flags (the cache subdirectory)."""
     import paddle
 
-    h = hashlib.sha256(_source_bytes())
+    h = hashlib.sha256(_source_bytes() if source is None else source)
     for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
@@ -75,11 +77,11 @@ def _source_bytes() -> bytes:
         return f.read()
 
 
-def cache_dir() -> str:
-    """The build directory of this machine's library."""
+def cache_dir(source: Optional[bytes] = None) -> str:
+    """The build directory of this machine's library (of ``source``, else of the file's bytes)."""
     root = os.environ.get("GPTC_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt-compress",
                                                                 "kernels")
-    return os.path.join(root, cache_key())
+    return os.path.join(root, cache_key(source))
 
 
 def library_path() -> str:
@@ -99,24 +101,25 @@ def _file_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _snapshot_source(directory: str) -> str:
+def _snapshot_source(directory: str, source: bytes) -> str:
     """The source the library in ``directory`` is built from: a copy made once, inside the keyed
     directory, so the build compiles exactly the hashed text at one fixed path (not whatever
-    ``gptc_ops.cc`` holds mid-edit, nor a rebuild for every checkout's different path)."""
+    ``gptc_ops.cc`` holds mid-edit, nor a rebuild for every checkout's different path): ``source``
+    is the text that was hashed, read once."""
     path = os.path.join(directory, NAME + ".cc")
     if not os.path.isfile(path):
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(_source_bytes())
+            f.write(source)
         os.replace(tmp, path)
     return path
 
 
-def _build(directory: str):
+def _build(directory: str, source_bytes: bytes):
     from paddle.utils.cpp_extension import load
 
     log = io.StringIO()
-    source = _snapshot_source(directory)
+    source = _snapshot_source(directory, source_bytes)
     try:
         with contextlib.redirect_stdout(log):
             return load(name=NAME, sources=[source], extra_cxx_cflags=CFLAGS, extra_ldflags=LDFLAGS,
@@ -149,13 +152,18 @@ def load_ops():
     with _lock:
         if _module is not None:
             return _module
-        # libgomp reads this when the library loads: its threads sleep at a barrier instead of
-        # spinning (inference/fused.py DEFAULT_THREADS has the measurements). No effect when
-        # another library (torch) loaded libgomp earlier in the process: then only speed differs.
-        os.environ.setdefault("GOMP_SPINCOUNT", "0")
-        directory = cache_dir()  # names the compiler first: a clear error before Paddle's murky one
+        # libgomp reads this when the library loads: its threads spin this many pause loops
+        # (~25 ns each on the AMD EPYC here: ~50 us) at a barrier or between regions, then sleep.
+        # Waking a sleeping thread made an empty region cost 13-18 us instead of 3 us (libgomp
+        # microbenchmark, load 8), ~32 times per decode step; libgomp's default spin (300,000)
+        # made two threads on a loaded 2-core machine 10-30x slower (inference/fused.py
+        # DEFAULT_THREADS): a short spin bounds that waste. No effect when another library
+        # (torch) loaded libgomp earlier in the process: then only speed differs.
+        os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
+        source = _source_bytes()  # read once: the key and the snapshot are the same text
+        directory = cache_dir(source)  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
-        so = library_path()
+        so = os.path.join(directory, NAME, NAME + ".so")
         with _file_lock(directory + ".lock"):
             problem = cached_library_problem(directory)
             if problem:  # rebuild from scratch
@@ -164,7 +172,7 @@ def load_ops():
             fresh = not os.path.isfile(so)
             t0 = time.perf_counter()
             try:
-                module = _build(directory)
+                module = _build(directory, source)
             except KernelError as e:
                 raise KernelError(f"{problem}; rebuilding it failed: {e}" if problem else str(e)) from None
             if fresh:

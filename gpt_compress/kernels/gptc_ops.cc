@@ -26,6 +26,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -39,6 +41,76 @@
 #endif
 
 namespace {
+
+// ---------------------------------------------------------------------------- profile
+// $GPTC_PROFILE=<path> (read once, at load): every op section's wall time and count is summed
+// (decode calls with T == 1 and prefill/scoring calls apart), with the fastest call of each, and
+// written to <path> as JSON ({kind: {section: [ns, calls, least ns]}}) when the process exits
+// (bench/kernels.py; one predictor running at a time: the sums are not synchronized). Unset: one
+// predictable branch per section.
+enum Sec { kEmbed, kLn1, kQkv, kAttn, kOut, kLn2, kFc, kProj, kHeadLn, kHead, kGap, kOutside, kNumSec };
+const char* const kSecNames[kNumSec] = {"embed", "ln1", "qkv", "attention", "out", "ln2", "fc", "proj",
+                                         "head_ln", "head_linear", "between_ops", "outside_program"};
+struct Profile {
+  const char* path = std::getenv("GPTC_PROFILE");
+  double ns[2][kNumSec] = {};
+  int64_t calls[2][kNumSec] = {};
+  double least[2][kNumSec] = {};  // the fastest call of each section (the least disturbed one)
+  void add(int kind, int sec, double t) {
+    ns[kind][sec] += t;
+    least[kind][sec] = calls[kind][sec]++ ? std::min(least[kind][sec], t) : t;
+  }
+  std::chrono::steady_clock::time_point last_end{};  // end of the previous op (gaps between ops)
+  bool head_ended = false;                             // the previous op was a head: a new program run
+  ~Profile() {
+    if (path == nullptr || !*path) return;
+    if (FILE* f = std::fopen(path, "w")) {
+      std::fprintf(f, "{");
+      for (int t = 0; t < 2; ++t) {
+        std::fprintf(f, "%s\"%s\": {", t ? ", " : "", t ? "prefill" : "decode");
+        for (int i = 0; i < kNumSec; ++i)
+          std::fprintf(f, "%s\"%s\": [%.0f, %lld, %.0f]", i ? ", " : "", kSecNames[i], ns[t][i],
+                       (long long)calls[t][i], least[t][i]);
+        std::fprintf(f, "}");
+      }
+      std::fprintf(f, "}\n");
+      std::fclose(f);
+    }
+  }
+};
+Profile g_prof;
+
+// Section timer of one op call: lap(sec) adds the time since the previous lap (or the op's
+// entry) to sec. Also records the gap since the previous op ended (op_enter/op_exit).
+struct Laps {
+  int kind;
+  std::chrono::steady_clock::time_point t;
+  explicit Laps(int kind_) : kind(kind_) {
+    if (g_prof.path) t = std::chrono::steady_clock::now();
+  }
+  void lap(int sec) {
+    if (!g_prof.path) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_prof.add(kind, sec, std::chrono::duration<double, std::nano>(now - t).count());
+    t = now;
+  }
+};
+
+// At an op's entry/exit: the time since the previous op ended (Paddle between ops, or outside
+// the program between runs when the previous op was the head).
+inline void op_enter(int kind) {
+  if (!g_prof.path) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (g_prof.last_end.time_since_epoch().count()) {
+    const int sec = g_prof.head_ended ? kOutside : kGap;
+    g_prof.add(kind, sec, std::chrono::duration<double, std::nano>(now - g_prof.last_end).count());
+  }
+}
+inline void op_exit(bool head) {
+  if (!g_prof.path) return;
+  g_prof.last_end = std::chrono::steady_clock::now();
+  g_prof.head_ended = head;
+}
 
 // Read per region (cheap): a backend sets it for the process (inference/fused.py).
 inline int nthreads() {
@@ -131,24 +203,29 @@ inline __m256 exp8(__m256 x) {
 // which outputs share a pass over the weights.
 
 #if defined(__AVX2__)
+// Every loop over the MR x NR accumulators fully unrolled: otherwise GCC 12 keeps the array
+// in memory and stores all accumulators on every step of the k loop (store-bound: 30 instead
+// of 43 GFLOP/s for a 4x3 float tile on the AMD EPYC here).
+#define GPTC_UNROLL _Pragma("GCC unroll 16")
+
 // MR input rows x NR weight rows (float); y rows ldy apart.
 template <int MR, int NR>
 inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
                   const float* bias) {
   __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
-    for (int r = 0; r < MR; ++r) {
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+    GPTC_UNROLL for (int r = 0; r < MR; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) {
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       float s = hsum(acc[r][n]);
       for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[r * ldx + kk], w[n * ldw + kk], s);
       y[r * ldy + n] = s + (bias ? bias[n] : 0.f);
@@ -156,31 +233,38 @@ inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
 }
 
 // MR int8 input rows (K apart, scales sx nb apart) x NR int8 weight rows (pointers q, scales sw).
-template <int MR, int NR>
+// I4: the rows are packed int4 (the layout above), unpacked in registers (the same codes).
+template <int MR, int NR, bool I4 = false>
 inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
                   const float* const* sw, float* y, int64_t ldy, const float* bias) {
   __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K; c += 32) {
     const int64_t b = c / blk;
     __m256i wv[NR];
     __m256 swb[NR];
-    for (int n = 0; n < NR; ++n) {
-      wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      if (I4) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + c / 2)), m4 = _mm_set1_epi8(0x0F);
+        wv[n] = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
+                                _mm256_set1_epi8(8));
+      } else {
+        wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
+      }
       swb[n] = _mm256_set1_ps(sw[n][b]);
     }
-    for (int r = 0; r < MR; ++r) {
+    GPTC_UNROLL for (int r = 0; r < MR; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
       const __m256i ax = _mm256_sign_epi8(xv, xv);
       const __m256 sxb = _mm256_set1_ps(sx[r * nb + b]);
-      for (int n = 0; n < NR; ++n)
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)
         acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_mul_ps(sxb, swb[n]),
                                     acc[r][n]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
 }
 #endif
 
@@ -253,21 +337,32 @@ inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr,
 #endif
 }
 
+// Whether iblock takes packed int4 rows as they are (unpacked in registers): the vector path, and
+// few input rows (each input row of a tile unpacks them again; more rows unpack once into a buffer).
+inline bool packed4_ok(int64_t M, int64_t K, int64_t blk) {
+#if defined(__AVX2__)
+  return M <= 2 && K % 32 == 0 && blk % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+template <bool I4 = false>
 inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
                    const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias) {
 #if defined(__AVX2__)
-  if (K % 32 == 0 && blk % 32 == 0) {
+  if (I4 || (K % 32 == 0 && blk % 32 == 0)) {
     int n = 0;
     for (; n + 4 <= nr; n += 4) {
       int64_t m = 0;
       for (; m + 2 <= M; m += 2)
-        itile<2, 4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        itile<2, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
       for (; m < M; ++m)
-        itile<1, 4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        itile<1, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
     }
     for (; n < nr; ++n)
       for (int64_t m = 0; m < M; ++m)
-        itile<1, 1>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        itile<1, 1, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
     return;
   }
 #endif
@@ -275,58 +370,179 @@ inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int6
     itile_scalar(xq + m * K, sx + m * nb, 1, K, nb, blk, q, sw, nr, y + m * ldy, ldy, bias);
 }
 
-// y (M, N) = x (M, K) @ W^T + bias.
-void linear(const Lin& L, const float* x, int64_t M, float* y) {
-  const int64_t N = L.n, K = L.k, nblocks = (N + NBLK - 1) / NBLK;
-  const bool integer = !(L.bits == 32 || L.act < 0.f);
-  const int64_t nb = integer ? K / L.blk : 0;
-  std::vector<int8_t> xq(integer ? M * K : 0);
-  std::vector<float> sx(M * nb);
-  if (integer) {  // quantize the inputs once: (M, K) int8 codes, (M, K/blk) scales
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + m * K + b * L.blk;
-        float s = L.act;
-        if (s == 0.f) {
-          float amax = 0.f;
-          for (int64_t j = 0; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
-          s = std::max(amax, 1e-30f) / 127.0f;
+void activate(float* h, int64_t n, int act);
+
+// Scratch of one thread, kept across calls (libgomp's threads persist): no allocation per call
+// once grown. The op's calling thread also keeps the buffers its threads share (Shared).
+struct Scratch {
+  std::vector<float> h, sx, wbuf, tile, p;
+  std::vector<int8_t> xq, ibuf;
+};
+struct Shared {
+  std::vector<float> q, ctx, f, sel, h;
+  std::vector<int32_t> keys;
+  std::vector<int64_t> nkeys;
+};
+thread_local Scratch t_scratch;
+thread_local Shared t_shared;
+
+template <class T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// After a call: buffers past 8 MB (long prompts, scoring batches) are freed, not kept for the
+// life of the thread; decode-sized ones stay.
+template <class T>
+inline void trim(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > (size_t(8) << 20)) std::vector<T>().swap(v);
+}
+inline void trim(Scratch& s) {
+  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.xq), trim(s.ibuf);
+}
+inline void trim(Shared& s) {
+  trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
+}
+
+inline bool is_integer(const Lin& L) { return !(L.bits == 32 || L.act < 0.f); }
+
+// The inputs of an integer layer as int8: (M, K) codes into xq, (M, K/blk) scales into sx.
+void quantize_inputs(const Lin& L, const float* x, int64_t M, int8_t* xq, float* sx) {
+  const int64_t K = L.k, nb = K / L.blk;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * L.blk;
+      float s = L.act;
+      if (s == 0.f) {
+        float amax = 0.f;
+        int64_t j = 0;
+#if defined(__AVX2__)
+        if (L.blk >= 8) {  // max is exact in any order; a NaN is skipped as std::max skips it
+          __m256 acc = _mm256_setzero_ps();
+          for (; j + 8 <= L.blk; j += 8)
+            acc = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)), acc);
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, acc);
+          for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
         }
-        sx[m * nb + b] = s;
-        for (int64_t j = 0; j < L.blk; ++j) {
-          const float v = std::round(xb[j] / s);
-          xq[m * K + b * L.blk + j] = int8_t(std::min(127.f, std::max(-128.f, v)));
-        }
+#endif
+        for (; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        s = std::max(amax, 1e-30f) / 127.0f;
       }
+      sx[m * nb + b] = s;
+      int8_t* qb = xq + m * K + b * L.blk;
+      int64_t j = 0;
+#if defined(__AVX2__)
+      // The scalar loop's exact values, 8 at a time: the same IEEE division, std::round's
+      // half-away-from-zero as trunc + (|v - trunc| >= 0.5 ? sign : 0), the same clamps.
+      const __m256 vs = _mm256_set1_ps(s), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+      const __m256 sgn = _mm256_set1_ps(-0.f);
+      for (; j + 8 <= L.blk; j += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(xb + j), vs);
+        const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sgn, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+        __m256 r = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sgn, v))));
+        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-128.f)), _mm256_set1_ps(127.f));
+        const __m256i i32 = _mm256_cvtps_epi32(r);
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + j), _mm_packs_epi16(i16, i16));
+      }
+#endif
+      for (; j < L.blk; ++j) {
+        const float v = std::round(xb[j] / s);
+        qb[j] = int8_t(std::min(127.f, std::max(-128.f, v)));
+      }
+    }
+}
+
+// A linear's inputs as this thread's kernels take them: x itself, or its int8 codes and scales
+// (made by this thread into its scratch: every thread of a region quantizes the same rows the
+// same way, so no thread waits for another).
+struct In {
+  const float* x;
+  const int8_t* xq = nullptr;
+  const float* sx = nullptr;
+};
+
+In prepare_inputs(const Lin& L, const float* x, int64_t M, Scratch& sc) {
+  In in{x};
+  if (is_integer(L)) {
+    int8_t* xq = grow(sc.xq, size_t(M * L.k));
+    float* sx = grow(sc.sx, size_t(M * (L.k / L.blk)));
+    quantize_inputs(L, x, M, xq, sx);
+    in.xq = xq;
+    in.sx = sx;
   }
-#pragma omp parallel num_threads(nthreads())
-  {
-    std::vector<float> wbuf(L.bits != 32 && !integer ? NBLK * K : 0);  // dequantized rows
-    std::vector<int8_t> ibuf(L.bits == 4 ? NBLK * K : 0);              // unpacked int4 rows
+  return in;
+}
+
+// Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
+// then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
+// may be y itself: each value is read before it is written, by the thread that writes it).
+void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, float* y, int64_t ldy,
+                  const float* res, int act, Scratch& sc) {
+  const int64_t K = L.k;
+  const float* bias = L.bias ? L.bias + n0 : nullptr;
+  float* t = grow(sc.tile, size_t(M * NBLK));
+  if (L.bits == 32) {
+    fblock(in.x, M, K, L.wf + n0 * K, nr, t, NBLK, bias);
+  } else {
     const int8_t* q[NBLK];
     const float* sw[NBLK];
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      const int64_t n0 = blk * NBLK;
-      const int nr = int(std::min<int64_t>(NBLK, N - n0));
-      const float* bias = L.bias ? L.bias + n0 : nullptr;
-      if (L.bits == 32) {
-        fblock(x, M, K, L.wf + n0 * K, nr, y + n0, N, bias);
-        continue;
-      }
-      for (int n = 0; n < nr; ++n) {
-        q[n] = int_row(L, n0 + n, ibuf.data() + n * K);
-        sw[n] = L.scale + (n0 + n) * (K / L.blk);
-      }
-      if (integer) {
-        iblock(xq.data(), sx.data(), M, K, nb, L.blk, q, sw, nr, y + n0, N, bias);
-        continue;
-      }
-      for (int n = 0; n < nr; ++n)  // the fake-quant weight: codes * block scales
+    const bool packed = L.bits == 4 && in.xq != nullptr && packed4_ok(M, K, L.blk);
+    int8_t* ibuf = L.bits == 4 && !packed ? grow(sc.ibuf, size_t(NBLK * K)) : nullptr;  // unpacked int4 rows
+    for (int n = 0; n < nr; ++n) {
+      q[n] = packed ? L.wq + (n0 + n) * (K / 2) : int_row(L, n0 + n, ibuf ? ibuf + n * K : nullptr);
+      sw[n] = L.scale + (n0 + n) * (K / L.blk);
+    }
+    if (packed) {
+      iblock<true>(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
+    } else if (in.xq != nullptr) {
+      iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
+    } else {
+      float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
+      for (int n = 0; n < nr; ++n)
         for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
-      fblock(x, M, K, wbuf.data(), nr, y + n0, N, bias);
+      fblock(in.x, M, K, wbuf, nr, t, NBLK, bias);
     }
   }
+  for (int64_t m = 0; m < M; ++m) {
+    float* tm = t + m * NBLK;
+    if (act >= 0) activate(tm, nr, act);
+    float* ym = y + m * ldy + n0;
+    if (res != nullptr) {
+      const float* rm = res + m * ldy + n0;
+      for (int n = 0; n < nr; ++n) ym[n] = rm[n] + tm[n];
+    } else {
+      std::memcpy(ym, tm, nr * sizeof(float));
+    }
+  }
+}
+
+// Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.
+void linear_rows(const Lin& L, const In& in, int64_t M, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                 const float* res, int act, Scratch& sc) {
+  for (int64_t n0 = r0; n0 < r1; n0 += NBLK)
+    linear_block(L, in, M, n0, int(std::min<int64_t>(NBLK, r1 - n0)), y, ldy, res, act, sc);
+}
+
+// y (M, N) = epilogue(x (M, K) @ W^T + bias), the blocks shared out among the threads of the
+// enclosing parallel region (an orphaned worksharing loop; its end is a barrier), or all on
+// the calling thread outside one.
+void linear_for(const Lin& L, const In& in, int64_t M, float* y, const float* res, int act) {
+  const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
+  Scratch& sc = t_scratch;
+#pragma omp for schedule(static)
+  for (int64_t blk = 0; blk < nblocks; ++blk)
+    linear_block(L, in, M, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), y, L.n, res, act, sc);
+}
+
+// y (M, N) = x (M, K) @ W^T + bias, in a parallel region of its own.
+void linear(const Lin& L, const float* x, int64_t M, float* y) {
+  const In in = prepare_inputs(L, x, M, t_scratch);  // once, by the calling thread
+#pragma omp parallel num_threads(nthreads())
+  linear_for(L, in, M, y, nullptr, -1);
 }
 
 void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps,
@@ -463,6 +679,8 @@ std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle
                                          int wte_bits, int wpe_bits) {
   const int64_t B = ids.shape()[0], T = ids.shape()[1], L = mask.shape()[1];
   PD_CHECK(mask.shape()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
+  op_enter(T > 1);
+  Laps lp(T > 1);
   const int64_t C = wte_bits == 4 ? cols(wte) * 2 : cols(wte);
   auto out = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, ids.place());
   float* y = out.data<float>();
@@ -498,6 +716,8 @@ std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle
       row(wpe, wpe_s, wpe_bits, p, dst, true);
     }
   }
+  lp.lap(kEmbed);
+  op_exit(false);
   return {out};
 }
 
@@ -533,6 +753,8 @@ std::vector<paddle::Tensor> LayerForward(
     const std::vector<float>& act) {
   PD_CHECK(bits.size() == 4 && act.size() == 4, "gptc_layer: bits and act need 4 entries");
   const int64_t B = x.shape()[0], T = x.shape()[1], C = x.shape()[2], L = mask.shape()[1];
+  op_enter(T > 1);
+  Laps lp(T > 1);
   const int64_t S = L - T, H = num_heads, cap = kc.shape()[2], D = kc.shape()[3], M = B * T;
   PD_CHECK(kc.shape()[0] == B && kc.shape()[1] == H && vc.shape() == kc.shape(),
            "gptc_layer: cache must be (B, heads, capacity, head_dim)");
@@ -551,23 +773,13 @@ std::vector<paddle::Tensor> LayerForward(
   const int64_t* mk = mask.data<int64_t>();
   float* K_ = kc.data<float>();
   float* V_ = vc.data<float>();
-  std::vector<float> h(M * C), q(M * 3 * inner), ctx(M * inner), f(M * F);
-
-  layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h.data());
-  linear(qkv, h.data(), M, q.data());
-  // New keys/values into the cache at positions S..S+T-1; qkv columns are head-major (H, 3, D).
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t hh = 0; hh < H; ++hh) {
-        const float* src = q.data() + (b * T + t) * 3 * inner + hh * 3 * D;
-        const int64_t dst = ((b * H + hh) * cap + S + t) * D;
-        std::memcpy(K_ + dst, src + D, D * sizeof(float));
-        std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
-      }
-  const float scale = 1.f / std::sqrt(float(D));
+  Shared& sh = t_shared;  // this thread's: the op's threads share them during the call
+  float* q = grow(sh.q, size_t(M * 3 * inner));
+  float* ctx = grow(sh.ctx, size_t(M * inner));
+  float* f = grow(sh.f, size_t(M * F));
   // Each row's unmasked cache columns, in order: a query at column S+t attends to those <= S+t.
-  std::vector<int32_t> keys(B * L);
-  std::vector<int64_t> nkeys(B * T);
+  int32_t* keys = grow(sh.keys, size_t(B * L));
+  int64_t* nkeys = grow(sh.nkeys, size_t(B * T));
   for (int64_t b = 0; b < B; ++b) {
     int64_t n = 0;
     for (int64_t j = 0; j < L; ++j) {
@@ -575,22 +787,68 @@ std::vector<paddle::Tensor> LayerForward(
       if (j >= S) nkeys[b * T + j - S] = n;
     }
   }
+  const float scale = 1.f / std::sqrt(float(D));
   const int nt = nthreads();
-  std::vector<std::vector<float>> pbuf(nt, std::vector<float>(L + 8));
-#pragma omp parallel for collapse(3) schedule(dynamic) num_threads(nt) if (B * H * T > 1)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t hh = 0; hh < H; ++hh)
-      for (int64_t t = 0; t < T; ++t)
-        attend(q.data() + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D,
-               V_ + (b * H + hh) * cap * D, keys.data() + b * L, nkeys[b * T + t], D, scale,
-               pbuf[omp_get_thread_num()].data(), ctx.data() + (b * T + t) * inner + hh * D);
-  linear(out, ctx.data(), M, yd);
-  for (int64_t i = 0; i < M * C; ++i) yd[i] += xd[i];  // residual 1
-  layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h.data());
-  linear(fc, h.data(), M, f.data());
-  activate(f.data(), M * F, activation);
-  linear(proj, f.data(), M, h.data());
-  for (int64_t i = 0; i < M * C; ++i) yd[i] += h[i];  // residual 2
+  // Head hh's qkv outputs are the rows [hh * 3D, (hh + 1) * 3D) (head-major (H, 3, D)): with
+  // enough heads per thread one work item computes them, writes the new keys/values into the
+  // cache and runs the head's attention, with no barrier between the three.
+  const bool by_head = H % nt == 0 || H >= 3 * nt;
+  // Everything new keys/values and attention of the (b, hh) rows: keys/values of the T new
+  // positions into the cache at S..S+T-1, then each query's attention.
+  auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
+    float* p = grow(sc.p, size_t(L + 8));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = q + (b * T + t) * 3 * inner + hh * 3 * D;
+      const int64_t dst = ((b * H + hh) * cap + S + t) * D;
+      std::memcpy(K_ + dst, src + D, D * sizeof(float));
+      std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
+    }
+    for (int64_t t = 0; t < T; ++t)
+      attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
+             keys + b * L, nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
+  };
+  // One parallel region for the layer: every thread computes the layer norms and input
+  // quantizations itself (the same values: cheap, and no thread waits for another); the
+  // barriers are the ends of the worksharing loops whose outputs the next step reads whole.
+  // Profile laps (thread 0, after each barrier): ln1 = fork + ln1; qkv = qkv (+ cache writes
+  // and attention when by_head); attention; out (+ residual); ln2; fc (+ activation); proj
+  // (+ residual).
+#pragma omp parallel num_threads(nt)
+  {
+    Scratch& sc = t_scratch;
+    const bool lead = omp_get_thread_num() == 0;
+    float* h = grow(sc.h, size_t(M * std::max(C, int64_t(1))));
+    layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h);
+    const In in1 = prepare_inputs(qkv, h, M, sc);
+    if (lead) lp.lap(kLn1);
+    if (by_head) {
+#pragma omp for schedule(static)
+      for (int64_t hh = 0; hh < H; ++hh) {
+        linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
+        for (int64_t b = 0; b < B; ++b) attend_head(b, hh, sc);
+      }
+      if (lead) lp.lap(kQkv);
+    } else {
+      linear_for(qkv, in1, M, q, nullptr, -1);
+      if (lead) lp.lap(kQkv);
+#pragma omp for collapse(2) schedule(dynamic)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
+      if (lead) lp.lap(kAttn);
+    }
+    linear_for(out, prepare_inputs(out, ctx, M, sc), M, yd, xd, -1);  // y = x + attention
+    if (lead) lp.lap(kOut);
+    layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h);
+    const In in2 = prepare_inputs(fc, h, M, sc);
+    if (lead) lp.lap(kLn2);
+    linear_for(fc, in2, M, f, nullptr, activation);
+    if (lead) lp.lap(kFc);
+    linear_for(proj, prepare_inputs(proj, f, M, sc), M, yd, yd, -1);  // y += mlp
+    if (lead) lp.lap(kProj);
+    trim(sc);
+  }
+  trim(sh);
+  op_exit(false);
   return {y};
 }
 
@@ -631,17 +889,26 @@ std::vector<paddle::Tensor> HeadForward(const paddle::Tensor& x, const paddle::T
                                         const paddle::Tensor& w, const paddle::Tensor& s, float eps, int bits,
                                         float act) {
   const int64_t C = x.shape()[x.shape().size() - 1], total = x.numel() / C, n = rows.numel();
+  const int kind = x.shape().size() == 3 && x.shape()[1] > 1;
+  op_enter(kind);
+  Laps lp(kind);
   const Lin head = make_lin(w, s, nullptr, bits, act);
   PD_CHECK(head.k == C, "gptc_head: weight has ", head.k, " inputs, hidden size is ", C);
-  std::vector<float> sel(n * C), h(n * C);
+  float* sel = grow(t_shared.sel, size_t(n * C));
+  float* h = grow(t_shared.h, size_t(n * C));
   const int64_t* r = rows.data<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     PD_CHECK(r[i] >= 0 && r[i] < total, "gptc_head: row index out of range");
-    std::memcpy(sel.data() + i * C, x.data<float>() + r[i] * C, C * sizeof(float));
+    std::memcpy(sel + i * C, x.data<float>() + r[i] * C, C * sizeof(float));
   }
-  layer_norm(sel.data(), n, C, ln_w.data<float>(), ln_b.data<float>(), eps, h.data());
+  layer_norm(sel, n, C, ln_w.data<float>(), ln_b.data<float>(), eps, h);
+  lp.lap(kHeadLn);
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, x.place());
-  linear(head, h.data(), n, out.data<float>());
+  linear(head, h, n, out.data<float>());
+  trim(t_shared);
+  trim(t_scratch);  // the other threads' scratch of the head is one tile each
+  lp.lap(kHead);
+  op_exit(true);
   return {out};
 }
 
@@ -664,3 +931,183 @@ PD_BUILD_OP(gptc_head)
     .SetInferShapeFn(PD_INFER_SHAPE(HeadShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(HeadDtype));
 
+
+// ============================================================================ head scoring
+// Evaluation (issue 14; eval/scoring.py, inference/head_score.py). Separate from the ops above:
+//   gptc_head_score(h (N,C) float32 final hidden states, labels (N,) int64, w (C,V) float32 head
+//       weight, inputs x vocabulary) -> log p(label) (N,) float64, argmax (N,) int64
+// Never materialises the (N,V) logits: each thread takes vocabulary chunks of HS_VB columns,
+// packs the chunk's weights (C x HS_VB, L2-resident), computes 6-row x 16-column logit tiles
+// (outer-product AVX2 kernel: 12 accumulators, one broadcast per row and two loads per k) into a
+// 6 x HS_VB buffer (L1), and folds each row into a running maximum, first argmax, the label's
+// logit and an online log-sum-exp (exp8 lanes summed in float32 per chunk, chunk sums rescaled
+// and added in float64). Threads' partial results merge per row (largest maximum, lowest index
+// on ties, sums rescaled to it). Within ~1e-7 of the float64 numpy reference
+// (eval.scoring.label_logprobs) on the same logits.
+namespace {
+
+constexpr int64_t HS_VB = 256;  // vocabulary columns per chunk (a multiple of 16)
+constexpr int HS_MR = 6;        // rows per tile
+
+struct HsState {
+  std::vector<float> m, picked;
+  std::vector<double> s;
+  std::vector<int64_t> am;
+  explicit HsState(int64_t n)
+      : m(n, -INFINITY), picked(n, NAN), s(n, 0.0), am(n, -1) {}
+};
+
+// MR rows of h (C apart) x the 16 columns of packed panel b (C x 16) -> t (MR rows, HS_VB apart).
+template <int MR>
+inline void hs_tile(const float* h, int64_t C, const float* b, float* t) {
+#if defined(__AVX2__)
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < C; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * 16), b1 = _mm256_loadu_ps(b + k * 16 + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(h + r * C + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(t + r * HS_VB, acc[r][0]);
+    _mm256_storeu_ps(t + r * HS_VB + 8, acc[r][1]);
+  }
+#else
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 16; ++j) {
+      float a = 0.f;
+      for (int64_t k = 0; k < C; ++k) a = std::fma(h[r * C + k], b[k * 16 + j], a);
+      t[r * HS_VB + j] = a;
+    }
+#endif
+}
+
+template <int MR>
+inline void hs_rows(const float* h, int64_t C, const float* pack, int64_t panels, float* t) {
+  for (int64_t p = 0; p < panels; ++p) hs_tile<MR>(h, C, pack + p * C * 16, t + p * 16);
+}
+
+// Fold one row's chunk x[0..nv) (vocabulary v0..) into the running state of row i.
+inline void hs_fold(const float* x, int64_t nv, int64_t v0, int64_t label, HsState& st, int64_t i) {
+  float cm = -INFINITY;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= nv; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (float l : lanes) cm = std::max(cm, l);
+#endif
+  for (; j < nv; ++j) cm = std::max(cm, x[j]);
+  if (cm > st.m[i]) {  // a new maximum: its first index; earlier chunks keep ties
+    int64_t first = 0;
+    while (first + 1 < nv && x[first] != cm) ++first;
+    st.am[i] = v0 + first;
+    st.s[i] = st.m[i] == -INFINITY ? 0.0 : st.s[i] * std::exp(double(st.m[i]) - double(cm));
+    st.m[i] = cm;
+  }
+  const float m = st.m[i];
+  float sum = 0.f;
+  j = 0;
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mm = _mm256_set1_ps(m);
+  for (; j + 8 <= nv; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mm)));
+  sum = hsum(acc);
+#endif
+  for (; j < nv; ++j) sum += std::exp(x[j] - m);
+  st.s[i] += double(sum);
+  if (label >= v0 && label < v0 + nv) st.picked[i] = x[label - v0];
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> HeadScoreForward(const paddle::Tensor& h, const paddle::Tensor& labels,
+                                             const paddle::Tensor& w) {
+  PD_CHECK(h.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32,
+           "gptc_head_score: float32 hidden states and head weight expected");
+  PD_CHECK(h.shape().size() == 2 && w.shape().size() == 2, "gptc_head_score: h (N,C) and w (C,V) expected");
+  const int64_t N = h.shape()[0], C = h.shape()[1], V = w.shape()[1];
+  PD_CHECK(w.shape()[0] == C, "gptc_head_score: weight has ", w.shape()[0], " inputs, hidden size is ", C);
+  PD_CHECK(labels.numel() == N, "gptc_head_score: one label per row expected");
+  const float* hp = h.data<float>();
+  const float* wp = w.data<float>();
+  const int64_t* lp = labels.data<int64_t>();
+  for (int64_t i = 0; i < N; ++i) PD_CHECK(lp[i] >= 0 && lp[i] < V, "gptc_head_score: label out of range");
+  const int64_t chunks = (V + HS_VB - 1) / HS_VB;
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads(), chunks)));
+  std::vector<HsState> states;
+  states.reserve(nt);
+  for (int t = 0; t < nt; ++t) states.emplace_back(N);
+#pragma omp parallel num_threads(nt)
+  {
+    HsState& st = states[omp_get_thread_num()];
+    std::vector<float> pack(C * HS_VB), tile(HS_MR * HS_VB);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t v0 = c * HS_VB, nv = std::min(HS_VB, V - v0), panels = (nv + 15) / 16;
+      for (int64_t p = 0; p < panels; ++p)  // panel p: C rows of 16 columns (zeros past V)
+        for (int64_t k = 0; k < C; ++k) {
+          float* dst = pack.data() + (p * C + k) * 16;
+          const int64_t col = v0 + p * 16, n = std::min<int64_t>(16, V - col);
+          std::memcpy(dst, wp + k * V + col, n * sizeof(float));
+          std::fill(dst + n, dst + 16, 0.f);
+        }
+      for (int64_t i = 0; i < N; i += HS_MR) {
+        const int64_t mr = std::min<int64_t>(HS_MR, N - i);
+        const float* hi = hp + i * C;
+        switch (mr) {
+          case 6: hs_rows<6>(hi, C, pack.data(), panels, tile.data()); break;
+          case 5: hs_rows<5>(hi, C, pack.data(), panels, tile.data()); break;
+          case 4: hs_rows<4>(hi, C, pack.data(), panels, tile.data()); break;
+          case 3: hs_rows<3>(hi, C, pack.data(), panels, tile.data()); break;
+          case 2: hs_rows<2>(hi, C, pack.data(), panels, tile.data()); break;
+          default: hs_rows<1>(hi, C, pack.data(), panels, tile.data()); break;
+        }
+        for (int64_t r = 0; r < mr; ++r) hs_fold(tile.data() + r * HS_VB, nv, v0, lp[i + r], st, i + r);
+      }
+    }
+  }
+  auto logprob = paddle::empty({N}, paddle::DataType::FLOAT64, h.place());
+  auto argmax = paddle::empty({N}, paddle::DataType::INT64, h.place());
+  double* out = logprob.data<double>();
+  int64_t* am = argmax.data<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    float m = -INFINITY;
+    int64_t best = -1;
+    double picked = 0.0;
+    for (const HsState& st : states) {
+      if (st.m[i] > m || (st.m[i] == m && st.am[i] >= 0 && (best < 0 || st.am[i] < best))) {
+        m = st.m[i];
+        best = st.am[i];
+      }
+      if (!std::isnan(st.picked[i])) picked = st.picked[i];
+    }
+    double s = 0.0;
+    for (const HsState& st : states)
+      if (st.m[i] != -INFINITY) s += st.s[i] * std::exp(double(st.m[i]) - double(m));
+    out[i] = picked - (double(m) + std::log(s));
+    am[i] = best;
+  }
+  return {logprob, argmax};
+}
+
+std::vector<std::vector<int64_t>> HeadScoreShape(const std::vector<int64_t>& h, const std::vector<int64_t>&,
+                                                 const std::vector<int64_t>&) {
+  return {{h[0]}, {h[0]}};
+}
+
+std::vector<paddle::DataType> HeadScoreDtype(const paddle::DataType&, const paddle::DataType&,
+                                             const paddle::DataType&) {
+  return {paddle::DataType::FLOAT64, paddle::DataType::INT64};
+}
+
+PD_BUILD_OP(gptc_head_score)
+    .Inputs({"H", "Labels", "W"})
+    .Outputs({"LogProb", "ArgMax"})
+    .SetKernelFn(PD_KERNEL(HeadScoreForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(HeadScoreShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(HeadScoreDtype));

@@ -1,0 +1,184 @@
+"""Where a fused decode step's time goes: inside each op section vs Paddle vs Python; one JSON.
+
+    OMP_NUM_THREADS=2 python bench/kernels.py --workdir /tmp/bench-decode      # gpt-bench fp32, int8
+    python bench/kernels.py --formats int8,int4 --steps 64
+
+For each weight format a worker process (``--worker``) runs the fused backend on the exports
+``bench/decode.py`` writes (reused from ``--workdir``) with ``$GPTC_PROFILE`` set, so the ops
+(``kernels/gptc_ops.cc``) sum the wall time of every section (embed; per layer: ln1, qkv,
+kv_write, attention, out, residual, ln2, fc, activation, proj; head_ln, head_linear), the gaps
+between two ops of one program run (``between_ops``: Paddle's executor) and from one run's head
+to the next run's embed (``outside_program``: Paddle Inference's run entry/exit, our Python).
+It reports per batch-1 decode step, in microseconds:
+
+- ``generate_step_us``: ``Generator.generate`` (greedy) wall time per new token, prefill excluded;
+- ``decode_call_us``: ``backend.decode`` alone (mask growth by the caller, no argmax);
+- ``predictor_run_us``: ``predictor.run`` on feeds built once (the program alone);
+- ``ops_us``: each section per step (layers summed), its weights' GB/s next to the machine's
+  copy bandwidth (``bandwidth_gbps``, bench/decode.py's 256 MB numpy copy);
+- ``overhead_us``: generate - decode (the Python loop: argmax, mask concat), decode - run (input
+  tensors, the (B, V) logits copy), run - ops (Paddle Inference), and the op-measured gaps.
+Prefill (the prompt) sections are reported under ``prefill_ms``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as bench_decode  # noqa: E402  (bench/decode.py: exports, bandwidth)
+
+LAYER_SECTIONS = ("ln1", "qkv", "attention", "out", "ln2", "fc", "proj")
+
+
+def linear_bytes(n: int, k: int, bits: int) -> int:
+    """Bytes a Linear's weights (N, K) occupy in the fused program (bias excluded)."""
+    if bits == 32:
+        return 4 * n * k
+    return n * k * bits // 8 + 4 * n * (k // 32)
+
+
+def weight_bytes(cfg, bits: int) -> dict:
+    c, out = cfg.hidden_size, {"qkv": 0, "out": 0, "fc": 0, "proj": 0}
+    for i in range(cfg.num_layers):
+        inner, f = cfg.heads(i) * cfg.dim_head, cfg.ffn(i)
+        for k, (n, kk) in {"qkv": (3 * inner, c), "out": (c, inner), "fc": (f, c), "proj": (c, f)}.items():
+            out[k] += linear_bytes(n, kk, bits)
+    out["head_linear"] = linear_bytes(cfg.vocab_size, c, bits)
+    return out
+
+
+def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
+    import paddle
+
+    from gpt_compress.inference.runner import Generator
+
+    gen = Generator.from_dir(path, backend="paddle", verify=False)
+    backend = gen.backend
+    rng = np.random.default_rng(0)
+    one = [[int(t) for t in rng.integers(0, gen.vocab_size, prompt)]]
+    gen.generate(one, max_new_tokens=8, min_new_tokens=8)
+    gen_steps = []
+    for _ in range(reps):  # the time between two tokens of generate (prefill excluded)
+        stamps = []
+        gen.generate(one, max_new_tokens=new, min_new_tokens=new, on_tokens=lambda _: stamps.append(time.perf_counter()))
+        gen_steps += list(np.diff(stamps) * 1e6)
+    ids, mask = np.array(one, np.int64), np.ones((1, prompt), np.int64)
+    prefills = []
+    for _ in range(10):
+        t = time.perf_counter()
+        _, cache = backend.prefill(ids, mask)
+        prefills.append((time.perf_counter() - t) * 1e3)
+    calls = []
+    for _ in range(min(steps, new - 1)):
+        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+        t = time.perf_counter()
+        _, cache = backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
+        calls.append((time.perf_counter() - t) * 1e6)
+    # The program alone: feeds built once, one position rewritten each run (same S).
+    feeds = [paddle.to_tensor(np.array([[5]], np.int64)), paddle.to_tensor(mask),
+             paddle.to_tensor(np.array([0], np.int64))] + list(cache.tensors)
+    runs = backend._call(_time_runs, backend._pred, feeds, steps)
+    out = {"prefill_call_ms": round(statistics.median(prefills), 2), "prefill_call_fastest_ms": round(min(prefills), 2)}
+    for name, xs in (("generate_step_us", gen_steps), ("decode_call_us", calls), ("predictor_run_us", runs)):
+        out[name] = round(statistics.median(xs), 1)
+        out[name.replace("_us", "_fastest_us")] = round(min(xs), 1)
+    return out
+
+
+def _time_runs(pred, feeds, steps: int) -> list:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        pred.run(feeds)
+        times.append((time.perf_counter() - t) * 1e6)
+    return times
+
+
+def summarize(res: dict, prof: dict, bytes_: dict, gbps: float) -> dict:
+    """Per-step section times from the profile sums; overheads; GB/s."""
+    dec, pre = prof["decode"], prof["prefill"]
+    n_steps = max(dec["head_linear"][1], 1)  # one head call per program run
+    ops = {k: round(v[0] / n_steps / 1e3, 1) for k, v in dec.items() if v[1]}
+    # The fastest call of each section times its calls per step: the step on a quiet machine.
+    least = {k: round(v[2] * v[1] / n_steps / 1e3, 1) for k, v in dec.items() if v[1]}
+    inside = sum(v for k, v in ops.items() if k not in ("between_ops", "outside_program"))
+    gbs = {k: round(bytes_[k] / (ops[k] * 1e-6) / 1e9, 1) for k in bytes_ if ops.get(k)}
+    total_bytes = sum(bytes_.values())
+    out = dict(res)
+    out.update({
+        "ops_us": ops, "ops_total_us": round(inside, 1), "ops_fastest_us": least,
+        "ops_fastest_total_us": round(sum(v for k, v in least.items() if k not in ("between_ops", "outside_program")), 1),
+        "weights_gbps_fastest": {k: round(bytes_[k] / (least[k] * 1e-6) / 1e9, 1) for k in bytes_ if least.get(k)},
+        "weights_gbps": gbs, "bandwidth_gbps": round(gbps, 1),
+        "step_weight_mb": round(total_bytes / 2**20, 1),
+        "ops_gbps": round(total_bytes / (inside * 1e-6) / 1e9, 1),
+        "overhead_us": {"python_loop": round(res["generate_step_us"] - res["decode_call_us"], 1),
+                        "decode_wrapper": round(res["decode_call_us"] - res["predictor_run_us"], 1),
+                        "predictor_not_ops": round(res["predictor_run_us"] - inside, 1)},
+        "overhead_fastest_us": {
+            "python_loop": round(res["generate_step_fastest_us"] - res["decode_call_fastest_us"], 1),
+            "decode_wrapper": round(res["decode_call_fastest_us"] - res["predictor_run_fastest_us"], 1),
+            "predictor_not_ops": round(res["predictor_run_fastest_us"] - sum(
+                v for k, v in least.items() if k not in ("between_ops", "outside_program")), 1)},
+        "prefill_ms": {k: round(v[0] / max(pre["head_linear"][1], 1) / 1e6, 2) for k, v in pre.items()
+                       if v[1] and k != "outside_program"},
+        "prefill_fastest_ms": {k: round(v[2] * v[1] / max(pre["head_linear"][1], 1) / 1e6, 2) for k, v in pre.items()
+                               if v[1] and k != "outside_program"},
+    })
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt-bench")
+    p.add_argument("--workdir", default=None, help="exports of bench/decode.py (made if missing)")
+    p.add_argument("--formats", default="fp32,int8", help="fp32, int8, int4")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200, help="predictor runs timed")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.prompt, a.new_tokens, a.steps, a.reps)))
+        return
+    from gpt_compress.config import ModelConfig
+
+    cfg = ModelConfig.from_preset(a.preset)
+    workdir = a.workdir or tempfile.mkdtemp(prefix="bench-kernels-")
+    ckpt, base = bench_decode.prepare(workdir, a.preset)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    results = {}
+    gbps = bench_decode.copy_bandwidth_gbps()
+    for fmt in [f for f in a.formats.split(",") if f]:
+        bits = {"fp32": 32, "int8": 8, "int4": 4}[fmt]
+        path = base if bits == 32 else bench_decode.prepare_fused_int(workdir, a.preset, ckpt, bits, base)
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            prof_path = f.name
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", path, "--prompt", str(a.prompt),
+               "--new-tokens", str(a.new_tokens), "--steps", str(a.steps), "--reps", str(a.reps)]
+        proc = subprocess.run(cmd, env={**env, "GPTC_PROFILE": prof_path}, capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        if proc.returncode or not lines:
+            results[fmt] = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+            continue
+        with open(prof_path, encoding="utf-8") as f:
+            prof = json.load(f)
+        os.unlink(prof_path)
+        results[fmt] = summarize(json.loads(lines[-1]), prof, weight_bytes(cfg, bits), gbps)
+        print(json.dumps({fmt: results[fmt]}), file=sys.stderr, flush=True)
+    print(json.dumps({"bench": "kernels", "preset": a.preset, "threads": int(env["OMP_NUM_THREADS"]),
+                      "load_avg": os.getloadavg(), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
