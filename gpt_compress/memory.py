@@ -16,11 +16,14 @@ measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
   block's input is kept, and one block's internals are rebuilt during backward; the
   (micro batch x sequence x vocab) logits, their softmax and gradient come on top;
 * ``export``: the largest stage (measured at gpt-345M, each stage's own peak: loading 1.3 W,
-  the fused program 3.0 W (the model, the fused weights as numpy and as the fused layer's
-  buffers), saving the Paddle programs 1.3 W, converting to ONNX 1.3 W, validating Paddle
-  Inference 2.3 W (batch-1 decode runs two predictors, each loading the whole params file),
-  onnxruntime 2.2 W): 3.1 W, or 2.4 W without the fused program (``fused=False``);
-* ``ptq``: the float model, its quantized copy and the int8 export (4.8 W);
+  the fused program 2 W (the model and the fused layer's buffers, each built from its source
+  tensor in turn; 3.0 W when every fused weight was first copied to numpy), saving the Paddle
+  programs 1.3 W, converting to ONNX 1.3 W, validating Paddle Inference 2.3 W (batch-1 decode
+  runs two predictors, each loading the whole params file), onnxruntime 2.2 W): 2.6 W (the whole
+  command measured 2.71 W with the libraries), or 2.4 W without the fused program (``fused=False``);
+* ``ptq``: the fake-quant model, the int8 export (a float copy of the model for the ONNX path)
+  and the evaluation of each int8 runtime: measured 3.74 W without the libraries at gpt-345M
+  weight-only int8 (5.94 GiB in all); 4.0 W;
 * ``eval`` / ``infer``: one runtime's weights (2 W: onnxruntime pre-packs its MatMul weights;
   Paddle Inference holds one copy per program in use) plus one batch of logits (x3 while
   scoring: logits, shifted, exponentiated).
@@ -37,7 +40,7 @@ from .errors import InsufficientMemory
 
 GB = 1 << 30
 BASE_BYTES = 1 * GB  # Python, Paddle, onnxruntime and their libraries, before any weight
-WEIGHT_MULTIPLE = {"init": 1.3, "pretrain": 5.0, "export": 3.1, "export_unfused": 2.4, "ptq": 4.8, "eval": 2.0,
+WEIGHT_MULTIPLE = {"init": 1.3, "pretrain": 5.0, "export": 2.6, "export_unfused": 2.4, "ptq": 4.0, "eval": 2.0,
                    "infer": 2.0}
 
 

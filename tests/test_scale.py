@@ -16,6 +16,11 @@ import pytest
 # paddle2onnx reads the params file (one program at a time); 1.56 holding every program until the
 # end (the code before issue 16).
 CONVERT_PEAK_MULTIPLE = 0.3
+# Peak traced memory of building gpt-test's fused layer (``FusedLM(fused_weights(model))``), as a
+# multiple of its float32 weights: 0.30 with each buffer built from its source tensor and the
+# array dropped before the next; 1.01 when every fused weight was first copied to numpy (the
+# fused stage then held three copies of the weights: 3.0x at gpt-345M).
+FUSED_PEAK_MULTIPLE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,32 @@ def test_onnx_export_streams_weights_into_external_data(paddle_programs, tmp_pat
         big = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert big and all(len(t.raw_data) < onnx_export.MIN_EXTERNAL_BYTES for t in graph.initializer)
         assert {e.key: e.value for e in big[0].external_data}["location"] == onnx_export.DATA_FILE
+
+
+def test_fused_program_builds_its_buffers_one_tensor_at_a_time():
+    from types import SimpleNamespace
+
+    import paddle
+
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.export.fused import FusedLM, fused_weights
+    from gpt_compress.model.gpt import GPTForCausalLM
+
+    ops = SimpleNamespace()  # the operators run only in forward: not built here
+    paddle.seed(0)
+    cfg = ModelConfig.from_preset("gpt-test")
+    model = GPTForCausalLM(cfg)
+    weights = 4 * cfg.num_parameters()
+    tracemalloc.start()
+    try:
+        fused = FusedLM(fused_weights(model), ops=ops)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < FUSED_PEAK_MULTIPLE * weights, f"peak traced {peak / weights:.2f}x the weights"
+    # every weight is in the layer's buffers all the same (the LM head tied to wte)
+    stored = sum(int(np.prod(b.shape)) for n, b in fused.named_buffers() if n != "none")
+    assert stored == cfg.num_parameters()
 
 
 def test_data_file_copies_external_tensors_once(tmp_path):

@@ -79,7 +79,7 @@ def linear_spec(layer, name: str) -> dict:
         return {"name": name, "w": w, "s": s, "b": bias, "bits": bits, "act": act}
     if not isinstance(layer, nn.Linear):
         raise ExportError(f"{name}: a {type(layer).__name__} has no fused form")
-    return {"name": name, "w": np.ascontiguousarray(layer.weight.numpy().T.astype(np.float32)), "s": None,
+    return {"name": name, "w": np.ascontiguousarray(layer.weight.numpy().T, dtype=np.float32), "s": None,
             "b": bias, "bits": 32, "act": -1.0}
 
 
@@ -94,35 +94,42 @@ def embedding_spec(layer, name: str) -> dict:
         return {"name": name, "w": w, "s": s, "bits": bits}
     if not isinstance(layer, nn.Embedding):
         raise ExportError(f"{name}: a {type(layer).__name__} has no fused form")
-    return {"name": name, "w": layer.weight.numpy().astype(np.float32), "s": None, "bits": 32}
+    return {"name": name, "w": layer.weight.numpy().astype(np.float32, copy=False), "s": None, "bits": 32}
 
 
 def fused_weights(model) -> dict:
     """Everything the fused program stores, read (not mutated) from a float ``GPTForCausalLM``
-    or its fake-quant form (``qat.quantize``)."""
+    or its fake-quant form (``qat.quantize``). The arrays are built lazily, one tensor's worth
+    at a time: ``layers`` is a generator of per-block specs and ``wte``, ``wpe``, ``head`` are
+    zero-argument callables returning theirs, so ``FusedLM`` turns each into its buffer and drops
+    the array before the next is built (the stage holds the model plus one copy of the weights)."""
     from ..qat.quantize import HeadInputQuant
 
     cfg = model.config
     if cfg.hidden_act not in ACTIVATIONS:
         raise ExportError(f"hidden_act {cfg.hidden_act!r} has no fused kernel ({', '.join(ACTIVATIONS)})")
     g = model.gpt
-    layers = []
-    for i, block in enumerate(g.blocks):
-        subs = dict(block.named_sublayers())
-        layers.append({"heads": cfg.heads(i),
-                       "ln_1": (block.ln_1.weight.numpy(), block.ln_1.bias.numpy()),
-                       "ln_2": (block.ln_2.weight.numpy(), block.ln_2.bias.numpy()),
-                       "linears": [linear_spec(subs[n], f"gpt.blocks.{i}.{n}") for n in LINEARS]})
-    wte = embedding_spec(g.wte, "gpt.wte")
+
+    def layers():
+        for i, block in enumerate(g.blocks):
+            subs = dict(block.named_sublayers())
+            yield {"heads": cfg.heads(i),
+                   "ln_1": (block.ln_1.weight.numpy(), block.ln_1.bias.numpy()),
+                   "ln_2": (block.ln_2.weight.numpy(), block.ln_2.bias.numpy()),
+                   "linears": [linear_spec(subs[n], f"gpt.blocks.{i}.{n}") for n in LINEARS]}
+
     head_act = 0.0 if isinstance(g.ln_f, HeadInputQuant) else -1.0
-    if cfg.tie_word_embeddings:
-        head = {"tied": True, "bits": wte["bits"], "act": head_act if wte["bits"] != 32 else -1.0}
-    else:
+
+    def head(wte_bits: int) -> dict:
+        if cfg.tie_word_embeddings:
+            return {"tied": True, "bits": wte_bits, "act": head_act if wte_bits != 32 else -1.0}
         spec = linear_spec(model.lm_head, "lm_head")
         if spec["bits"] != 32:
             spec["act"] = head_act
-        head = {"tied": False, **spec}
-    return {"wte": wte, "wpe": embedding_spec(g.wpe, "gpt.wpe"), "layers": layers, "head": head,
+        return {"tied": False, **spec}
+
+    return {"wte": lambda: embedding_spec(g.wte, "gpt.wte"), "wpe": lambda: embedding_spec(g.wpe, "gpt.wpe"),
+            "layers": layers(), "head": head,
             "ln_f": (g.ln_f.weight.numpy(), g.ln_f.bias.numpy()), "eps": float(cfg.layer_norm_epsilon),
             "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
 
@@ -139,8 +146,9 @@ class FusedLM(nn.Layer):
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
         self._none = self._buf("none", np.zeros([1], np.float32))
-        self.wte, self.wte_s, self.wte_bits = self._table("wte", weights["wte"])
-        self.wpe, self.wpe_s, self.wpe_bits = self._table("wpe", weights["wpe"])
+        # Each spec's arrays are dropped once copied into their buffers (``fused_weights``).
+        self.wte, self.wte_s, self.wte_bits = self._table("wte", weights["wte"]())
+        self.wpe, self.wpe_s, self.wpe_bits = self._table("wpe", weights["wpe"]())
         self.layer_args, self.layer_attrs = [], []
         for i, lay in enumerate(weights["layers"]):
             args = [self._buf(f"l{i}_ln1_w", lay["ln_1"][0]), self._buf(f"l{i}_ln1_b", lay["ln_1"][1])]
@@ -152,7 +160,7 @@ class FusedLM(nn.Layer):
             self.layer_attrs.append((lay["heads"], [lin["bits"] for lin in lay["linears"]],
                                      [float(lin["act"]) for lin in lay["linears"]]))
         self.ln_f = (self._buf("ln_f_w", weights["ln_f"][0]), self._buf("ln_f_b", weights["ln_f"][1]))
-        head = weights["head"]
+        head = weights["head"](self.wte_bits)
         if head["tied"]:
             self.head_w, self.head_s = self.wte, self.wte_s
         else:

@@ -31,7 +31,7 @@ fake-quant dygraph model, within ``atol`` relative to the logits' magnitude.
 """
 from __future__ import annotations
 
-import hashlib
+import gc
 import os
 import shutil
 import tempfile
@@ -44,7 +44,7 @@ import paddle.nn as nn
 from ..errors import ExportError
 from ..inference.manifest import SCORE_PROGRAMS, io_spec
 from ..config import W8A8, WEIGHT_ONLY
-from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model
+from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model, weight_digest
 from .onnx import convert_programs
 from .onnx_scoring import scoring_transform
 from .static import ExportableLM, program_weights, save_paddle_programs
@@ -78,10 +78,6 @@ class _Int8ExportableLM(ExportableLM):
 # --------------------------------------------------------------------------------------
 # ONNX rewriting
 # --------------------------------------------------------------------------------------
-def _digest(a: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
-
-
 def nbits_blob(codes_nk: np.ndarray, bits: int, block: int) -> np.ndarray:
     """Signed codes (N, K) -> MatMulNBits' uint8 (N, K/block, block*bits/8): code + 2^(bits-1)
     (the default zero point), 4-bit values packed two per byte, low nibble first."""
@@ -116,9 +112,7 @@ class _Rewriter:
         self.inits = {t.name: t for t in self.graph.initializer}
         self.index: dict[str, tuple[dict, str]] = {}
         for e in table:
-            w = e["weight"]
-            for arr, how in ([(w, "matmul")] if e["kind"] == "linear" else [(w.T, "t"), (w, "rows")]):
-                h = _digest(arr)
+            for how, h in e["digests"].items():
                 if h in self.index and self.index[h][0]["name"] != e["name"]:
                     raise ExportError(f"{e['name']} and {self.index[h][0]['name']} have identical weights; "
                                       "their quantized copies cannot be told apart in the ONNX graph")
@@ -132,7 +126,7 @@ class _Rewriter:
         if t is None:
             return None
         if name not in self._digests:
-            self._digests[name] = _digest(self.to_array(t)) if t.data_type == 1 else None  # FLOAT
+            self._digests[name] = weight_digest(self.to_array(t)) if t.data_type == 1 else None  # FLOAT
         return self.index.get(self._digests[name])
 
     def _const(self, name: str, array: np.ndarray) -> str:
@@ -310,6 +304,8 @@ def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list
         deploy = deploy_model(qmodel)
         wrapper = _Int8ExportableLM(deploy) if isinstance(deploy.gpt.wte, Int8TransposedEmbedding) else None
         files["paddle"] = save_paddle_programs(deploy, out_dir, wrapper=wrapper, score=True)
+        del deploy, wrapper  # before the ONNX path builds its float copy
+        gc.collect()
     if "onnx" in formats:
         work = tempfile.mkdtemp(prefix=".onnx-work-", dir=out_dir)
         try:

@@ -16,11 +16,13 @@ Both are ordinary ``GPTForCausalLM`` instances with some layers swapped, so the 
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import paddle
 import paddle.nn as nn
 
-from ..checkpoint import assign_weights, build_model, state_dict_numpy
+from ..checkpoint import build_model, check_state_dict
 from ..config import W8A8
 from .quantize import (HeadInputQuant, QuantEmbedding, QuantLinear, fake_quant_act, fake_quant_dynamic,
                        quant_layers)
@@ -116,9 +118,13 @@ class Int8Embedding(nn.Layer):
 
 
 def _float_copy(qmodel):
-    """A fresh float model of the same config holding ``qmodel``'s raw (master) weights."""
+    """A fresh float model of the same config holding ``qmodel``'s raw (master) weights, copied
+    tensor by tensor (no second copy of the whole model in flight)."""
     model = build_model(qmodel.config, "lm")
-    assign_weights(model, state_dict_numpy(qmodel), "the fake-quant model")
+    src = qmodel.state_dict()
+    check_state_dict(model, src, "the fake-quant model")
+    for k, v in model.state_dict().items():
+        v.set_value(src[k])
     model.eval()
     return model
 
@@ -159,15 +165,25 @@ def fake_quant_float_model(qmodel):
     return model
 
 
+def weight_digest(a: np.ndarray) -> str:
+    """sha256 of float32 array ``a``'s C-order bytes: how the ONNX rewrite finds a weight."""
+    return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
+
+
 def quant_table(qmodel) -> list[dict]:
     """Per quantized layer, what the ONNX rewrite needs: name, kind, mode, bits, block, the exact
     float32 weight the float export stores, int8 codes and scales, and the input scale."""
     out = []
     for name, layer in quant_layers(qmodel).items():
         codes, scale = layer.weight_codes()
-        entry = {"name": name, "kind": "embedding" if isinstance(layer, QuantEmbedding) else "linear",
+        w = layer.weight.numpy().astype(np.float32, copy=False)
+        embedding = isinstance(layer, QuantEmbedding)
+        # Digests, not the float weights (a copy of the model held through the whole export).
+        digests = {"t": weight_digest(w.T), "rows": weight_digest(w)} if embedding else {"matmul": weight_digest(w)}
+        del w
+        entry = {"name": name, "kind": "embedding" if embedding else "linear",
                  "mode": layer.mode, "bits": layer.weight_bits, "block": layer.block,
-                 "weight": layer.weight.numpy().astype(np.float32), "codes": codes, "scale": scale,
+                 "digests": digests, "codes": codes, "scale": scale,
                  "act_scale": None, "act_bits": None, "dynamic_inputs": layer.dynamic_inputs}
         if isinstance(layer, QuantLinear) and layer.mode == W8A8:
             entry["act_scale"] = float(layer.act_scale().numpy()[0])
