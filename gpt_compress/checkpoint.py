@@ -43,6 +43,16 @@ def read_config(path: str) -> tuple[ModelConfig, dict]:
     return cfg, meta
 
 
+def read_prompt_tokens(path: str) -> int:
+    """``prompt_tokens`` recorded in checkpoint ``path`` (``gptc finetune`` with
+    ``Finetune.prompt_tokens``: text prompts are fixed to that many tokens,
+    ``finetune/data.py:encode_prompts``); 0 when none is recorded."""
+    n = read_config(path)[1].get("prompt_tokens", 0)
+    if not isinstance(n, int) or n < 0:
+        raise CheckpointError(f"{os.path.join(path, CONFIG)}: prompt_tokens {n!r} is not a non-negative integer")
+    return n
+
+
 def state_dict_numpy(model) -> dict[str, np.ndarray]:
     """Parameters (and persistable buffers) as numpy arrays, by public name."""
     return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}

@@ -35,11 +35,6 @@ CONF=configs/finetune_poetry.yaml
     -o "Global.output_dir=$OUT/finetune" -o "Finetune.train_file=$DATA/tang300.jsonl" \
     -o "Engine.max_steps=$FINETUNE_STEPS" -o Engine.resume=auto -o Engine.global_batch_size=1 \
     -o Engine.micro_batch_size=1 -o Optimizer.lr.max_lr=1e-2 -o Optimizer.lr.min_lr=1e-3 "$@"
-# The prompt as finetuning saw it: filled to Finetune.prompt_tokens (24) tokens (finetune/data.py).
-IDS=$("$PY" -c 'import sys
-from gpt_compress.data.tokenizer import Tokenizer
-from gpt_compress.finetune.data import encode_prompts
-print(",".join(map(str, encode_prompts(Tokenizer.load(sys.argv[1]), [sys.argv[2] + "\n"], 24)[0])))' \
-    "$OUT/finetune/model" "$TITLE")
-echo "$TITLE"
-"$PY" -m gpt_compress generate -c "$CONF" --model "$OUT/finetune/model" --no-stream --prompt-ids "$IDS"
+# The finetuned model records Finetune.prompt_tokens (24): `gptc generate` fixes the text prompt to
+# 24 tokens as finetuning did (finetune/data.py). The newline ends the prompt, as the template does.
+"$PY" -m gpt_compress generate -c "$CONF" --model "$OUT/finetune/model" --no-stream --prompt "$TITLE"$'\n'

@@ -428,6 +428,47 @@ def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_
     assert gen["form"]["clauses"] > 150 and gen["form"]["form_rate"] >= TANG_MIN_FORM, gen["form"]
 
 
+def test_a_finetuned_model_fixes_text_prompts_as_its_finetuning_did(tang_full, chinese_gpt):
+    """The Tang model was finetuned with prompts fixed to 24 tokens; its checkpoint records that, and
+    a text prompt given to `gptc generate`, `gptc infer`, ``Generator`` or serve's completions
+    encoding becomes exactly those 24 ids (the ids of ``--prompt-ids`` with the fixed prompt), while
+    token-id prompts stay as given. The unfixed ids give other tokens, so this fails without it."""
+    from types import SimpleNamespace
+
+    from gpt_compress.checkpoint import read_prompt_tokens
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.inference.runner import Generator
+    from gpt_compress.sections import ServeConfig
+    from gpt_compress.serve.app import _encode
+    from gpt_compress.serve.protocol import CompletionRequest
+
+    model = tang_full["model"]
+    assert read_prompt_tokens(model) == TANG_PROMPT_TOKENS and read_prompt_tokens(chinese_gpt[0]) == 0
+    tok = Tokenizer.load(model)
+    held = [json.loads(x) for x in open(chinese_gpt[3], encoding="utf-8")][:2]
+    prompts = [f"《{r['title']}》{r['author']}\n" for r in held]
+    fixed, raw = encode_prompts(tok, prompts, TANG_PROMPT_TOKENS), encode_prompts(tok, prompts)
+    assert all(len(r) < TANG_PROMPT_TOKENS for r in raw)
+    opts = ["--no-stream", "-o", "Generation.max_new_tokens=16"]
+
+    def new_tokens(*argv):
+        return [r["new_tokens"] for r in gptc(*argv, *opts)["results"]]
+
+    by_ids = new_tokens("generate", "--model", model, *[a for f in fixed for a in ("--prompt-ids", ",".join(map(str, f)))])
+    by_text = gptc("generate", "--model", model, "--prompt", prompts[0], "--prompt", prompts[1], *opts)
+    assert [r["new_tokens"] for r in by_text["results"]] == by_ids
+    assert [r["prompt_tokens"] for r in by_text["results"]] == [TANG_PROMPT_TOKENS] * 2
+    unfixed = new_tokens("generate", "--model", model, *[a for f in raw for a in ("--prompt-ids", ",".join(map(str, f)))])
+    assert unfixed != by_ids  # the formatting matters to this model
+    assert new_tokens("infer", "--backend", "dygraph", "--model-dir", model, "--prompt", prompts[0],
+                      "--prompt", prompts[1]) == by_ids
+    gen = Generator.from_dir(model, backend="dygraph")
+    assert gen.prompt_tokens == TANG_PROMPT_TOKENS and gen.encode(prompts) == fixed and gen.encode(raw) == raw
+    served = [_encode(SimpleNamespace(gen=gen), CompletionRequest.model_validate({"prompt": p, "max_tokens": 16}),
+                      ServeConfig()) for p in (prompts, raw)]
+    assert served == [fixed, raw]
+
+
 def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(tang_full, chinese_gpt, tmp_path):
     """LoRA (rank 4, alpha 8) on every block Linear and on the tied token embedding / LM head
     ``gpt.wte``, against the full finetune, same 600 steps, LR 1e-2 and data: held-out perplexity
@@ -459,8 +500,10 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     assert "gpt.wte" in lora_layers(unmerged)
     exported = export(res["model"], str(tmp_path / "export"), formats=("onnx",), validate=False)
     onnx = Generator.from_dir(exported, backend="onnx")
+    assert onnx.prompt_tokens == TANG_PROMPT_TOKENS  # recorded in the manifest: text prompts fixed as in finetuning
     dygraph = Generator(DygraphBackend(unmerged), vocab_size=onnx.vocab_size, max_positions=onnx.max_positions,
-                        eos_token_id=onnx.eos_token_id, pad_token_id=onnx.pad_token_id, tokenizer=onnx.tokenizer)
+                        eos_token_id=onnx.eos_token_id, pad_token_id=onnx.pad_token_id, tokenizer=onnx.tokenizer,
+                        prompt_tokens=TANG_PROMPT_TOKENS)
     held = [json.loads(x) for x in open(chinese_gpt[3], encoding="utf-8")][:4]
     prompts = [f"《{r['title']}》{r['author']}\n" for r in held]
     rows = [onnx.tokenizer.encode(p + r["text"])[:100] for p, r in zip(prompts, held)]
@@ -479,6 +522,9 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
         assert np.abs(got_merged - ref[:1, :len(rows[0])]).max() < 1e-5 * scale
     a, b = (g.generate(prompts, max_new_tokens=24) for g in (onnx, dygraph))
     assert a.sequences == b.sequences and len(a.sequences[0]) > 0
+    assert a.prompt_tokens == [TANG_PROMPT_TOKENS] * 4
+    fixed = encode_prompts(onnx.tokenizer, prompts, TANG_PROMPT_TOKENS)
+    assert onnx.generate(fixed, max_new_tokens=24).sequences == a.sequences
 
 
 # ----------------------------------------------------------------------------- 6. resume after SIGKILL

@@ -7,7 +7,7 @@ response-token perplexity of ``Finetune.eval_file`` before training, every ``Eng
 steps (``Engine.eval_iters`` batches) and after; then generation (``Generation`` section) on its
 first ``Finetune.eval_generate`` prompts, scored with BLEU/chrF/ROUGE-L/exact match (Chinese
 references: also the verse form rate, ``finetune/metrics.py:poem_form``), a few generations written to ``train_log.jsonl``. Writes ``OUTPUT/model`` (a plain checkpoint; with
-LoRA the adapters merged in), ``OUTPUT/lora_adapter`` (LoRA only) and ``OUTPUT/finetune_eval.json``.
+LoRA the adapters merged in; ``prompt_tokens`` recorded in its config.json), ``OUTPUT/lora_adapter`` (LoRA only) and ``OUTPUT/finetune_eval.json``.
 """
 from __future__ import annotations
 
@@ -102,7 +102,9 @@ def run(args) -> int:
     if fc.lora.enabled:
         summary["adapter"] = save_adapters(model, os.path.join(out, "lora_adapter"), base=os.path.abspath(args.model))
         merge_lora(model)
-    summary["model"] = save_model(model, os.path.join(out, "model"), tokenizer=tok)
+    # The prompt formatting travels with the model: text prompts get it at generation (finetune/data.py).
+    summary["model"] = save_model(model, os.path.join(out, "model"), tokenizer=tok,
+                                  extra={"prompt_tokens": fc.prompt_tokens} if fc.prompt_tokens else None)
     if eval_plan is not None:
         summary["eval_after"] = response_perplexity(model, eval_all())
         summary["generation"] = _generation_eval(model, tok, cfg, eval_rows, result.steps, out,

@@ -1,4 +1,6 @@
-"""`gptc generate`: generate text from a checkpoint (dygraph backend)."""
+"""`gptc generate`: generate text from a checkpoint (dygraph backend). Text prompts of a model
+finetuned with ``Finetune.prompt_tokens`` are fixed to that length (``finetune/data.py``);
+``--prompt-ids`` are used as given."""
 from __future__ import annotations
 
 import json
@@ -58,8 +60,10 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    from ..checkpoint import load_model
+    from ..checkpoint import load_model, read_prompt_tokens
+    from ..finetune.data import encode_prompts
     from ..inference.dygraph import DygraphBackend
+    from ..inference.runner import special_ids
     from ..model.generation import generate
 
     cfg = config_from_args(args)
@@ -73,7 +77,11 @@ def run(args) -> int:
     texts = list(args.prompt) + (read_prompts_jsonl(args.input_file) if args.input_file else [])
     if texts and tok is None:
         return fail(f"{args.model} has no tokenizer; pass --tokenizer-dir or use --prompt-ids")
-    prompts = [tok.encode(t) for t in texts] + [parse_prompt_ids(p) for p in args.prompt_ids]
+    fixed = read_prompt_tokens(args.model) if texts else 0  # finetuned with fixed-length prompts
+    if fixed:
+        print(f"generate: text prompts fixed to {fixed} tokens as in finetuning (config.json prompt_tokens)",
+              file=sys.stderr)
+    prompts = encode_prompts(tok, texts, fixed) + [parse_prompt_ids(p) for p in args.prompt_ids]
     if not prompts:
         return fail("give --prompt, --prompt-ids or --input-file")
     limit = model.config.max_position_embeddings
@@ -85,8 +93,7 @@ def run(args) -> int:
             return fail("empty prompt")
         if max(p) >= model.config.vocab_size or min(p) < 0:
             return fail(f"prompt token ids must be in [0, {model.config.vocab_size})")
-    eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.eos_token_id
-    pad = gen.pad_token_id if gen.pad_token_id is not None else model.config.pad_token_id
+    eos, pad = special_ids(gen, model.config.eos_token_id, model.config.pad_token_id, model.config.vocab_size)
     stream = len(prompts) == 1 and tok is not None and not args.no_stream and gen.decode_strategy != "beam_search"
     emitted: list[int] = []
 

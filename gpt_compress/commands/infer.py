@@ -64,7 +64,9 @@ def run(args) -> int:
     try:
         gen = Generator.from_dir(args.model_dir, backend=args.backend, tokenizer=args.tokenizer_dir,
                                  verify=not args.no_verify, **_backend_options(args))
-        prompts = gen.encode(texts) + ids if texts else ids
+        prompts = gen.encode(texts) + ids if texts else ids  # text: fixed as in finetuning (Generator.encode)
+        if texts and gen.prompt_tokens:
+            print(f"infer: text prompts fixed to {gen.prompt_tokens} tokens as in finetuning", file=sys.stderr)
         stream = (len(prompts) == 1 and gen.tokenizer is not None and not args.no_stream
                   and gen_cfg.decode_strategy != "beam_search")
         if stream:

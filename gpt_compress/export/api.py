@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from typing import Optional, Sequence
 
-from ..checkpoint import load_model, read_config
+from ..checkpoint import load_model, read_config, read_prompt_tokens
 from ..data.tokenizer import find_tokenizer
 from ..errors import ExportError
 from ..fileio import check_output, write_dir_atomic
@@ -80,19 +80,21 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
                         source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
-                        free_weights=True, fused=fused)
+                        free_weights=True, fused=fused, prompt_tokens=read_prompt_tokens(checkpoint))
 
 
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
-                 overwrite: bool = False, free_weights: bool = False, fused: bool = True) -> str:
+                 overwrite: bool = False, free_weights: bool = False, fused: bool = True,
+                 prompt_tokens: int = 0) -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
     ``static.ExportableLM``): do not train it further. Returns ``output``; an int8 manifest's
     ``quant.validation`` holds the measured max logit differences. ``free_weights``: release the
     float model's parameters once its Paddle programs are on disk (it is unusable afterwards), so
-    that converting and validating do not hold a dygraph copy too."""
+    that converting and validating do not hold a dygraph copy too. ``prompt_tokens``: the
+    checkpoint's fixed prompt length (``checkpoint.read_prompt_tokens``), kept in the manifest."""
     formats = _formats(formats)
     check_output(output, overwrite)
     return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
@@ -115,7 +117,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
         else:
             files, extra = _float_programs(model, tmp, formats, opset, free_weights), {}
         tok_files = [os.path.basename(p) for p in tokenizer.save(tmp)] if tokenizer is not None else None
-        manifest = {**build_manifest(cfg, files, formats, tok_files, source), **extra}
+        manifest = {**build_manifest(cfg, files, formats, tok_files, source, prompt_tokens), **extra}
         if fused_info:
             manifest["fused"] = fused_info
         write_manifest(tmp, manifest)

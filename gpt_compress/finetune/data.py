@@ -25,8 +25,10 @@ generation alike, so every response starts at position N. A GPT with learned abs
 embeddings then sees a response's structure at fixed positions; a small one learns, e.g., the
 5- or 7-character lines of Tang verse from that, where with prompts of varying length it would
 have to count characters from the last line end, which it does not learn in a short finetune
-(README "Finetuning for generation"). To generate from such a model give the same ids
-(``encode_prompts``; `gptc generate --prompt-ids`).
+(README "Finetuning for generation"). The finetuned checkpoint records N (``config.json``
+``prompt_tokens``; its export's manifest too), and every text prompt given to it (`gptc generate`,
+`gptc infer`, ``Generator``, `gptc serve`) goes through ``encode_prompts`` with N; token-id
+prompts are used as given.
 
 **Batches.** ``pack``: examples (in a seeded order) are packed first-fit into rows of
 ``seq_length`` positions; ``segment_ids`` keep each example's attention inside itself and

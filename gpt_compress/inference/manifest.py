@@ -14,6 +14,9 @@ An export directory holds::
     prefill.onnx, decode.onnx, forward.onnx, model.onnx.data   onnxruntime (--format onnx)
     tokenizer.json, vocab.json, merges.txt                      when the checkpoint had a tokenizer
 
+A model finetuned with fixed-length prompts (``Finetune.prompt_tokens``) records that length as
+``prompt_tokens``: runners fix text prompts to it (``finetune/data.py:encode_prompts``).
+
 Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the new tokens):
 
 * ``prefill(input_ids (B,T), attention_mask (B,T)) -> logits (B,V), present_key_i/value_i (B,H_i,T,D)``
@@ -88,6 +91,15 @@ class Manifest:
     @property
     def pad_token_id(self) -> int:
         return int(self.data.get("pad_token_id") or 0)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Length text prompts are fixed to (``finetune/data.py:encode_prompts``); 0: as encoded."""
+        n = self.data.get("prompt_tokens", 0)
+        if not isinstance(n, int) or n < 0:
+            raise ModelDirError(f"{os.path.join(self.path, MANIFEST)}: prompt_tokens {n!r} is not a "
+                                "non-negative integer; re-export the model")
+        return n
 
     @property
     def layers(self) -> list[dict]:
@@ -215,9 +227,10 @@ def _versions() -> dict[str, Optional[str]]:
 
 
 def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Sequence[str],
-                   tokenizer: Optional[list[str]], source: str) -> dict:
+                   tokenizer: Optional[list[str]], source: str, prompt_tokens: int = 0) -> dict:
     """The ``manifest.json`` content for ``ModelConfig`` ``cfg``; ``files``: ``{format: {program:
-    {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written."""
+    {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written;
+    ``prompt_tokens``: the checkpoint's (``Manifest.prompt_tokens``), recorded when > 0."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
     # The scoring programs, when every format has them (tensor-parallel rank exports do not).
@@ -246,6 +259,7 @@ def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Se
         "tokenizer": tokenizer,
         "versions": _versions(),
         "source_checkpoint": source,
+        **({"prompt_tokens": prompt_tokens} if prompt_tokens else {}),
     }
 
 

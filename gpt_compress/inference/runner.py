@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..config import GenerationConfig
+from ..finetune.data import encode_prompts
 from ..model.generation import beam_search, stream_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
@@ -58,6 +59,19 @@ class Generated:
         return sum(len(s) for s in self.sequences) / max(self.seconds, 1e-9)
 
 
+def special_ids(cfg: GenerationConfig, eos: Optional[int], pad: int, vocab_size: int) -> tuple[Optional[int], int]:
+    """(EOS, pad) ids to decode with: ``cfg``'s when set, else the model's ``eos``/``pad``, kept
+    inside the vocabulary."""
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else eos
+    if eos is not None and not 0 <= eos < vocab_size:
+        eos = None  # e.g. GPT-2's 50256 on a small-vocabulary model: it can never be produced
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else pad
+    if not 0 <= pad < vocab_size:
+        # Padding is masked out, but the embedding lookup still reads it: keep it in range.
+        pad = eos if eos is not None else 0
+    return eos, pad
+
+
 def _load_tokenizer(path: str):
     from ..data.tokenizer import Tokenizer
 
@@ -68,8 +82,10 @@ class Generator:
     """Generation and scoring over one ``DecodeBackend`` (+ ``score``)."""
 
     def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
-                 pad_token_id: int, tokenizer=None, name: str = ""):
+                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0):
         self.backend = backend
+        # > 0: the model was finetuned with prompts fixed to this many tokens; text prompts get the same.
+        self.prompt_tokens = prompt_tokens
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.tokenizer = tokenizer
@@ -87,6 +103,7 @@ class Generator:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         path = os.fspath(path)
         if backend == "dygraph":
+            from ..checkpoint import read_prompt_tokens
             from ..qat.quantize import load_any
             from .dygraph import DygraphBackend
 
@@ -94,7 +111,8 @@ class Generator:
             cfg = model.config
             runner = DygraphBackend(model)
             info = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
-                        eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
+                        eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                        prompt_tokens=read_prompt_tokens(path))
             has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
         else:
             manifest = read_manifest(path)
@@ -107,7 +125,8 @@ class Generator:
 
                 runner = OrtBackend(manifest, verify=verify, **options)
             info = dict(vocab_size=manifest.vocab_size, max_positions=manifest.max_positions,
-                        eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id)
+                        eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id,
+                        prompt_tokens=manifest.prompt_tokens)
             has_tok = bool(manifest.data.get("tokenizer"))
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = _load_tokenizer(tokenizer)
@@ -117,7 +136,9 @@ class Generator:
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompts: Union[Prompt, Sequence[Prompt]]) -> list[list[int]]:
-        """Token ids of one prompt or a list of prompts (strings need the tokenizer)."""
+        """Token ids of one prompt or a list of prompts (strings need the tokenizer). A string is
+        fixed to ``prompt_tokens`` tokens when the model records them (``encode_prompts``, as in
+        its finetuning); token ids are used as given."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
                                         and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
@@ -126,7 +147,7 @@ class Generator:
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise InputError(f"{self.name} has no tokenizer: pass token-id lists or a tokenizer")
-                p = self.tokenizer.encode(p)
+                p = encode_prompts(self.tokenizer, [p], self.prompt_tokens)[0]
             out.append([int(t) for t in p])
         return out
 
@@ -146,13 +167,7 @@ class Generator:
     def _prepare(self, prompts, config, sampling, truncate):
         cfg = self._config(config, sampling)
         ids = check_prompts(self.encode(prompts), self.vocab_size, self.max_positions, cfg.max_new_tokens, truncate)
-        eos = cfg.eos_token_id if cfg.eos_token_id is not None else self.eos_token_id
-        if eos is not None and not 0 <= eos < self.vocab_size:
-            eos = None  # e.g. GPT-2's 50256 on a small-vocabulary model: it can never be produced
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else self.pad_token_id
-        if not 0 <= pad < self.vocab_size:
-            # Padding is masked out, but the embedding lookup still reads it: keep it in range.
-            pad = eos if eos is not None and 0 <= eos < self.vocab_size else 0
+        eos, pad = special_ids(cfg, self.eos_token_id, self.pad_token_id, self.vocab_size)
         return cfg, ids, eos, pad
 
     # ------------------------------------------------------------------ generation

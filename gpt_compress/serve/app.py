@@ -208,7 +208,7 @@ def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[li
     for i, p in enumerate(prompts):
         if isinstance(p, str) and gen.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-        ids = gen.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        ids = gen.encode(p)[0] if isinstance(p, str) else [int(t) for t in p]  # text: as the model was finetuned
         if not ids:
             raise ApiError(400, f"prompt {i} is empty: it needs at least one token", "prompt")
         bad = [t for t in ids if not 0 <= t < gen.vocab_size]
