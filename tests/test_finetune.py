@@ -445,6 +445,9 @@ def test_a_finetuned_model_fixes_text_prompts_as_its_finetuning_did(tang_full, c
     model = tang_full["model"]
     assert read_prompt_tokens(model) == TANG_PROMPT_TOKENS and read_prompt_tokens(chinese_gpt[0]) == 0
     tok = Tokenizer.load(model)
+    # Finetuning ends responses with the tokenizer's EOD: the model must stop there (not at GPT-2's 50256)
+    saved = json.load(open(os.path.join(model, "config.json"), encoding="utf-8"))["model"]
+    assert saved["eos_token_id"] == saved["pad_token_id"] == tok.eod_id < saved["vocab_size"] < 50256
     held = [json.loads(x) for x in open(chinese_gpt[3], encoding="utf-8")][:2]
     prompts = [f"《{r['title']}》{r['author']}\n" for r in held]
     fixed, raw = encode_prompts(tok, prompts, TANG_PROMPT_TOKENS), encode_prompts(tok, prompts)

@@ -60,6 +60,12 @@ def run(args) -> int:
         raise DataError(f"{args.model} has no tokenizer files; set Data.tokenizer_dir")
     if tok.vocab_size > model.config.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
+    if model.config.eos_token_id != tok.eod_id:
+        # Finetuning ends every response with the tokenizer's end-of-document token, so that is
+        # where generation must stop (e.g. GPT-2's 50256 on a model with its own small vocabulary).
+        print(f"finetune: eos_token_id/pad_token_id {model.config.eos_token_id}/{model.config.pad_token_id} -> "
+              f"{tok.eod_id}/{tok.pad_id} (the tokenizer's end of document)", file=sys.stderr)
+        model.config.eos_token_id, model.config.pad_token_id = tok.eod_id, tok.pad_id
     cfg.model = model.config
     seq = min(cfg.data.seq_length, model.config.max_position_embeddings)
     cfg.data.seq_length = seq
