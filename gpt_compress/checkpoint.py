@@ -46,7 +46,7 @@ def read_config(path: str) -> tuple[ModelConfig, dict]:
 def read_prompt_tokens(path: str) -> int:
     """``prompt_tokens`` recorded in checkpoint ``path`` (``gptc finetune`` with
     ``Finetune.prompt_tokens``: text prompts are fixed to that many tokens,
-    ``finetune/data.py:encode_prompts``); 0 when none is recorded."""
+    ``data/tokenizer.py:encode_prompts``); 0 when none is recorded."""
     n = read_config(path)[1].get("prompt_tokens", 0)
     if not isinstance(n, int) or n < 0:
         raise CheckpointError(f"{os.path.join(path, CONFIG)}: prompt_tokens {n!r} is not a non-negative integer")

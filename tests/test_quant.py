@@ -354,6 +354,7 @@ def test_w8a8_qdq_matmul_is_exact():
     from onnx import TensorProto, helper, numpy_helper
     from gpt_compress.config import W8A8
     from gpt_compress.export.int8 import rewrite_onnx
+    from gpt_compress.qat.deploy import weight_digest
 
     rng = np.random.default_rng(0)
     k, n, sx = 64, 16, 0.02
@@ -370,7 +371,8 @@ def test_w8a8_qdq_matmul_is_exact():
                               [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    entry = {"name": "fc", "kind": "linear", "mode": W8A8, "bits": 8, "block": None, "weight": w,
+    entry = {"name": "fc", "kind": "linear", "mode": W8A8, "bits": 8, "block": None,
+             "digests": {"matmul": weight_digest(w)},
              "codes": codes, "scale": scale.reshape(1, n), "act_scale": sx, "act_bits": 8,
              "dynamic_inputs": False}
     assert rewrite_onnx(model, [entry]) == {"QDQ MatMul": 1}

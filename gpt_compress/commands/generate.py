@@ -61,7 +61,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def run(args) -> int:
     from ..checkpoint import load_model, read_prompt_tokens
-    from ..finetune.data import encode_prompts
+    from ..data.tokenizer import encode_prompts
     from ..inference.dygraph import DygraphBackend
     from ..inference.runner import special_ids
     from ..model.generation import generate

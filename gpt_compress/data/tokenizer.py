@@ -314,3 +314,17 @@ def find_tokenizer(*dirs: str):
                                          for f in ("tokenizer.json", "vocab.json", "encoder.json")):
             return Tokenizer.load(d)
     return None
+
+
+def fixed_prompt(ids: list[int], length: int, eod: int) -> list[int]:
+    """``ids`` left-filled with ``eod`` or cut at the start to ``length`` tokens (0: unchanged)."""
+    if length <= 0:
+        return list(ids)
+    return [eod] * (length - len(ids)) + list(ids[-length:])
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], prompt_tokens: int = 0) -> list[list[int]]:
+    """Token ids of ``prompts`` as finetuning sees them (``fixed_prompt`` when ``prompt_tokens``): the
+    one encoding of text prompts for a model finetuned with ``Finetune.prompt_tokens`` (finetune/data.py),
+    used by `gptc finetune`, `gptc generate`, ``Generator`` and serve."""
+    return [fixed_prompt(p, prompt_tokens, tokenizer.eod_id) for p in tokenizer.encode_batch(list(prompts))]

@@ -27,7 +27,7 @@ embeddings then sees a response's structure at fixed positions; a small one lear
 have to count characters from the last line end, which it does not learn in a short finetune
 (README "Finetuning for generation"). The finetuned checkpoint records N (``config.json``
 ``prompt_tokens``; its export's manifest too), and every text prompt given to it (`gptc generate`,
-`gptc infer`, ``Generator``, `gptc serve`) goes through ``encode_prompts`` with N; token-id
+`gptc infer`, ``Generator``, `gptc serve`) goes through ``encode_prompts`` (``data/tokenizer.py``) with N; token-id
 prompts are used as given.
 
 **Batches.** ``pack``: examples (in a seeded order) are packed first-fit into rows of
@@ -47,6 +47,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..data.tokenizer import encode_prompts, fixed_prompt  # noqa: F401  (finetuning's prompt encoding; re-exported)
 from ..errors import ConfigError, DataError
 from ..sections import FinetuneConfig
 
@@ -173,18 +174,6 @@ def _row(obj: dict, cfg: FinetuneConfig, where: str) -> Row:
     if not prompt:
         raise DataError(f"{where}: the prompt is empty")
     return Row(prompt, response, where)
-
-
-def fixed_prompt(ids: list[int], length: int, eod: int) -> list[int]:
-    """``ids`` left-filled with ``eod`` or cut at the start to ``length`` tokens (0: unchanged)."""
-    if length <= 0:
-        return list(ids)
-    return [eod] * (length - len(ids)) + list(ids[-length:])
-
-
-def encode_prompts(tokenizer, prompts: Sequence[str], prompt_tokens: int = 0) -> list[list[int]]:
-    """Token ids of ``prompts`` as finetuning sees them (``fixed_prompt`` when ``prompt_tokens``)."""
-    return [fixed_prompt(p, prompt_tokens, tokenizer.eod_id) for p in tokenizer.encode_batch(list(prompts))]
 
 
 def encode_rows(tokenizer, rows: Sequence[Row], seq_length: int,

@@ -15,7 +15,7 @@ An export directory holds::
     tokenizer.json, vocab.json, merges.txt                      when the checkpoint had a tokenizer
 
 A model finetuned with fixed-length prompts (``Finetune.prompt_tokens``) records that length as
-``prompt_tokens``: runners fix text prompts to it (``finetune/data.py:encode_prompts``).
+``prompt_tokens``: runners fix text prompts to it (``data/tokenizer.py:encode_prompts``).
 
 Programs (all batch- and length-dynamic; ``S`` is the cached length, ``T`` the new tokens):
 
@@ -94,7 +94,7 @@ class Manifest:
 
     @property
     def prompt_tokens(self) -> int:
-        """Length text prompts are fixed to (``finetune/data.py:encode_prompts``); 0: as encoded."""
+        """Length text prompts are fixed to (``data/tokenizer.py:encode_prompts``); 0: as encoded."""
         n = self.data.get("prompt_tokens", 0)
         if not isinstance(n, int) or n < 0:
             raise ModelDirError(f"{os.path.join(self.path, MANIFEST)}: prompt_tokens {n!r} is not a "

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..config import GenerationConfig
-from ..finetune.data import encode_prompts
+from ..data.tokenizer import encode_prompts
 from ..model.generation import beam_search, stream_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
