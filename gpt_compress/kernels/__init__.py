@@ -84,9 +84,9 @@ def cache_dir(source: Optional[bytes] = None) -> str:
     return os.path.join(root, cache_key(source))
 
 
-def library_path() -> str:
-    """Path of the built shared library (it may not exist yet)."""
-    return os.path.join(cache_dir(), NAME, NAME + ".so")
+def library_path(source: Optional[bytes] = None) -> str:
+    """Path of the built shared library (of ``source``, else of the file's bytes; it may not exist yet)."""
+    return os.path.join(cache_dir(source), NAME, NAME + ".so")
 
 
 @contextlib.contextmanager
@@ -163,7 +163,7 @@ def load_ops():
         source = _source_bytes()  # read once: the key and the snapshot are the same text
         directory = cache_dir(source)  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
-        so = os.path.join(directory, NAME, NAME + ".so")
+        so = library_path(source)
         with _file_lock(directory + ".lock"):
             problem = cached_library_problem(directory)
             if problem:  # rebuild from scratch
