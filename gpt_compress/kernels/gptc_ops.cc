@@ -528,8 +528,9 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
 // arithmetic is the contract above (the same operations in the same order as ftile/itile), so
 // its value is bitwise the tiles' (tests/test_fused.py: token by token vs one prefill).
 // AVX2 only; other layers (float-input int weights, K or blocks not in steps of 32) keep the
-// blocks above. Measured on the AMD EPYC here (L3-resident 50304 x 384 int8 head, 1 thread):
-// 1.26 ms with the 12-row blocks and 4-row tiles, GEMV below: see bench/kernels.py.
+// blocks above. Standalone copies of the loops on the AMD EPYC here (best of 60-200 runs,
+// contended): the 50304 x 384 int8 head on one core 15-22 GB/s with the blocks, 25-29 GB/s
+// with these; the float32 head (77 MB) on 2 threads 24-26 -> 35-36 GB/s (bench/results.md).
 constexpr int64_t GEMV_ROWS = 64;  // rows per work item (and per epilogue pass)
 constexpr int GEMV_NR_F = 8;       // float weight rows per pass
 constexpr int GEMV_NR_I = 4;       // int weight rows per pass
