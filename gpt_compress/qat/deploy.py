@@ -187,9 +187,16 @@ def fake_quant_float_model(qmodel, consume: bool = False):
     return _float_copy(qmodel, value, consume=consume)
 
 
-def weight_digest(a: np.ndarray) -> str:
-    """sha256 of float32 array ``a``'s C-order bytes: how the ONNX rewrite finds a weight."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(a, dtype=np.float32)).cast("B")).hexdigest()  # no copy
+def weight_digest(a: np.ndarray, rows: int = 1 << 12) -> str:
+    """sha256 of float32 array ``a``'s C-order bytes: how the ONNX rewrite finds a weight. A
+    non-contiguous 2-D ``a`` (a transpose) is hashed ``rows`` rows at a time, never copied whole."""
+    h = hashlib.sha256()
+    if a.ndim == 2 and not a.flags.c_contiguous:
+        for i in range(0, a.shape[0], rows):
+            h.update(memoryview(np.ascontiguousarray(a[i:i + rows], dtype=np.float32)).cast("B"))
+    else:
+        h.update(memoryview(np.ascontiguousarray(a, dtype=np.float32)).cast("B"))
+    return h.hexdigest()
 
 
 def quant_table(qmodel) -> list[dict]:
