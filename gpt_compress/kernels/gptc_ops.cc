@@ -276,9 +276,12 @@ inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int6
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
     GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   Prefetch ahead(pf, npf, K / 32);
+  // The scale block of step c is c / blk, counted (a 64-bit division per step cost more than
+  // the step's 12 dot products with a run-time blk); blk is a multiple of 32 here.
+  const int64_t steps_per_blk = blk / 32;
+  int64_t b = 0, left = steps_per_blk;
   for (int64_t c = 0; c < K; c += 32) {
     if (pf) ahead.step();
-    const int64_t b = c / blk;
     __m256i wv[NR];
     float swb[NR];
     GPTC_UNROLL for (int n = 0; n < NR; ++n) {
@@ -301,6 +304,7 @@ inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int6
         acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_set1_ps(sxb * swb[n]),
                                     acc[r][n]);
     }
+    if (--left == 0) ++b, left = steps_per_blk;
   }
   if (pf) ahead.rest();
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
@@ -399,7 +403,8 @@ inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int6
                    const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias,
                    const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
-  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see fblock)
+  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see fblock;
+    // in the 1-thread gpt-bench prefill, 4x2, 2x4, 3x3 and 2x6 tiles were within 2% of it)
     const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, nr / 3 * (M / 4));
     int64_t part = 0;
     int n = 0;
@@ -595,9 +600,13 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
       fblock(in.x, M, K, wbuf, nr, t, NBLK, bias, pf, pf_bytes);
     }
   }
+  // The activation elementwise: over the whole tile when its rows are contiguous (nr == NBLK; the
+  // same values, a value's activation depending on it alone, without a padded tail per row).
+  const bool whole = act >= 0 && nr == NBLK;
+  if (whole) activate(t, M * NBLK, act);
   for (int64_t m = 0; m < M; ++m) {
     float* tm = t + m * NBLK;
-    if (act >= 0) activate(tm, nr, act);
+    if (act >= 0 && !whole) activate(tm, nr, act);
     float* ym = y + m * ldy + n0;
     if (res != nullptr) {
       const float* rm = res + m * ldy + n0;
