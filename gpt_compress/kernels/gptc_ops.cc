@@ -456,6 +456,8 @@ struct Shared {
   std::vector<float> q, ctx, f, sel, h;
   std::vector<int32_t> keys;
   std::vector<int64_t> nkeys;
+  std::vector<float> rows_h, rows_sx;  // prepare_rows' layer norms and input scales (M > 1)
+  std::vector<int8_t> rows_xq;         // and int8 inputs
 };
 thread_local Scratch t_scratch;
 thread_local Shared t_shared;
@@ -477,6 +479,7 @@ inline void trim(Scratch& s) {
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
+  trim(s.rows_h), trim(s.rows_sx), trim(s.rows_xq);
 }
 
 inline bool is_integer(const Lin& L) { return !(L.bits == 32 || L.act < 0.f); }
@@ -548,6 +551,31 @@ In prepare_inputs(const Lin& L, const float* x, int64_t M, Scratch& sc) {
     in.xq = xq;
     in.sx = sx;
   }
+  return in;
+}
+
+void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
+
+// M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
+// out among the threads into the op's buffers xq, sx (the worksharing loop's end is the
+// barrier) instead of every thread making all of them; with ln_w, each row's layer norm first
+// (into h, rows C = L.k apart; the linear's inputs are then h). Per row, so the same values.
+In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, const float* ln_b, float eps, float* h,
+                int8_t* xq, float* sx) {
+  const bool integer = is_integer(L);
+  if (!integer && ln_w == nullptr) return In{x};  // nothing to make (every thread alike: no barrier)
+  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    if (ln_w != nullptr) {
+      layer_norm(xm, 1, K, ln_w, ln_b, eps, h + m * K);
+      xm = h + m * K;
+    }
+    if (integer) quantize_inputs(L, xm, 1, xq + m * K, sx + m * nb);
+  }
+  In in{ln_w != nullptr ? h : x};
+  if (integer) in.xq = xq, in.sx = sx;
   return in;
 }
 
@@ -905,6 +933,21 @@ std::vector<paddle::Tensor> LayerForward(
   }
   const float scale = 1.f / std::sqrt(float(D));
   const int nt = nthreads();
+  // Long inputs (prefill): the layer norms and int8 inputs made once, in shared buffers
+  // (prepare_rows), at the cost of up to 4 more barriers a layer; shorter ones (decode steps of
+  // batches) are cheaper made by every thread. The threshold is an estimate (a barrier ~ a few
+  // us vs 16 rows' norms and quantizations); not measured, the machine was contended.
+  const bool rows = M >= 16;
+  float* hs = nullptr;
+  int8_t* xqs = nullptr;
+  float* sxs = nullptr;
+  if (rows) {
+    int64_t kmax = 0;
+    for (const Lin* L : {&qkv, &out, &fc, &proj}) kmax = std::max(kmax, L->k);
+    hs = grow(sh.rows_h, size_t(M * C));
+    xqs = grow(sh.rows_xq, size_t(M * kmax));
+    sxs = grow(sh.rows_sx, size_t(M * kmax));  // K / blk scales a row, at most K
+  }
   // Head hh's qkv outputs are the rows [hh * 3D, (hh + 1) * 3D) (head-major (H, 3, D)): with
   // enough heads per thread one work item computes them, writes the new keys/values into the
   // cache and runs the head's attention, with no barrier between the three.
@@ -933,9 +976,10 @@ std::vector<paddle::Tensor> LayerForward(
   {
     Scratch& sc = t_scratch;
     const bool lead = omp_get_thread_num() == 0;
-    float* h = grow(sc.h, size_t(M * std::max(C, int64_t(1))));
-    layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h);
-    const In in1 = prepare_inputs(qkv, h, M, sc);
+    float* h = rows ? hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
+    if (!rows) layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h);
+    const In in1 = rows ? prepare_rows(qkv, xd, M, ln1_w.data<float>(), ln1_b.data<float>(), eps, h, xqs, sxs)
+                        : prepare_inputs(qkv, h, M, sc);
     if (lead) lp.lap(kLn1);
     if (by_head) {
 #pragma omp for schedule(static)
@@ -952,14 +996,19 @@ std::vector<paddle::Tensor> LayerForward(
         for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
       if (lead) lp.lap(kAttn);
     }
-    linear_for(out, prepare_inputs(out, ctx, M, sc), M, yd, xd, -1);  // y = x + attention
+    const In in_out = rows ? prepare_rows(out, ctx, M, nullptr, nullptr, eps, nullptr, xqs, sxs)
+                           : prepare_inputs(out, ctx, M, sc);
+    linear_for(out, in_out, M, yd, xd, -1);  // y = x + attention
     if (lead) lp.lap(kOut);
-    layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h);
-    const In in2 = prepare_inputs(fc, h, M, sc);
+    if (!rows) layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h);
+    const In in2 = rows ? prepare_rows(fc, yd, M, ln2_w.data<float>(), ln2_b.data<float>(), eps, h, xqs, sxs)
+                        : prepare_inputs(fc, h, M, sc);
     if (lead) lp.lap(kLn2);
     linear_for(fc, in2, M, f, nullptr, activation);
     if (lead) lp.lap(kFc);
-    linear_for(proj, prepare_inputs(proj, f, M, sc), M, yd, yd, -1);  // y += mlp
+    const In in_proj = rows ? prepare_rows(proj, f, M, nullptr, nullptr, eps, nullptr, xqs, sxs)
+                            : prepare_inputs(proj, f, M, sc);
+    linear_for(proj, in_proj, M, yd, yd, -1);  // y += mlp
     if (lead) lp.lap(kProj);
     trim(sc);
   }
