@@ -597,10 +597,11 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
       pf = reinterpret_cast<const char*>(L.wf + n1 * K);
       pf_bytes = rows * K * int64_t(sizeof(float));
     } else {
-      const int64_t row = L.bits == 4 ? K / 2 : K, nb = K / L.blk;
+      const int64_t row = L.bits == 4 ? K / 2 : K;
       pf = reinterpret_cast<const char*>(L.wq + n1 * row);
       pf_bytes = rows * row;
 #if defined(__AVX2__)
+      const int64_t nb = K / L.blk;
       const char* s1 = reinterpret_cast<const char*>(L.scale + n1 * nb);
       for (int64_t o = 0; o < rows * nb * int64_t(sizeof(float)); o += 64) _mm_prefetch(s1 + o, _MM_HINT_T0);
 #endif
