@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 PRESETS = ("gpt-345M", "gpt-1.3B")
 STEPS = ("init", "pretrain", "export", "decode_onnx", "decode_paddle", "ptq", "decode_onnx_int8",
-         "decode_paddle_int8", "eval", "ptq_int4", "ptq_w8a8")  # run in this order
+         "decode_paddle_int8", "ptq_int4", "ptq_w8a8", "eval")  # run in this order (the long eval last)
 DEFAULT_STEPS = tuple(s for s in STEPS if s not in ("ptq_int4", "ptq_w8a8"))
 TIME = "/usr/bin/time"
 

@@ -1,5 +1,5 @@
 """`gptc generate`: generate text from a checkpoint (dygraph backend). Text prompts of a model
-finetuned with ``Finetune.prompt_tokens`` are fixed to that length (``finetune/data.py``);
+finetuned with ``Finetune.prompt_tokens`` are fixed to that length (``data/tokenizer.py:encode_prompts``);
 ``--prompt-ids`` are used as given."""
 from __future__ import annotations
 

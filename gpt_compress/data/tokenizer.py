@@ -325,6 +325,6 @@ def fixed_prompt(ids: list[int], length: int, eod: int) -> list[int]:
 
 def encode_prompts(tokenizer, prompts: Sequence[str], prompt_tokens: int = 0) -> list[list[int]]:
     """Token ids of ``prompts`` as finetuning sees them (``fixed_prompt`` when ``prompt_tokens``): the
-    one encoding of text prompts for a model finetuned with ``Finetune.prompt_tokens`` (finetune/data.py),
+    one encoding of text prompts for a model finetuned with ``Finetune.prompt_tokens``,
     used by `gptc finetune`, `gptc generate`, ``Generator`` and serve."""
     return [fixed_prompt(p, prompt_tokens, tokenizer.eod_id) for p in tokenizer.encode_batch(list(prompts))]

@@ -142,14 +142,11 @@ class Generator:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
                                         and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise InputError(f"{self.name} has no tokenizer: pass token-id lists or a tokenizer")
-                p = encode_prompts(self.tokenizer, [p], self.prompt_tokens)[0]
-            out.append([int(t) for t in p])
-        return out
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and self.tokenizer is None:
+            raise InputError(f"{self.name} has no tokenizer: pass token-id lists or a tokenizer")
+        encoded = iter(encode_prompts(self.tokenizer, texts, self.prompt_tokens) if texts else [])
+        return [[int(t) for t in (next(encoded) if isinstance(p, str) else p)] for p in prompts]
 
     def _config(self, config: Optional[GenerationConfig], sampling: dict) -> GenerationConfig:
         cfg = dataclasses.replace(config) if config is not None else GenerationConfig()
