@@ -21,9 +21,15 @@ measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
   programs 1.3 W, converting to ONNX 1.3 W, validating Paddle Inference 2.3 W (batch-1 decode
   runs two predictors, each loading the whole params file), onnxruntime 2.2 W): 2.6 W (the whole
   command measured 2.71 W with the libraries), or 2.4 W without the fused program (``fused=False``);
-* ``ptq``: the fake-quant model, the int8 export (a float copy of the model for the ONNX path)
-  and the evaluation of each int8 runtime: measured 3.74 W without the libraries at gpt-345M
-  weight-only int8 (5.94 GiB in all); 4.0 W;
+* ``ptq``: one float copy of the weights at a time (issue 16; was 3.74 W without the libraries
+  at gpt-345M weight-only int8, 5.94 GiB in all, when the int8 export held the fake-quant
+  model, the Paddle deploy model's float copy and the ONNX float model with its weights attached
+  to each graph): the fake-quant model (1 W) plus the int8 codes of the quant table (0.25 W)
+  and, by stage, the fused program's or the Paddle deploy model's int8 buffers (0.25 W), the
+  ONNX float model (which takes the fake-quant model's weights tensor by tensor) or the
+  transients of the largest weight (the tied embedding's fake quantization, ~3x its size,
+  0.2 W at gpt-1.3B); the closing evaluation runs an int8 runtime alone (the fake-quant model
+  is freed by then); per stage in ``bench/ptq_phases.py``: 2.0 W;
 * ``eval`` / ``infer``: one runtime's weights (2 W: onnxruntime pre-packs its MatMul weights;
   Paddle Inference holds one copy per program in use) plus one batch of logits (x3 while
   scoring: logits, shifted, exponentiated).
@@ -40,7 +46,7 @@ from .errors import InsufficientMemory
 
 GB = 1 << 30
 BASE_BYTES = 1 * GB  # Python, Paddle, onnxruntime and their libraries, before any weight
-WEIGHT_MULTIPLE = {"init": 1.3, "pretrain": 5.0, "export": 2.6, "export_unfused": 2.4, "ptq": 4.0, "eval": 2.0,
+WEIGHT_MULTIPLE = {"init": 1.3, "pretrain": 5.0, "export": 2.6, "export_unfused": 2.4, "ptq": 2.0, "eval": 2.0,
                    "infer": 2.0}
 
 

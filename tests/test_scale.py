@@ -76,6 +76,35 @@ def test_onnx_export_streams_weights_into_external_data(paddle_programs, tmp_pat
         assert {e.key: e.value for e in big[0].external_data}["location"] == onnx_export.DATA_FILE
 
 
+def test_rewritten_conversion_attaches_weights_by_reference(paddle_programs, tmp_path):
+    """With a ``transform`` (the int8 export's rewrite), the weights are attached to each graph by
+    reference: the transform sees no weight bytes in the graph (it reads them through
+    ``tensor_bytes``), and only what the graph still holds afterwards is written, once. Before
+    issue 16's ptq work the graph held all of them (1.39x the weights per program, the tied
+    embedding twice)."""
+    from gpt_compress.export import onnx as onnx_export
+    from gpt_compress.export.static import program_weights
+    from gpt_compress.inference.manifest import PROGRAMS, io_spec
+
+    pdir, files, cfg, model = paddle_programs
+    weights, get = 4 * cfg.num_parameters(), program_weights(model)
+    held, seen = [], []
+
+    def transform(name, graph_model, base_dir):
+        inits = graph_model.graph.initializer
+        held.append(sum(len(t.raw_data) for t in inits))
+        lazy = [t for t in inits if onnx_export.lazy_source(t)]
+        seen.append(sum(len(onnx_export.tensor_bytes(t, base_dir, get)) for t in lazy))
+
+    onnx_export.convert_programs(pdir, files, str(tmp_path), io_spec(cfg), tanh_gelu=cfg.hidden_act == "gelu_new",
+                                 transform=transform, weights=get)
+    assert len(held) == len(PROGRAMS)
+    assert max(held) < 0.05 * weights, f"a graph held {max(held) / weights:.2f}x the weights"
+    assert min(seen) > 0.9 * weights  # every program reads (nearly) all of them
+    data = os.path.getsize(tmp_path / onnx_export.DATA_FILE)
+    assert 0.95 * weights <= data <= weights + 64 * onnx_export.ALIGN  # kept, each once
+
+
 def test_fused_program_builds_its_buffers_one_tensor_at_a_time():
     from types import SimpleNamespace
 
@@ -221,3 +250,76 @@ def test_export_returns_freed_memory_to_the_os():
     returned = before - rss()
     del pin
     assert kept < size / 2 and returned > size, (kept, returned)
+
+
+# Growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) while the int8
+# export builds its two models from a fake-quant model (weight-only int8, blocks of 32), as a
+# multiple of the float32 weights (a 27M-parameter model): the Paddle deploy model 0.30 (the float
+# copy built lazily, only the int8 codes allocated; 1.18 allocating a whole float copy first,
+# before issue 16's ptq work) and the ONNX float model 0.31 taking the fake-quant model's weights
+# tensor by tensor (1.32 copying them, the fake-quant model kept: two float copies resident).
+DEPLOY_GROWTH_MULTIPLE = 0.6
+FLOAT_MODEL_GROWTH_MULTIPLE = 0.6
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _peak_growth(fn):
+    """(fn(), growth of the peak RSS above the RSS before the call, in bytes)."""
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    out = fn()
+    return out, 1024 * (_status_kb("VmHWM") - before)
+
+
+def test_int8_export_models_move_weights_instead_of_copying():
+    """``deploy_model`` never allocates the float weights of the layers it stores int8, and
+    ``fake_quant_float_model(consume=True)`` moves the fake-quant model's weights into the float
+    model: the ptq/export peak holds one float copy of the weights, not three."""
+    import gc
+
+    import paddle
+
+    from gpt_compress import memory
+    from gpt_compress.config import ModelConfig, QuantConfig
+    from gpt_compress.model.gpt import GPTForCausalLM
+    from gpt_compress.qat.deploy import deploy_model, fake_quant_float_model, quant_table, weight_digest
+    from gpt_compress.qat.quantize import quantize_model
+
+    try:
+        _peak_growth(lambda: None)
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs")
+    memory.return_freed_memory()  # as every export does: freed tensors leave the resident set
+    qcfg = QuantConfig(targets=[], weight_only=["*"], weight_block_size=32)
+
+    def quantized(preset: str, **over):
+        paddle.seed(0)
+        return quantize_model(GPTForCausalLM(ModelConfig.from_preset(preset, **over)), qcfg).eval()
+
+    warm = quantized("gpt-tiny")  # first use of every operator, outside the measurement
+    fake_quant_float_model(warm, consume=True)
+    deploy_model(quantized("gpt-tiny"))
+    del warm
+    cfg_over = dict(vocab_size=4096, hidden_size=512, num_layers=8, num_attention_heads=8, max_position_embeddings=64)
+    qmodel = quantized("gpt-test", **cfg_over)
+    weights = 4 * qmodel.config.num_parameters()
+    table = quant_table(qmodel)
+    gc.collect()
+    deploy, grew = _peak_growth(lambda: deploy_model(qmodel, table))
+    assert grew < DEPLOY_GROWTH_MULTIPLE * weights, f"deploy model: peak grew {grew / weights:.2f}x the weights"
+    del deploy
+    gc.collect()
+    memory.return_freed_memory()
+    fmodel, grew = _peak_growth(lambda: fake_quant_float_model(qmodel, consume=True))
+    assert grew < FLOAT_MODEL_GROWTH_MULTIPLE * weights, f"float model: peak grew {grew / weights:.2f}x the weights"
+    # the float model holds the fake-quantized weights the ONNX rewrite looks for
+    sd = fmodel.state_dict()
+    for e in table:
+        key = "rows" if e["kind"] == "embedding" else "matmul"
+        assert weight_digest(sd[e["name"] + ".weight"].numpy()) == e["digests"][key], e["name"]
+    assert not any(p._is_initialized() for p in qmodel.parameters())  # moved, not copied

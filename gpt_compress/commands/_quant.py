@@ -221,7 +221,9 @@ def file_bytes(path: str, names) -> int:
 
 def export_and_report(qmodel, args, cfg, src: str, tokenizer, evaluator: Evaluator, report: dict) -> dict:
     """Export ``qmodel`` to OUTPUT/int8 (unless --format none), evaluate each backend there,
-    and write OUTPUT/quant_report.json; returns the report."""
+    and write OUTPUT/quant_report.json; returns the report. The export takes ``qmodel``'s weights
+    (``export_model(free_weights=True)``): only its config is usable afterwards, and the
+    evaluation of each backend runs without a dygraph copy of the model."""
     from ..export import export_model
     from ..inference.manifest import read_manifest
 
@@ -230,7 +232,7 @@ def export_and_report(qmodel, args, cfg, src: str, tokenizer, evaluator: Evaluat
         formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
         path = export_model(qmodel, os.path.join(out_dir, "int8"), formats, tokenizer=tokenizer,
                             source=os.path.abspath(src), validate=not args.no_validate, require_quantized=True,
-                            overwrite=True)  # this run's own artifact
+                            overwrite=True, free_weights=True)  # this run's own artifact
         quant = read_manifest(path).data["quant"]
         report["int8_export"] = {"path": path, "validation": quant.get("validation"),
                                  "onnx_ops": quant.get("onnx_ops"),

@@ -92,8 +92,10 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     refuses a model without quantized layers. The float path mutates ``model`` (see
     ``static.ExportableLM``): do not train it further. Returns ``output``; an int8 manifest's
     ``quant.validation`` holds the measured max logit differences. ``free_weights``: release the
-    float model's parameters once its Paddle programs are on disk (it is unusable afterwards), so
-    that converting and validating do not hold a dygraph copy too. ``prompt_tokens``: the
+    model's parameters as soon as the programs no longer need them (it is unusable afterwards):
+    float, once its Paddle programs are on disk, so that converting and validating do not hold a
+    dygraph copy too; int8, once the deploy model is built or as the ONNX float copy takes them
+    over (``int8.save_int8_programs``), so that one float copy is resident at a time. ``prompt_tokens``: the
     checkpoint's fixed prompt length (``checkpoint.read_prompt_tokens``), kept in the manifest."""
     formats = _formats(formats)
     check_output(output, overwrite)
@@ -110,7 +112,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
         fused_info = try_save_fused(model, tmp) if fused and "paddle" in formats else None
         gc.collect()  # the fused layer (its own copy of the weights) is only freed with its cycles
         if table:
-            files, ops = save_int8_programs(model, tmp, formats, table, opset)
+            files, ops = save_int8_programs(model, tmp, formats, table, opset, free_weights)
             extra = quant_info(table, source)
             if ops is not None:
                 extra["quant"]["onnx_ops"] = ops

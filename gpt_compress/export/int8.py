@@ -42,10 +42,11 @@ import numpy as np
 import paddle.nn as nn
 
 from ..errors import ExportError
+from ..memory import return_freed_memory
 from ..inference.manifest import SCORE_PROGRAMS, io_spec
 from ..config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model, weight_digest
-from .onnx import convert_programs
+from .onnx import convert_programs, lazy_source
 from .onnx_scoring import scoring_transform
 from .static import ExportableLM, program_weights, save_paddle_programs
 
@@ -103,11 +104,16 @@ def _nk(entry: dict) -> tuple[np.ndarray, np.ndarray]:
 class _Rewriter:
     """Rewrites one ONNX graph; new initializers are named after the layer."""
 
-    def __init__(self, model, table: list[dict], base_dir: str = ""):
+    def __init__(self, model, table: list[dict], base_dir: str = "", weights=None):
         from onnx import numpy_helper
 
         self.model, self.graph = model, model.graph
-        self.to_array = lambda t: numpy_helper.to_array(t, base_dir)
+
+        def to_array(t):
+            source = lazy_source(t)
+            return numpy_helper.to_array(t, base_dir) if source is None else weights(source)
+
+        self.to_array = to_array
         self.from_array = numpy_helper.from_array
         self.inits = {t.name: t for t in self.graph.initializer}
         self.index: dict[str, tuple[dict, str]] = {}
@@ -223,12 +229,14 @@ class _Rewriter:
             op.domain, op.version = ORT_DOMAIN, 1
 
 
-def rewrite_onnx(model, table: list[dict], base_dir: str = "", uses: Optional[Counter] = None) -> dict:
+def rewrite_onnx(model, table: list[dict], base_dir: str = "", uses: Optional[Counter] = None,
+                 weights=None) -> dict:
     """Rewrite the quantized weights of ONNX ``model`` in place (see the module docstring); raises
     ``ExportError`` naming any quantized layer not found, unless ``uses`` is given: then the
     layers found are added to it (a program holding part of the model). Returns {op: count}.
-    ``base_dir``: where external tensors' locations resolve."""
-    rw = _Rewriter(model, table, base_dir)
+    ``base_dir``: where external tensors' locations resolve; ``weights``: the values of weights
+    attached by reference (``onnx.attach_weights(lazy=True)``)."""
+    rw = _Rewriter(model, table, base_dir, weights)
     rw.run()
     if uses is not None:
         uses.update({k: v for k, v in rw.uses.items() if v})
@@ -240,28 +248,33 @@ def rewrite_onnx(model, table: list[dict], base_dir: str = "", uses: Optional[Co
     return dict(rw.ops)
 
 
-def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: int) -> tuple:
+def _onnx_programs(qmodel, work: str, out_dir: str, table: list[dict], opset: int, consume: bool = False) -> tuple:
     """Float export of the dequantized weights, rewritten to int8 program by program as it is
-    converted (``onnx.convert_programs``' ``transform``), written to ``out_dir``."""
+    converted (``onnx.convert_programs``' ``transform``), written to ``out_dir``. ``consume``:
+    the float model takes ``qmodel``'s weights tensor by tensor (``qmodel`` is unusable after)."""
 
     cfg = qmodel.config
     pdir = os.path.join(work, "paddle")
     os.makedirs(pdir)
-    fmodel = fake_quant_float_model(qmodel)
+    fmodel = fake_quant_float_model(qmodel, consume=consume)
     wrapper = ExportableLM(fmodel)
     wrapper.shared_params = False  # converted to ONNX only: no float copy of the int8 weights
     pfiles = save_paddle_programs(fmodel, pdir, wrapper=wrapper, split_decode=False, score=True)
+    weights = program_weights(fmodel)
     ops, found = {}, Counter()
 
     def rewrite(name, model, base_dir):
         model.graph.name = name
         # The scoring programs split the model (body / head): each holds part of the quantized
         # layers, together all of them (checked below).
-        ops[name] = rewrite_onnx(model, table, base_dir, uses=found if name in SCORE_PROGRAMS else None)
+        ops[name] = rewrite_onnx(model, table, base_dir, uses=found if name in SCORE_PROGRAMS else None,
+                                 weights=weights)
         scoring_transform(name, model)
 
+    # The weights are attached by reference: the rewrite reads each float weight once for its
+    # digest, and only those left float after it are written (none of them held in a graph).
     files = convert_programs(pdir, pfiles, out_dir, io_spec(cfg), opset=opset, tanh_gelu=cfg.hidden_act == "gelu_new",
-                             transform=rewrite, weights=program_weights(fmodel))
+                             transform=rewrite, weights=weights)
     missing = [e["name"] for e in table if not found[e["name"]]]
     if missing:
         raise ExportError(f"quantized layer(s) {', '.join(missing)} not found in the scoring programs "
@@ -295,13 +308,28 @@ def quant_info(table: list[dict], source: str) -> dict:
             "quant": info}
 
 
-def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list[dict], opset: int = 17) -> tuple:
+def free_parameters(model) -> None:
+    """Release every parameter and persistable buffer of ``model`` (unusable afterwards)."""
+    for t in list(model.parameters()) + [b for b in model.buffers() if b.persistable]:
+        if t._is_initialized():
+            t._clear_data()
+    gc.collect()
+    return_freed_memory()  # the freed chunks in the heap too (``memory.return_freed_memory``)
+
+
+def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list[dict], opset: int = 17,
+                       free_weights: bool = False) -> tuple:
     """Write the int8 programs of fake-quant ``qmodel`` for ``formats`` into ``out_dir``. Weight-only
     layers with ``dynamic_inputs`` become MatMulNBits with ``accuracy_level=4`` (int8 compute),
-    others ``0``. Returns (``{format: {program: {role: file}}}``, ONNX ops per program or None)."""
+    others ``0``. Returns (``{format: {program: {role: file}}}``, ONNX ops per program or None).
+    ``free_weights``: release ``qmodel``'s weights as soon as no program needs them (the Paddle
+    deploy model holds int8 codes; the ONNX float model takes them over tensor by tensor), so
+    that one float copy of the weights is resident at a time; ``qmodel`` is unusable after."""
     files, ops = {}, None
     if "paddle" in formats:
-        deploy = deploy_model(qmodel)
+        deploy = deploy_model(qmodel, table)
+        if free_weights and "onnx" not in formats:
+            free_parameters(qmodel)
         wrapper = _Int8ExportableLM(deploy) if isinstance(deploy.gpt.wte, Int8TransposedEmbedding) else None
         files["paddle"] = save_paddle_programs(deploy, out_dir, wrapper=wrapper, score=True)
         del deploy, wrapper  # before the ONNX path builds its float copy
@@ -309,7 +337,8 @@ def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list
     if "onnx" in formats:
         work = tempfile.mkdtemp(prefix=".onnx-work-", dir=out_dir)
         try:
-            files["onnx"], ops = _onnx_programs(qmodel, work, out_dir, table, opset)
+            files["onnx"], ops = _onnx_programs(qmodel, work, out_dir, table, opset, consume=free_weights)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        gc.collect()
     return files, ops

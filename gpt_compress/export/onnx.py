@@ -49,6 +49,9 @@ DATA_FILE = "model.onnx.data"
 P2O_DATA_FILE = "paddle2onnx.data"  # where paddle2onnx puts a >2 GB program's weights (scratch)
 ALIGN = 4096  # page-aligned offsets let onnxruntime map the data file instead of copying it
 MIN_EXTERNAL_BYTES = 1024  # smaller tensors (shapes, scalars) stay inside the graph
+# Location prefix of a weight attached by reference (``attach_weights(lazy=True)``): its bytes are
+# asked of the ``weights`` function when needed (a digest, the data file), never held in the graph.
+LAZY = "gptc-weight:"
 
 
 def _onnx():
@@ -108,16 +111,30 @@ def _is_external(t) -> bool:
     return t.data_location == 1  # TensorProto.EXTERNAL
 
 
-def tensor_bytes(t, base_dir: str = "") -> bytes:
+def tensor_bytes(t, base_dir: str = "", weights: Optional[Callable] = None):
     """The raw bytes of tensor ``t``: its ``raw_data``, or read from its external file (relative
-    locations resolve against ``base_dir``)."""
+    locations resolve against ``base_dir``), or, for a weight attached by reference
+    (``attach_weights(lazy=True)``), ``weights(name)``'s bytes."""
     if not _is_external(t):
         return t.raw_data
+    source = lazy_source(t)
+    if source is not None:
+        if weights is None:
+            raise ExportError(f"tensor {t.name} refers to weight {source!r}, but no weights were given to resolve it")
+        return memoryview(np.ascontiguousarray(weights(source))).cast("B")
     info = {e.key: e.value for e in t.external_data}
     path = info["location"] if os.path.isabs(info["location"]) else os.path.join(base_dir, info["location"])
     with open(path, "rb") as f:
         f.seek(int(info.get("offset", 0)))
         return f.read(int(info["length"])) if "length" in info else f.read()
+
+
+def lazy_source(t) -> Optional[str]:
+    """The weight name a tensor attached by reference stands for (``attach_weights(lazy=True)``), else None."""
+    if not _is_external(t):
+        return None
+    location = _location(t)
+    return location[len(LAZY):] if location.startswith(LAZY) else None
 
 
 def _large(t) -> bool:
@@ -314,13 +331,14 @@ class DataFile:
             self._f.write(data)
         return self._offsets[key]
 
-    def add(self, model, base_dir: str = "") -> None:
-        """Externalize ``model``'s large initializers (external ones are read from ``base_dir``;
-        those already in this file, ``attach_weights``', stay as they are)."""
+    def add(self, model, base_dir: str = "", weights: Optional[Callable] = None) -> None:
+        """Externalize ``model``'s large initializers (external ones are read from ``base_dir``,
+        those attached by reference from ``weights``; those already in this file,
+        ``attach_weights``', stay as they are)."""
         for t in model.graph.initializer:
             if not _large(t) or (_is_external(t) and _location(t) == DATA_FILE):
                 continue
-            data = tensor_bytes(t, base_dir)
+            data = tensor_bytes(t, base_dir, weights)
             offset, length = self.write(data, t.data_type)
             del data
             reference(t, offset, length)
@@ -361,11 +379,15 @@ def externalize(models: dict, out_dir: str) -> int:
     return data.close()
 
 
-def attach_weights(model, weights: Callable[[str], "np.ndarray"], data: Optional[DataFile] = None) -> int:
+def attach_weights(model, weights: Callable[[str], "np.ndarray"], data: Optional[DataFile] = None,
+                   lazy: bool = False) -> int:
     """Add an initializer for every tensor the graph reads but nothing defines (the parameters of
     a program converted without its params file), its value ``weights(name)``. With ``data``, each
     large one goes straight to the data file and the graph keeps a reference (the graph never
-    holds the weights: one tensor in memory at a time). Returns how many."""
+    holds the weights: one tensor in memory at a time); with ``lazy``, the graph keeps a
+    reference to ``weights(name)`` itself (``LAZY``), resolved when the tensor is read
+    (``tensor_bytes``, ``DataFile.add``): for a graph rewritten first, whose replaced weights
+    are then neither held nor written. Returns how many."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -374,12 +396,19 @@ def attach_weights(model, weights: Callable[[str], "np.ndarray"], data: Optional
     missing = sorted({i for n in graph.node for i in n.input if i and i not in defined})
     for name in missing:
         value = weights(name)
-        if data is None or value.nbytes < MIN_EXTERNAL_BYTES:
+        if (data is None and not lazy) or value.nbytes < MIN_EXTERNAL_BYTES:
             graph.initializer.append(numpy_helper.from_array(value, name))
             continue
         t = graph.initializer.add()
         t.name, t.data_type = name, helper.np_dtype_to_tensor_dtype(value.dtype)
         t.dims.extend(value.shape)
+        if lazy:
+            t.data_location = 1  # TensorProto.EXTERNAL
+            for k, v in (("location", LAZY + name), ("length", str(value.nbytes))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+            del value
+            continue
         # ONNX stores little-endian, C order: the bytes of a contiguous array on this (x86) machine
         reference(t, *data.write(memoryview(np.ascontiguousarray(value)).cast("B"), t.data_type))
         del value
@@ -393,12 +422,13 @@ def convert_program(paddle_dir: str, files: dict, io: dict, scratch: str, opset:
     parameters are attached one by one: paddle2onnx holds ~5 copies of the weights while it
     converts (6.9 GB RSS for one gpt-345M program), the graph alone takes ~0.3 GB. Without,
     past 2 GB the weights come back external, in ``scratch`` (pass it to ``DataFile.add``).
-    ``data``: with ``weights``, write them straight into this data file (``attach_weights``)."""
+    ``data``: with ``weights``, write them straight into this data file (``attach_weights``);
+    without, attach them by reference (``LAZY``, resolved from ``weights``)."""
     params = os.path.join(paddle_dir, files["params"]) if weights is None else os.path.join(scratch, "none.pdiparams")
     model = paddle_to_onnx(os.path.join(paddle_dir, files["model"]), params, opset,
                            external_file=os.path.join(scratch, P2O_DATA_FILE))
     if weights is not None:
-        attach_weights(model, weights, data)
+        attach_weights(model, weights, data, lazy=data is None)
     constants_to_initializers(model)
     rename_io(model, io)
     if tanh_gelu:
@@ -419,7 +449,10 @@ def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict
     ``weights``: parameter name -> array, to attach the weights ourselves (``convert_program``);
     ``stream``: write each attached weight to the data file at once (default: without a
     ``transform``; pass True for a transform that only drops or adds small tensors, never one
-    that replaces weights, whose float bytes would stay in the file unused). Returns ``{program: {"model": file, "data": shared data file}}``."""
+    that replaces weights, whose float bytes would stay in the file unused); otherwise the
+    weights are attached by reference (``attach_weights(lazy=True)``: a ``transform`` reads
+    them with ``tensor_bytes(t, base_dir, weights)``) and only those the graph still holds after
+    the ``transform`` are written. Returns ``{program: {"model": file, "data": shared data file}}``."""
     import shutil
     import tempfile
 
@@ -435,7 +468,7 @@ def convert_programs(paddle_dir: str, paddle_files: dict, out_dir: str, io: dict
                                         weights, data if stream else None)
                 if transform is not None:
                     transform(name, model, scratch)
-                data.add(model, scratch)
+                data.add(model, scratch, weights)
                 path = os.path.join(out_dir, f"{name}.onnx")
                 onnx.save_model(model, path)
                 del model

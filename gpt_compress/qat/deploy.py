@@ -24,6 +24,7 @@ import paddle.nn as nn
 
 from ..checkpoint import build_model, check_state_dict
 from ..config import W8A8
+from ..memory import return_freed_memory
 from .quantize import (HeadInputQuant, QuantEmbedding, QuantLinear, fake_quant_act, fake_quant_dynamic,
                        quant_layers)
 
@@ -117,14 +118,26 @@ class Int8Embedding(nn.Layer):
         return rows.reshape([shape[0], shape[1], self.hidden])
 
 
-def _float_copy(qmodel):
-    """A fresh float model of the same config holding ``qmodel``'s raw (master) weights, copied
-    tensor by tensor (no second copy of the whole model in flight)."""
-    model = build_model(qmodel.config, "lm")
+def _float_copy(qmodel, value=None, skip=(), consume: bool = False):
+    """A fresh float model of the same config holding ``qmodel``'s weights, copied tensor by tensor
+    (no second copy of the whole model in flight): ``value(key)`` (default: the raw, master
+    weight) for every state_dict entry but those in ``skip``, which are never allocated (the
+    model is built under ``paddle.LazyGuard``: its random init never runs; the caller replaces
+    those layers). ``consume``: free each of ``qmodel``'s tensors once copied (the weights move
+    from one model to the other; ``qmodel`` is unusable afterwards)."""
+    with paddle.LazyGuard():  # same parameter names as an eager build: the exported files are unchanged
+        model = build_model(qmodel.config, "lm")
     src = qmodel.state_dict()
     check_state_dict(model, src, "the fake-quant model")
     for k, v in model.state_dict().items():
-        v.set_value(src[k])
+        if k in skip:
+            continue
+        v.set_value(src[k] if value is None else value(k))
+        if consume and src[k]._is_initialized():
+            src[k]._clear_data()
+            # qmodel's weights may sit in the heap (``runtime.tune_cpu``): give each one back now,
+            # or the freed chunks stay resident while the copy's tensors are mapped afresh.
+            return_freed_memory()
     model.eval()
     return model
 
@@ -136,12 +149,16 @@ def _set(model, name: str, layer: nn.Layer) -> None:
 
 
 @paddle.no_grad()
-def deploy_model(qmodel):
-    """The Paddle Inference form of fake-quant ``qmodel`` (see the module docstring)."""
-    model = _float_copy(qmodel)
+def deploy_model(qmodel, table=None):
+    """The Paddle Inference form of fake-quant ``qmodel`` (see the module docstring); ``table``:
+    its ``quant_table``, whose codes are used instead of quantizing the weights again."""
+    layers = quant_layers(qmodel)
+    codes_of = {e["name"]: (e["codes"], e["scale"]) for e in table or ()}
+    replaced = {f"{name}.{p}" for name in layers for p in ("weight", "bias")}
+    model = _float_copy(qmodel, skip=replaced)  # the quantized layers' float weights are never allocated
     tied = qmodel.config.tie_word_embeddings
-    for name, layer in quant_layers(qmodel).items():
-        codes, scale = layer.weight_codes()
+    for name, layer in layers.items():
+        codes, scale = codes_of[name] if name in codes_of else layer.weight_codes()
         if isinstance(layer, QuantEmbedding):
             new = Int8TransposedEmbedding(codes, scale) if tied and name == "gpt.wte" else Int8Embedding(codes, scale)
         else:
@@ -156,18 +173,30 @@ def deploy_model(qmodel):
 
 
 @paddle.no_grad()
-def fake_quant_float_model(qmodel):
-    """A float model whose quantized weights are replaced by their dequantized values."""
-    model = _float_copy(qmodel)
-    sd = model.state_dict()
-    for name, layer in quant_layers(qmodel).items():
-        sd[name + ".weight"].set_value(layer.weight)  # the fake-quantized value
-    return model
+def fake_quant_float_model(qmodel, consume: bool = False):
+    """A float model whose quantized weights are replaced by their dequantized values.
+    ``consume``: move the weights out of ``qmodel`` tensor by tensor (it is unusable afterwards),
+    so that the two models together hold one copy of the weights."""
+    layers = quant_layers(qmodel)
+    src = qmodel.state_dict()
+
+    def value(key: str):
+        name, _, attr = key.rpartition(".")
+        return layers[name].weight if attr == "weight" and name in layers else src[key]  # the fake-quantized value
+
+    return _float_copy(qmodel, value, consume=consume)
 
 
-def weight_digest(a: np.ndarray) -> str:
-    """sha256 of float32 array ``a``'s C-order bytes: how the ONNX rewrite finds a weight."""
-    return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
+def weight_digest(a: np.ndarray, rows: int = 1 << 12) -> str:
+    """sha256 of float32 array ``a``'s C-order bytes: how the ONNX rewrite finds a weight. A
+    non-contiguous 2-D ``a`` (a transpose) is hashed ``rows`` rows at a time, never copied whole."""
+    h = hashlib.sha256()
+    if a.ndim == 2 and not a.flags.c_contiguous:
+        for i in range(0, a.shape[0], rows):
+            h.update(memoryview(np.ascontiguousarray(a[i:i + rows], dtype=np.float32)).cast("B"))
+    else:
+        h.update(memoryview(np.ascontiguousarray(a, dtype=np.float32)).cast("B"))
+    return h.hexdigest()
 
 
 def quant_table(qmodel) -> list[dict]:

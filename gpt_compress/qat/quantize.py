@@ -89,10 +89,15 @@ def quantize_weight(w: paddle.Tensor, bits: int, block: int, k_axis: int):
 
 
 def fake_quant_weight(w: paddle.Tensor, bits: int, block: int, k_axis: int) -> paddle.Tensor:
-    """``w`` with its values replaced by their dequantized codes (straight-through gradient)."""
+    """``w`` with its values replaced by their dequantized codes (straight-through gradient).
+    Each weight-sized temporary is dropped as soon as the next is made (at most two alive at a
+    time besides ``w``: the tied embedding's are the largest of an export or an evaluation)."""
     codes, scale = quantize_weight(w, bits, block, k_axis)
     q = (codes * scale).reshape(w.shape)
-    return w + (q - w).detach()
+    del codes
+    d = (q - w).detach()
+    del q
+    return w + d
 
 
 class _FakeQuantWeight(nn.Layer):
