@@ -13,11 +13,12 @@ It reports per batch-1 decode step, in microseconds:
 
 - ``generate_step_us``: ``Generator.generate`` (greedy) wall time per new token, prefill excluded;
 - ``decode_call_us``: ``backend.decode`` alone (mask growth by the caller, no argmax);
-- ``predictor_run_us``: ``predictor.run`` on feeds built once (the program alone);
+- ``predictor_run_us``: ``predictor.run()`` with the inputs bound once (the program alone);
 - ``ops_us``: each section per step (layers summed), its weights' GB/s next to the machine's
   copy bandwidth (``bandwidth_gbps``, bench/decode.py's 256 MB numpy copy);
-- ``overhead_us``: generate - decode (the Python loop: argmax, mask concat), decode - run (input
-  tensors, the (B, V) logits copy), run - ops (Paddle Inference), and the op-measured gaps.
+- ``overhead_us``: generate - decode (the Python loop: argmax, mask concat), decode - run (the
+  worker-thread hop, the inputs copied in, the (B, V) logits copied out), run - ops (Paddle
+  Inference), and the op-measured gaps.
 Prefill (the prompt) sections are reported under ``prefill_ms``.
 """
 from __future__ import annotations
@@ -57,8 +58,6 @@ def weight_bytes(cfg, bits: int) -> dict:
 
 
 def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
-    import paddle
-
     from gpt_compress.inference.runner import Generator
 
     gen = Generator.from_dir(path, backend="paddle", verify=False)
@@ -83,10 +82,9 @@ def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
         t = time.perf_counter()
         _, cache = backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
         calls.append((time.perf_counter() - t) * 1e6)
-    # The program alone: feeds built once, one position rewritten each run (same S).
-    feeds = [paddle.to_tensor(np.array([[5]], np.int64)), paddle.to_tensor(mask),
-             paddle.to_tensor(np.array([0], np.int64))] + list(cache.tensors)
-    runs = backend._call(_time_runs, backend._pred, feeds, steps)
+    # The program alone: inputs bound once (the backend's own handles), one position rewritten each run.
+    backend._call(backend._run, np.array([[5]], np.int64), mask, np.array([0], np.int64), cache.tensors)
+    runs = backend._call(_time_runs, backend._pred, steps)
     out = {"prefill_call_ms": round(statistics.median(prefills), 2), "prefill_call_fastest_ms": round(min(prefills), 2)}
     for name, xs in (("generate_step_us", gen_steps), ("decode_call_us", calls), ("predictor_run_us", runs)):
         out[name] = round(statistics.median(xs), 1)
@@ -94,11 +92,11 @@ def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
     return out
 
 
-def _time_runs(pred, feeds, steps: int) -> list:
+def _time_runs(pred, steps: int) -> list:
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        pred.run(feeds)
+        pred.run()
         times.append((time.perf_counter() - t) * 1e6)
     return times
 

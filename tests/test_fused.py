@@ -179,6 +179,40 @@ def test_repeated_generations_are_identical_and_clones_on_two_threads_agree(dirs
     assert not errors and results == [[first, first], [first, first]]
 
 
+
+def test_interleaved_caches_rebind_the_predictor_inputs(dirs):
+    """The backend binds a cache's tensors to the predictor once and keeps them bound while decode
+    steps reuse them: two sequences decoded in turn (each step a different cache), one growing
+    past its capacity (new tensors), give bitwise each sequence's logits decoded alone."""
+    from gpt_compress.inference.fused import FusedBackend
+
+    backend = FusedBackend(dirs["export"], verify=False, reserve=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 200, (1, n)).astype(np.int64) for n in (5, 9)]
+    steps = rng.integers(0, 200, (2, 4, 1, 1)).astype(np.int64)
+
+    def alone(i):
+        ids = prompts[i]
+        logits, cache = backend.prefill(ids, np.ones_like(ids))
+        out = [logits]
+        for s in steps[i]:
+            logits, cache = backend.decode(s, np.ones((1, cache.length + 1), np.int64), cache)
+            out.append(logits)
+        return out
+
+    expected = [alone(0), alone(1)]
+    got, caches = [[], []], [None, None]
+    for i in (0, 1):
+        logits, caches[i] = backend.prefill(prompts[i], np.ones_like(prompts[i]))
+        got[i].append(logits)
+    for j in range(4):
+        for i in (0, 1):
+            logits, caches[i] = backend.decode(steps[i, j], np.ones((1, caches[i].length + 1), np.int64), caches[i])
+            got[i].append(logits)
+    assert caches[0].capacity > 5 + 2  # grew: new tensors bound mid-way
+    for i in (0, 1):
+        assert all(np.array_equal(a, b) for a, b in zip(got[i], expected[i])), f"sequence {i}"
+
 NO_COMPILER = r"""
 import json, sys, warnings
 from gpt_compress.errors import KernelError
