@@ -119,6 +119,11 @@ def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 # Greedy / sampling
 # --------------------------------------------------------------------------------------
 def _processed(logits, seen, step, cfg, eos):
+    """The scores after the processors: a new float32 array, or ``logits`` itself when no processor
+    applies (greedy with no penalty after ``min_new_tokens``: the per-step copy is skipped)."""
+    if cfg.repetition_penalty == 1.0 and (step >= cfg.min_new_tokens or eos is None) \
+            and logits.dtype == np.float32:
+        return logits
     scores = logits.astype(np.float32, copy=True)
     scores = apply_repetition_penalty(scores, seen, cfg.repetition_penalty)
     if step < cfg.min_new_tokens and eos is not None:
