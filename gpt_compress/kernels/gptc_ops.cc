@@ -17,7 +17,7 @@
 // weights per channel, blk == K). Integer dots accumulate in int32 per block, exactly.
 // Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
 // Matrix products run in blocks of 12 weight rows, each read once for all M input rows (a GEMM
-// for prefill and batches: 4x3 float tiles, 2x4 int8 tiles; GEMV for M = 1). Batch invariant:
+// for prefill and batches: 4x3 float and int8 tiles, 2x4 for packed int4; GEMV for M = 1). Batch invariant:
 // an output's arithmetic never depends on M, the tile, the thread or the other rows, and
 // attention runs over each row's unmasked keys in order, so a sequence's logits are bitwise the
 // same alone, left-padded in a batch, prefilled at once or token by token (tests/test_fused.py).
@@ -207,23 +207,57 @@ inline __m256 exp8(__m256 x) {
 // in memory and stores all accumulators on every step of the k loop (store-bound: 30 instead
 // of 43 GFLOP/s for a 4x3 float tile on the AMD EPYC here).
 #define GPTC_UNROLL _Pragma("GCC unroll 16")
+// Pins a loaded vector in a register (an empty asm the value goes through). Without it GCC 12
+// folds the loads into the fmas as memory operands, one load per fma instead of one per row:
+// a 4x3 float tile then issues 16 loads per 12 fmas and is load-bound (44 vs 69 GFLOP/s on one
+// core of the AMD EPYC here; the 4x3 int8 tile 57 -> 62). The values are the same.
+#define GPTC_PIN(v) __asm__("" : "+x"(v))
+
+// Software prefetch of the next weight block while a block computes (M > 1, linear_block):
+// `lines` cache lines from p, spread evenly over a tile's `steps` k steps (a burst of them at
+// once stalls the loads). Prefill reads every layer's weights from memory once (gpt-bench fp32:
+// 42 MB, past the L3), and the hardware prefetcher alone left a 4x3 float tile at 56 instead of
+// 66 GFLOP/s with M = 64, 28 instead of 49 with M = 8 (one core of the AMD EPYC here).
+struct Prefetch {
+  const char* p;
+  int64_t left, every, per, cnt = 0;
+  Prefetch(const char* p_, int64_t lines, int64_t steps) : p(p_), left(p_ ? lines : 0) {
+    every = left > 0 ? std::max<int64_t>(1, steps / left) : steps + 1;
+    per = left > steps ? (left + steps - 1) / steps : 1;
+  }
+  inline void step() {
+    if (++cnt < every) return;
+    cnt = 0;
+    for (int64_t i = 0; i < per && left > 0; ++i, --left, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  }
+  inline void rest() {
+    for (; left > 0; --left, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  }
+};
 
 // MR input rows x NR weight rows (float); y rows ldy apart.
 template <int MR, int NR>
 inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-                  const float* bias) {
+                  const float* bias, const char* pf = nullptr, int64_t npf = 0) {
   __m256 acc[MR][NR];
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
     GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  Prefetch ahead(pf, npf, K / 8);
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
+    if (pf) ahead.step();
     __m256 wv[NR];
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+      if (MR > 1) GPTC_PIN(wv[n]);
+    }
     GPTC_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      if (NR > 1) GPTC_PIN(xv);
       GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
     }
   }
+  if (pf) ahead.rest();
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
     GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       float s = hsum(acc[r][n]);
@@ -236,14 +270,20 @@ inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
 // I4: the rows are packed int4 (the layout above), unpacked in registers (the same codes).
 template <int MR, int NR, bool I4 = false>
 inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
-                  const float* const* sw, float* y, int64_t ldy, const float* bias) {
+                  const float* const* sw, float* y, int64_t ldy, const float* bias, const char* pf = nullptr,
+                  int64_t npf = 0) {
   __m256 acc[MR][NR];
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
     GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  Prefetch ahead(pf, npf, K / 32);
+  // The scale block of step c is c / blk, counted (a 64-bit division per step cost more than
+  // the step's 12 dot products with a run-time blk); blk is a multiple of 32 here.
+  const int64_t steps_per_blk = blk / 32;
+  int64_t b = 0, left = steps_per_blk;
   for (int64_t c = 0; c < K; c += 32) {
-    const int64_t b = c / blk;
+    if (pf) ahead.step();
     __m256i wv[NR];
-    __m256 swb[NR];
+    float swb[NR];
     GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       if (I4) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + c / 2)), m4 = _mm_set1_epi8(0x0F);
@@ -252,17 +292,21 @@ inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int6
       } else {
         wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
       }
-      swb[n] = _mm256_set1_ps(sw[n][b]);
+      if (MR > 1) GPTC_PIN(wv[n]);
+      swb[n] = sw[n][b];
     }
     GPTC_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
+      if (NR > 1) GPTC_PIN(xv);
       const __m256i ax = _mm256_sign_epi8(xv, xv);
-      const __m256 sxb = _mm256_set1_ps(sx[r * nb + b]);
-      GPTC_UNROLL for (int n = 0; n < NR; ++n)
-        acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_mul_ps(sxb, swb[n]),
+      const float sxb = sx[r * nb + b];
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)  // the scale product: one float multiply, as before
+        acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_set1_ps(sxb * swb[n]),
                                     acc[r][n]);
     }
+    if (--left == 0) ++b, left = steps_per_blk;
   }
+  if (pf) ahead.rest();
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
     GPTC_UNROLL for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
 }
@@ -318,14 +362,21 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
 // float-input int rows dequantized) once per block.
 constexpr int NBLK = 12;
 
-// Float weights (NBLK or fewer rows) against all M input rows.
+// Float weights (NBLK or fewer rows) against all M input rows; the 4-row tiles prefetch pf_bytes
+// from pf (the next block's weights; null: none), an even part each.
 inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr, float* y, int64_t ldy,
-                   const float* bias) {
+                   const float* bias, const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
   if (nr == NBLK) {
+    const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, NBLK / 3 * (M / 4));
+    int64_t part = 0;
     for (int s = 0; s < NBLK; s += 3) {  // 4 x 3 tiles: 12 accumulators, 7 loads per 12 fmas
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) ftile<4, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr);
+      for (; m + 4 <= M; m += 4, ++part) {
+        const int64_t a = lines * part / parts, b = lines * (part + 1) / parts;
+        ftile<4, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr,
+                    pf ? pf + a * 64 : nullptr, b - a);
+      }
       for (; m < M; ++m) ftile<1, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr);
     }
     return;
@@ -349,9 +400,32 @@ inline bool packed4_ok(int64_t M, int64_t K, int64_t blk) {
 
 template <bool I4 = false>
 inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
-                   const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias) {
+                   const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias,
+                   const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
-  if (I4 || (K % 32 == 0 && blk % 32 == 0)) {
+  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see fblock;
+    // in the 1-thread gpt-bench prefill, 4x2, 2x4, 3x3 and 2x6 tiles were within 2% of it)
+    const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, nr / 3 * (M / 4));
+    int64_t part = 0;
+    int n = 0;
+    for (; n + 3 <= nr; n += 3) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4, ++part) {
+        const int64_t a = lines * part / parts, b = lines * (part + 1) / parts;
+        itile<4, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr,
+                    pf ? pf + a * 64 : nullptr, b - a);
+      }
+      for (; m + 2 <= M; m += 2)
+        itile<2, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+      for (; m < M; ++m)
+        itile<1, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+    }
+    for (; n < nr; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        itile<1, 1>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+    return;
+  }
+  if (I4) {  // packed int4 rows (few input rows, packed4_ok): unpacked in registers per tile
     int n = 0;
     for (; n + 4 <= nr; n += 4) {
       int64_t m = 0;
@@ -382,6 +456,8 @@ struct Shared {
   std::vector<float> q, ctx, f, sel, h;
   std::vector<int32_t> keys;
   std::vector<int64_t> nkeys;
+  std::vector<float> rows_h, rows_sx;  // prepare_rows' layer norms and input scales (M > 1)
+  std::vector<int8_t> rows_xq;         // and int8 inputs
 };
 thread_local Scratch t_scratch;
 thread_local Shared t_shared;
@@ -403,6 +479,7 @@ inline void trim(Scratch& s) {
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
+  trim(s.rows_h), trim(s.rows_sx), trim(s.rows_xq);
 }
 
 inline bool is_integer(const Lin& L) { return !(L.bits == 32 || L.act < 0.f); }
@@ -477,6 +554,31 @@ In prepare_inputs(const Lin& L, const float* x, int64_t M, Scratch& sc) {
   return in;
 }
 
+void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
+
+// M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
+// out among the threads into the op's buffers xq, sx (the worksharing loop's end is the
+// barrier) instead of every thread making all of them; with ln_w, each row's layer norm first
+// (into h, rows C = L.k apart; the linear's inputs are then h). Per row, so the same values.
+In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, const float* ln_b, float eps, float* h,
+                int8_t* xq, float* sx) {
+  const bool integer = is_integer(L);
+  if (!integer && ln_w == nullptr) return In{x};  // nothing to make (every thread alike: no barrier)
+  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    if (ln_w != nullptr) {
+      layer_norm(xm, 1, K, ln_w, ln_b, eps, h + m * K);
+      xm = h + m * K;
+    }
+    if (integer) quantize_inputs(L, xm, 1, xq + m * K, sx + m * nb);
+  }
+  In in{ln_w != nullptr ? h : x};
+  if (integer) in.xq = xq, in.sx = sx;
+  return in;
+}
+
 // Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
 // then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
 // may be y itself: each value is read before it is written, by the thread that writes it).
@@ -485,8 +587,28 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   float* t = grow(sc.tile, size_t(M * NBLK));
+  // M > 1: the next block's weights (this thread's next: the blocks of a static schedule are
+  // consecutive) are prefetched by the tiles; its scales here.
+  const char* pf = nullptr;
+  int64_t pf_bytes = 0;
+  if (M > 1 && n0 + NBLK < L.n) {
+    const int64_t n1 = n0 + NBLK, rows = std::min<int64_t>(NBLK, L.n - n1);
+    if (L.bits == 32) {
+      pf = reinterpret_cast<const char*>(L.wf + n1 * K);
+      pf_bytes = rows * K * int64_t(sizeof(float));
+    } else {
+      const int64_t row = L.bits == 4 ? K / 2 : K;
+      pf = reinterpret_cast<const char*>(L.wq + n1 * row);
+      pf_bytes = rows * row;
+#if defined(__AVX2__)
+      const int64_t nb = K / L.blk;
+      const char* s1 = reinterpret_cast<const char*>(L.scale + n1 * nb);
+      for (int64_t o = 0; o < rows * nb * int64_t(sizeof(float)); o += 64) _mm_prefetch(s1 + o, _MM_HINT_T0);
+#endif
+    }
+  }
   if (L.bits == 32) {
-    fblock(in.x, M, K, L.wf + n0 * K, nr, t, NBLK, bias);
+    fblock(in.x, M, K, L.wf + n0 * K, nr, t, NBLK, bias, pf, pf_bytes);
   } else {
     const int8_t* q[NBLK];
     const float* sw[NBLK];
@@ -499,17 +621,40 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
     if (packed) {
       iblock<true>(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
     } else if (in.xq != nullptr) {
-      iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
+      iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias, pf, pf_bytes);
     } else {
       float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
       for (int n = 0; n < nr; ++n)
         for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
-      fblock(in.x, M, K, wbuf, nr, t, NBLK, bias);
+      fblock(in.x, M, K, wbuf, nr, t, NBLK, bias, pf, pf_bytes);
     }
   }
+  // The activation elementwise: over the whole tile when its rows are contiguous (nr == NBLK; the
+  // same values, a value's activation depending on it alone, without a padded tail per row).
+  const bool whole = act >= 0 && nr == NBLK;
+  if (whole) activate(t, M * NBLK, act);
+#if defined(__AVX2__)
+  if (nr == NBLK) {  // 12 values a row: one 8- and one 4-lane move (a memcpy call each cost ~1 ms a prefill)
+    static_assert(NBLK == 12, "the row moves below are 8 + 4 values");
+    for (int64_t m = 0; m < M; ++m) {
+      const float* tm = t + m * NBLK;
+      float* ym = y + m * ldy + n0;
+      __m256 a = _mm256_loadu_ps(tm);
+      __m128 b = _mm_loadu_ps(tm + 8);
+      if (res != nullptr) {  // rm + tm, as below
+        const float* rm = res + m * ldy + n0;
+        a = _mm256_add_ps(_mm256_loadu_ps(rm), a);
+        b = _mm_add_ps(_mm_loadu_ps(rm + 8), b);
+      }
+      _mm256_storeu_ps(ym, a);
+      _mm_storeu_ps(ym + 8, b);
+    }
+    return;
+  }
+#endif
   for (int64_t m = 0; m < M; ++m) {
     float* tm = t + m * NBLK;
-    if (act >= 0) activate(tm, nr, act);
+    if (act >= 0 && !whole) activate(tm, nr, act);
     float* ym = y + m * ldy + n0;
     if (res != nullptr) {
       const float* rm = res + m * ldy + n0;
@@ -942,6 +1087,21 @@ std::vector<paddle::Tensor> LayerForward(
   }
   const float scale = 1.f / std::sqrt(float(D));
   const int nt = nthreads();
+  // Long inputs (prefill): the layer norms and int8 inputs made once, in shared buffers
+  // (prepare_rows), at the cost of up to 4 more barriers a layer; shorter ones (decode steps of
+  // batches) are cheaper made by every thread. The threshold is an estimate (a barrier ~ a few
+  // us vs 16 rows' norms and quantizations); not measured, the machine was contended.
+  const bool rows = M >= 16;
+  float* hs = nullptr;
+  int8_t* xqs = nullptr;
+  float* sxs = nullptr;
+  if (rows) {
+    int64_t kmax = 0;
+    for (const Lin* L : {&qkv, &out, &fc, &proj}) kmax = std::max(kmax, L->k);
+    hs = grow(sh.rows_h, size_t(M * C));
+    xqs = grow(sh.rows_xq, size_t(M * kmax));
+    sxs = grow(sh.rows_sx, size_t(M * kmax));  // K / blk scales a row, at most K
+  }
   // Head hh's qkv outputs are the rows [hh * 3D, (hh + 1) * 3D) (head-major (H, 3, D)): with
   // enough heads per thread one work item computes them, writes the new keys/values into the
   // cache and runs the head's attention, with no barrier between the three.
@@ -970,9 +1130,10 @@ std::vector<paddle::Tensor> LayerForward(
   {
     Scratch& sc = t_scratch;
     const bool lead = omp_get_thread_num() == 0;
-    float* h = grow(sc.h, size_t(M * std::max(C, int64_t(1))));
-    layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h);
-    const In in1 = prepare_inputs(qkv, h, M, sc);
+    float* h = rows ? hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
+    if (!rows) layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h);
+    const In in1 = rows ? prepare_rows(qkv, xd, M, ln1_w.data<float>(), ln1_b.data<float>(), eps, h, xqs, sxs)
+                        : prepare_inputs(qkv, h, M, sc);
     if (lead) lp.lap(kLn1);
     if (by_head) {
 #pragma omp for schedule(static)
@@ -989,14 +1150,19 @@ std::vector<paddle::Tensor> LayerForward(
         for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
       if (lead) lp.lap(kAttn);
     }
-    linear_for(out, prepare_inputs(out, ctx, M, sc), M, yd, xd, -1);  // y = x + attention
+    const In in_out = rows ? prepare_rows(out, ctx, M, nullptr, nullptr, eps, nullptr, xqs, sxs)
+                           : prepare_inputs(out, ctx, M, sc);
+    linear_for(out, in_out, M, yd, xd, -1);  // y = x + attention
     if (lead) lp.lap(kOut);
-    layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h);
-    const In in2 = prepare_inputs(fc, h, M, sc);
+    if (!rows) layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h);
+    const In in2 = rows ? prepare_rows(fc, yd, M, ln2_w.data<float>(), ln2_b.data<float>(), eps, h, xqs, sxs)
+                        : prepare_inputs(fc, h, M, sc);
     if (lead) lp.lap(kLn2);
     linear_for(fc, in2, M, f, nullptr, activation);
     if (lead) lp.lap(kFc);
-    linear_for(proj, prepare_inputs(proj, f, M, sc), M, yd, yd, -1);  // y += mlp
+    const In in_proj = rows ? prepare_rows(proj, f, M, nullptr, nullptr, eps, nullptr, xqs, sxs)
+                            : prepare_inputs(proj, f, M, sc);
+    linear_for(proj, in_proj, M, yd, yd, -1);  // y += mlp
     if (lead) lp.lap(kProj);
     trim(sc);
   }
