@@ -29,7 +29,8 @@ measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
   ONNX float model (which takes the fake-quant model's weights tensor by tensor) or the
   transients of the largest weight (the tied embedding's fake quantization, ~3x its size,
   0.2 W at gpt-1.3B); the closing evaluation runs an int8 runtime alone (the fake-quant model
-  is freed by then); per stage in ``bench/ptq_phases.py``: 2.0 W;
+  is freed by then); per stage in ``bench/ptq_phases.py``; measured 1.81 W with the libraries at
+  gpt-1.3B weight-only int8 (8.88 GiB, README "Scale" run C), 2.16-2.25 W at gpt-345M: 2.0 W;
 * ``eval`` / ``infer``: one runtime's weights (2 W: onnxruntime pre-packs its MatMul weights;
   Paddle Inference holds one copy per program in use) plus one batch of logits (x3 while
   scoring: logits, shifted, exponentiated).
