@@ -226,8 +226,9 @@ def check_fits(command: str, model, batch: int = 1, seq: Optional[int] = None, r
         hint = {"pretrain": "lower Engine.micro_batch_size or Data.seq_length, or set Model.recompute=full",
                 "eval": "lower --batch-size or --seq-len"}.get(command, "use a machine with more memory")
         if est.parts["weights"] + est.parts["runtime"] > room:  # no batch or recompute setting helps
-            hint = "use a machine with more memory" + (", or split the model and optimizer state over several "
-                                                       "processes (Parallel section)" if command == "pretrain" else "")
+            hint = "use a machine with more memory" + (", or shard the model and optimizer state over processes "
+                                                       "on several machines (Parallel section: on one machine "
+                                                       "they share its memory)" if command == "pretrain" else "")
         raise InsufficientMemory(
             f"{command.replace('_unfused', ' (no fused program)')} of {what or getattr(model, 'name', '') or 'this model'} "
             f"({model.num_parameters() / 1e6:.0f}M parameters, {weight_bytes(model) / GB:.2f} GB of float32 weights) "
