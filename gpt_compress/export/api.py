@@ -38,7 +38,7 @@ from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
 from .onnx_scoring import scoring_transform
 from .partition import partition
-from .static import program_weights, save_paddle_programs
+from .static import free_parameters, program_weights, save_paddle_programs
 from .validate import reference, validate_dir
 
 FORMATS = ("paddle", "onnx")
@@ -144,9 +144,7 @@ def _float_programs(model, out_dir: str, formats: Sequence[str], opset: int, fre
                                          tanh_gelu=cfg.hidden_act == "gelu_new", weights=program_weights(model),
                                          transform=scoring_transform, stream=True)  # it only drops the head's tail
     if free_weights:  # the programs read model.pdiparams / model.onnx.data from now on
-        for p in model.parameters():
-            p._clear_data()
-        gc.collect()
+        free_parameters(model)
     if pdir != out_dir:
         shutil.rmtree(pdir)
     return files

@@ -42,13 +42,12 @@ import numpy as np
 import paddle.nn as nn
 
 from ..errors import ExportError
-from ..memory import return_freed_memory
 from ..inference.manifest import SCORE_PROGRAMS, io_spec
 from ..config import W8A8, WEIGHT_ONLY
 from ..qat.deploy import Int8TransposedEmbedding, deploy_model, fake_quant_float_model, weight_digest
 from .onnx import convert_programs, lazy_source
 from .onnx_scoring import scoring_transform
-from .static import ExportableLM, program_weights, save_paddle_programs
+from .static import ExportableLM, free_parameters, program_weights, save_paddle_programs
 
 ORT_DOMAIN = "com.microsoft"
 # W8A8 weights are stored as uint8 with zero point 128, so onnxruntime runs its u8u8 integer GEMM.
@@ -306,15 +305,6 @@ def quant_info(table: list[dict], source: str) -> dict:
     bits = info["weight_bits"]
     return {"weight_dtype": f"int{bits}" if isinstance(bits, int) else "int" + "/int".join(map(str, bits)),
             "quant": info}
-
-
-def free_parameters(model) -> None:
-    """Release every parameter and persistable buffer of ``model`` (unusable afterwards)."""
-    for t in list(model.parameters()) + [b for b in model.buffers() if b.persistable]:
-        if t._is_initialized():
-            t._clear_data()
-    gc.collect()
-    return_freed_memory()  # the freed chunks in the heap too (``memory.return_freed_memory``)
 
 
 def save_int8_programs(qmodel, out_dir: str, formats: Sequence[str], table: list[dict], opset: int = 17,

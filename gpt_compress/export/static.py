@@ -21,6 +21,7 @@ column gather, ``gather(W_t, ids, axis=1)``: free for decode, ~14 ms for 2048 to
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ from paddle.static import InputSpec
 from ..config import ModelConfig
 from ..errors import ExportError
 from ..fileio import sha256_file
+from ..memory import return_freed_memory
 from ..inference.manifest import PROGRAMS, SCORE_PROGRAMS, SPLIT_PROGRAMS
 from ..model.gpt import label_logprobs
 
@@ -213,6 +215,15 @@ def save_paddle_programs(model, out_dir: str, wrapper: Optional[nn.Layer] = None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return files
+
+
+def free_parameters(model) -> None:
+    """Release every parameter and persistable buffer of ``model`` (unusable afterwards)."""
+    for t in list(model.parameters()) + [b for b in model.buffers() if b.persistable]:
+        if t._is_initialized():
+            t._clear_data()
+    gc.collect()
+    return_freed_memory()  # the freed chunks in the heap too (``memory.return_freed_memory``)
 
 
 def program_weights(model):
