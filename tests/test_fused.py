@@ -177,6 +177,13 @@ def test_repeated_generations_are_identical_and_clones_on_two_threads_agree(dirs
     for t in threads:
         t.join()
     assert not errors and results == [[first, first], [first, first]]
+    # The backend itself runs on its callers' threads (no worker thread): another thread's call
+    # gives the same tokens.
+    other = []
+    t = threading.Thread(target=lambda: other.append(gen.generate(PROMPTS, **kw).sequences))
+    t.start()
+    t.join()
+    assert other == [first]
 
 
 
