@@ -807,11 +807,17 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
 #endif
 }
 
-// y (1, N) = epilogue(x @ W^T + bias), the GEMV_ROWS chunks shared out like linear_for's blocks.
+// y (1, N) = epilogue(x @ W^T + bias), the GEMV_ROWS chunks shared out among the threads of the
+// enclosing region as they come for them, `grain` at a time (about 16 grabs per thread): a
+// thread that a busy machine delays, or that joins the region late (woken from its sleep
+// between ops), leaves its share to the others instead of making them wait at the barrier.
+// Consecutive chunks of a grab keep the rows' streams (and prefetches) running on one core.
+// Which thread computes an output never changes its value.
 void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
+  const int64_t grain = std::max<int64_t>(1, chunks / (16 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, grain)
   for (int64_t c = 0; c < chunks; ++c)
     gemv_rows(L, in, c * GEMV_ROWS, std::min(L.n, (c + 1) * GEMV_ROWS), y, res, act, sc);
 }
@@ -1136,7 +1142,7 @@ std::vector<paddle::Tensor> LayerForward(
                         : prepare_inputs(qkv, h, M, sc);
     if (lead) lp.lap(kLn1);
     if (by_head) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
       for (int64_t hh = 0; hh < H; ++hh) {
         linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
         for (int64_t b = 0; b < B; ++b) attend_head(b, hh, sc);
