@@ -587,8 +587,8 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   float* t = grow(sc.tile, size_t(M * NBLK));
-  // M > 1: the next block's weights (this thread's next: the blocks of a static schedule are
-  // consecutive) are prefetched by the tiles; its scales here.
+  // M > 1: the next block's weights (this thread's next, but at the end of a grab of
+  // linear_for's dynamic schedule) are prefetched by the tiles; its scales here.
   const char* pf = nullptr;
   int64_t pf_bytes = 0;
   if (M > 1 && n0 + NBLK < L.n) {
@@ -831,13 +831,16 @@ void linear_rows(const Lin& L, const In& in, int64_t M, int64_t r0, int64_t r1, 
 }
 
 // y (M, N) = epilogue(x (M, K) @ W^T + bias), the blocks shared out among the threads of the
-// enclosing parallel region (an orphaned worksharing loop; its end is a barrier), or all on
-// the calling thread outside one.
+// enclosing parallel region (an orphaned worksharing loop; its end is a barrier) as they come
+// for them, `grain` consecutive blocks at a time (about 8 grabs a thread: a delayed thread's
+// share goes to the others, as in gemv_for; the next-block prefetch misses only at a grab's
+// end), or all on the calling thread outside one.
 void linear_for(const Lin& L, const In& in, int64_t M, float* y, const float* res, int act) {
   if (M == 1 && gemv_ok(L, in)) return gemv_for(L, in, y, res, act);
   const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
+  const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, grain)
   for (int64_t blk = 0; blk < nblocks; ++blk)
     linear_block(L, in, M, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), y, L.n, res, act, sc);
 }
