@@ -13,8 +13,9 @@ vs AVX2 only) or a change to any source builds its own copy and an unchanged one
 under a second. The build compiles a snapshot of all the sources copied into that directory (the
 headers are included from beside the snapshot's ``gptc_ops.cc``), never the package's files.
 Loading registers the ops with Paddle, so it must happen before a Paddle Inference predictor of
-a fused program is created (``inference/fused.py`` does it). A missing compiler or a failed build raises ``KernelError`` naming what is missing;
-a library that fails to load (corrupt or truncated file) is rebuilt once.
+a fused program is created (``inference/fused.py`` does it). A missing compiler or a failed
+build raises ``KernelError`` naming what is missing; a library that fails to load (corrupt or
+truncated file) is rebuilt once.
 
 Cache directory: ``$GPTC_KERNEL_CACHE`` or ``~/.cache/gpt-compress/kernels``.
 """
