@@ -32,13 +32,17 @@ from typing import Optional, Union
 import numpy as np
 
 from ..errors import KernelError
+from ..runtime import GOMP_SPINCOUNT, openmp_spin
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
-# spin only briefly at each barrier (kernels.load_ops sets GOMP_SPINCOUNT=2000 unless the user did): with
-# its default spinning, two threads on a loaded 2-core machine made a step 10-30x slower than one
-# (a spinning thread waits out a descheduled one). bench/decode.py gpt-bench, --rounds 2 --reps 2,
+# spin only briefly at each barrier (``import gpt_compress`` sets GOMP_SPINCOUNT=2000 unless the
+# user did: runtime.openmp_spin): with its default spinning, two threads on a loaded 2-core machine
+# made a step 10-30x slower than one (a spinning thread waits out a descheduled one). When libgomp
+# was loaded before gpt_compress was imported (``import paddle`` first), the setting cannot take
+# effect: the default then is one thread, with a warning (interleaved runs with another process
+# on one core, gpt-bench int8, 2 threads: 85-93 tok/s with the setting, 7-10 without). bench/decode.py gpt-bench, --rounds 2 --reps 2,
 # 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet, batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs
 # 92-114, int8 108-123 vs 244-269, prefill 56-61 vs 25-26 ms, batch 8 int8 372 vs 745; with two
 # busy loops beside it (load 2): fp32 31-40 vs 32-41, int8 108-112 vs 63-167, prefill 72-75 vs
@@ -83,6 +87,16 @@ class FusedBackend:
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
         self.threads, self.reserve = _threads(threads), reserve
+        if self.threads > 1 and not openmp_spin():
+            asked = f"{self.threads} threads as asked" if threads else "1 thread"
+            if not threads:
+                self.threads = 1
+            warnings.warn("libgomp (the fused operators' OpenMP runtime) was loaded before gpt_compress was "
+                          "imported (import paddle loads it), so it ignores gpt-compress's GOMP_SPINCOUNT="
+                          f"{GOMP_SPINCOUNT} and its threads spin at every barrier: on a busy machine two threads "
+                          f"ran 10x slower than one. Running the ops on {asked}; import gpt_compress before "
+                          "paddle, or set GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment, to use all "
+                          "threads safely", stacklevel=3)
         # The ops' OpenMP runtime is not Paddle's: they read their thread count from here (one
         # value per process: the last backend created sets it).
         os.environ["GPTC_THREADS"] = str(self.threads)
