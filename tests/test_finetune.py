@@ -16,10 +16,11 @@ import pytest
 from gpt_compress.checkpoint import build_model, load_model
 from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
+from gpt_compress.data.tokenizer import encode_prompts
 from gpt_compress.errors import ConfigError, DataError
 from gpt_compress.sections import FinetuneConfig, LoraConfig
-from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_prompts, encode_rows, hold_out, pack,
-                                        plan_batches, read_rows)
+from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, hold_out, pack, plan_batches,
+                                        read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
 from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_generations
 from gpt_compress.train.loss import lm_head_loss
