@@ -262,18 +262,43 @@ DEPLOY_GROWTH_MULTIPLE = 0.6
 FLOAT_MODEL_GROWTH_MULTIPLE = 0.6
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
-
-
 def _peak_growth(fn):
     """(fn(), growth of the peak RSS above the RSS before the call, in bytes)."""
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    from gpt_compress.memory import reset_peak_rss, status_bytes
+
+    before = status_bytes("VmRSS")
+    reset_peak_rss()
     out = fn()
-    return out, 1024 * (_status_kb("VmHWM") - before)
+    return out, status_bytes("VmHWM") - before
+
+
+def test_resident_and_peak_memory_are_read_and_the_peak_reset_through_proc():
+    """``memory.status_bytes`` / ``reset_peak_rss`` (the one /proc reader of bench/decode.py,
+    bench/ptq_phases.py, bench/serve.py and ``_peak_growth``): 64 MB of fresh pages (an anonymous
+    mapping, not malloc, which may reuse freed resident blocks) raise VmRSS and VmHWM; unmapped,
+    VmRSS falls and VmHWM keeps the peak until the reset brings it down to VmRSS."""
+    import mmap
+
+    from gpt_compress.memory import reset_peak_rss, status_bytes
+
+    try:
+        reset_peak_rss()
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs")
+    size, slack = 64 << 20, 4 << 20  # the kernel's RSS counters are per-thread caches, synced in batches
+    before = status_bytes("VmRSS")
+    block = mmap.mmap(-1, size)
+    pages = np.frombuffer(block, np.uint8)
+    pages[:] = 1  # touch every page
+    touched = status_bytes("VmRSS", os.getpid())
+    del pages
+    block.close()
+    after, peak = status_bytes("VmRSS"), status_bytes("VmHWM")
+    assert touched - before > size - slack and touched - after > size - slack and peak > touched - slack, \
+        (before, touched, after, peak)
+    reset_peak_rss()
+    assert status_bytes("VmHWM") < peak - size + slack
+    assert status_bytes("NoSuchKey") is None
 
 
 def test_int8_export_models_move_weights_instead_of_copying():
