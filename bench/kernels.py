@@ -5,7 +5,7 @@
 
 For each weight format a worker process (``--worker``) runs the fused backend on the exports
 ``bench/decode.py`` writes (reused from ``--workdir``) with ``$GPTC_PROFILE`` set, so the ops
-(``kernels/gptc_ops.cc``) sum the wall time of every section (embed; per layer: ln1, qkv,
+(``kernels/gptc_common.h``) sum the wall time of every section (embed; per layer: ln1, qkv,
 kv_write, attention, out, residual, ln2, fc, activation, proj; head_ln, head_linear), the gaps
 between two ops of one program run (``between_ops``: Paddle's executor) and from one run's head
 to the next run's embed (``outside_program``: Paddle Inference's run entry/exit, our Python).

@@ -1,4 +1,4 @@
-"""The fused CPU operators (kernels/gptc_ops.cc) and the fused Paddle program (export/fused.py,
+"""The fused CPU operators (kernels/gptc_ops.cc + headers) and the fused Paddle program (export/fused.py,
 inference/fused.py) on the trained tiny GPT of tests/_export_helpers.py and its pruned copy.
 
 The operator library is built once per machine and source (cached, ``kernels.cache_dir()``);

@@ -1,4 +1,4 @@
-"""The GEMM tiles of the fused layer op (kernels/gptc_ops.cc: 4x3 float and int8 tiles with their
+"""The GEMM tiles of the fused layer op (kernels/gptc_tiles.h: 4x3 float and int8 tiles with their
 2- and 1-row remainders, weight blocks of 12 rows and their partial last block, K tails) against
 its one-row path, called directly on random weights of odd sizes: an output's arithmetic must not
 depend on M, so a left-padded batch prefilled at once (on 2 threads), each row prefilled alone

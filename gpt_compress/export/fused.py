@@ -1,5 +1,5 @@
 """The fused Paddle program: one ``fused.json`` + ``fused.pdiparams`` per export, running
-gpt-compress's own CPU operators (``kernels/gptc_ops.cc``) for prefill, decode and scoring.
+gpt-compress's own CPU operators (``kernels/gptc_ops.cc`` + headers) for prefill, decode and scoring.
 
 One program serves all three (so a runner holds one copy of the weights)::
 

@@ -3,7 +3,7 @@
 Evaluation's head (``score_head``: logits at the scored rows, then log p(label) and argmax) runs
 in Paddle's plain CPU kernels at ~4-6 GFLOP/s on gpt-test with vocab 50,304 (its matmul and a
 float32 exp over every logit): ~90% of a WikiText evaluation. The custom operator
-``gptc_head_score`` (``kernels/gptc_ops.cc``, last section) computes the same two outputs
+``gptc_head_score`` (``kernels/gptc_head_score.h``) computes the same two outputs
 without materialising the (N, V) logits: packed vocabulary chunks, an AVX2 outer-product tile
 and an online log-sum-exp, at onnxruntime's MatMul rate (bench/eval_speed.py).
 

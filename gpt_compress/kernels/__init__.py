@@ -1,13 +1,21 @@
-"""gpt-compress's fused CPU operators (``gptc_ops.cc``): built on the machine that runs them.
+"""gpt-compress's fused CPU operators (``gptc_ops.cc`` and its headers), built where they run.
 
-``load_ops()`` compiles ``gptc_ops.cc`` with ``paddle.utils.cpp_extension.load`` (g++, ``-O3
--march=native -fopenmp``) on first use and caches the library in a directory keyed by the
-source hash, the compiler, the Paddle version and the CPU's instruction-set flags, so a machine
-with other CPU features (AVX-512 VNNI vs AVX2 only) or a new source builds its own copy and an
-unchanged one loads in well under a second. Loading registers the ops with Paddle, so it must
-happen before a Paddle Inference predictor of a fused program is created (``inference/fused.py``
-does it). A missing compiler or a failed build raises ``KernelError`` naming what is missing;
-a library that fails to load (corrupt or truncated file) is rebuilt once.
+The C++ is one translation unit split by concern: ``gptc_ops.cc`` (the formats and the
+batch-invariance contract) #includes ``gptc_common.h`` (profiler, thread count, vector helpers),
+``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_linear.h`` (input quantization,
+linear_block), ``gptc_gemv.h`` (M = 1 kernels, the Linear entry points), ``gptc_norm_attention.h``,
+``gptc_decoder_ops.h`` (gptc_embed/gptc_layer/gptc_head) and ``gptc_head_score.h``; ``SOURCES``
+lists them all. ``load_ops()`` compiles the unit with ``paddle.utils.cpp_extension.load`` (g++,
+``-O3 -march=native -fopenmp``) on first use and caches the library in a directory keyed by the
+hash of every source file (names and bytes, in ``SOURCES`` order), the compiler, the Paddle
+version and the CPU's instruction-set flags, so a machine with other CPU features (AVX-512 VNNI
+vs AVX2 only) or a change to any source builds its own copy and an unchanged one loads in well
+under a second. The build compiles a snapshot of all the sources copied into that directory (the
+headers are included from beside the snapshot's ``gptc_ops.cc``), never the package's files.
+Loading registers the ops with Paddle, so it must happen before a Paddle Inference predictor of
+a fused program is created (``inference/fused.py`` does it). A missing compiler or a failed
+build raises ``KernelError`` naming what is missing; a library that fails to load (corrupt or
+truncated file) is rebuilt once.
 
 Cache directory: ``$GPTC_KERNEL_CACHE`` or ``~/.cache/gpt-compress/kernels``.
 """
@@ -23,13 +31,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Mapping, Optional
 
 from ..errors import KernelError
 from ..fileio import sha256_file as _sha256
 from ..runtime import cpu_flags
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gptc_ops.cc")
+DIR = os.path.dirname(os.path.abspath(__file__))
+# Every file of the one translation unit, the unit first, then its headers in include order
+# (tests/test_kernel_sources.py checks this list against the directory and the #include lines).
+SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_linear.h", "gptc_gemv.h",
+           "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_head_score.h")
+SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
 # Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests).
 KERNEL_VERSION = 1
@@ -61,32 +74,51 @@ def _compiler() -> str:
     return out.splitlines()[0] if out else path
 
 
-def cache_key(source: Optional[bytes] = None) -> str:
-    """Hash of the source (``source``, else the file's bytes), compiler, flags, Paddle version and
-    CPU flags (the cache subdirectory)."""
+def read_sources(directory: Optional[str] = None) -> dict:
+    """``{name: bytes}`` of every file in ``SOURCES``, read from ``directory`` (else ``DIR``, the package's)."""
+    out = {}
+    for name in SOURCES:
+        with open(os.path.join(directory or DIR, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def _hash_sources(h, sources: Mapping[str, bytes]) -> None:
+    for name in SOURCES:  # fixed order; name and length first, so no two file sets hash alike
+        data = sources[name]
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+
+
+def sources_sha256(sources: Optional[Mapping[str, bytes]] = None) -> str:
+    """Hex sha256 of every source file's name and bytes (``sources``, else the package's files)."""
+    h = hashlib.sha256()
+    _hash_sources(h, read_sources() if sources is None else sources)
+    return h.hexdigest()
+
+
+def cache_key(sources: Optional[Mapping[str, bytes]] = None) -> str:
+    """Hash of the sources (``sources``: ``{name: bytes}`` of every file in ``SOURCES``, else the
+    package's files), compiler, flags, Paddle version and CPU flags (the cache subdirectory)."""
     import paddle
 
-    h = hashlib.sha256(_source_bytes() if source is None else source)
+    h = hashlib.sha256()
+    _hash_sources(h, read_sources() if sources is None else sources)
     for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
 
-def _source_bytes() -> bytes:
-    with open(SOURCE, "rb") as f:
-        return f.read()
-
-
-def cache_dir(source: Optional[bytes] = None) -> str:
-    """The build directory of this machine's library (of ``source``, else of the file's bytes)."""
+def cache_dir(sources: Optional[Mapping[str, bytes]] = None) -> str:
+    """The build directory of this machine's library (of ``sources``, else of the package's files)."""
     root = os.environ.get("GPTC_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt-compress",
                                                                 "kernels")
-    return os.path.join(root, cache_key(source))
+    return os.path.join(root, cache_key(sources))
 
 
-def library_path(source: Optional[bytes] = None) -> str:
-    """Path of the built shared library (of ``source``, else of the file's bytes; it may not exist yet)."""
-    return os.path.join(cache_dir(source), NAME, NAME + ".so")
+def library_path(sources: Optional[Mapping[str, bytes]] = None) -> str:
+    """Path of the built shared library (of ``sources``, else of the package's files; it may not exist yet)."""
+    return os.path.join(cache_dir(sources), NAME, NAME + ".so")
 
 
 @contextlib.contextmanager
@@ -101,25 +133,28 @@ def _file_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _snapshot_source(directory: str, source: bytes) -> str:
-    """The source the library in ``directory`` is built from: a copy made once, inside the keyed
-    directory, so the build compiles exactly the hashed text at one fixed path (not whatever
-    ``gptc_ops.cc`` holds mid-edit, nor a rebuild for every checkout's different path): ``source``
-    is the text that was hashed, read once."""
-    path = os.path.join(directory, NAME + ".cc")
-    if not os.path.isfile(path):
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    return path
+def _snapshot_sources(directory: str, sources: Mapping[str, bytes]) -> str:
+    """The unit the library in ``directory`` is built from: a copy of every file in ``SOURCES``,
+    made once, inside the keyed directory, so the build compiles exactly the hashed text at one
+    fixed path (not whatever the package's files hold mid-edit, nor a rebuild for every
+    checkout's different path) and the unit's quoted #includes find the copied headers beside it
+    (g++ looks in the including file's directory first): ``sources`` is the text that was
+    hashed, read once. Returns the path of the copied ``gptc_ops.cc``."""
+    for name in SOURCES:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(sources[name])
+            os.replace(tmp, path)
+    return os.path.join(directory, SOURCES[0])
 
 
-def _build(directory: str, source_bytes: bytes):
+def _build(directory: str, sources: Mapping[str, bytes]):
     from paddle.utils.cpp_extension import load
 
     log = io.StringIO()
-    source = _snapshot_source(directory, source_bytes)
+    source = _snapshot_sources(directory, sources)
     try:
         with contextlib.redirect_stdout(log):
             return load(name=NAME, sources=[source], extra_cxx_cflags=CFLAGS, extra_ldflags=LDFLAGS,
@@ -160,10 +195,10 @@ def load_ops():
         # DEFAULT_THREADS): a short spin bounds that waste. No effect when another library
         # (torch) loaded libgomp earlier in the process: then only speed differs.
         os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
-        source = _source_bytes()  # read once: the key and the snapshot are the same text
-        directory = cache_dir(source)  # names the compiler first: a clear error before Paddle's murky one
+        sources = read_sources()  # read once: the key and the snapshot are the same text
+        directory = cache_dir(sources)  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
-        so = library_path(source)
+        so = library_path(sources)
         with _file_lock(directory + ".lock"):
             problem = cached_library_problem(directory)
             if problem:  # rebuild from scratch
@@ -172,7 +207,7 @@ def load_ops():
             fresh = not os.path.isfile(so)
             t0 = time.perf_counter()
             try:
-                module = _build(directory, source)
+                module = _build(directory, sources)
             except KernelError as e:
                 raise KernelError(f"{problem}; rebuilding it failed: {e}" if problem else str(e)) from None
             if fresh:
@@ -192,4 +227,4 @@ def load_ops():
 
 def kernel_info() -> dict:
     """What a manifest records about the operators an export was written with."""
-    return {"version": KERNEL_VERSION, "ops": list(OPS), "source_sha256": _sha256(SOURCE)[:16]}
+    return {"version": KERNEL_VERSION, "ops": list(OPS), "source_sha256": sources_sha256()[:16]}

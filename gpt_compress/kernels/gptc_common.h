@@ -1,0 +1,182 @@
+// Common definitions of the fused CPU operators: the includes, the profiler ($GPTC_PROFILE), the
+// thread count ($GPTC_THREADS), a Linear's weights (Lin) and the AVX2 vector helpers (hsum,
+// the int8 dot product, exp8).
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_COMMON_H_
+#define GPTC_KERNELS_GPTC_COMMON_H_
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---------------------------------------------------------------------------- profile
+// $GPTC_PROFILE=<path> (read once, at load): every op section's wall time and count is summed
+// (decode calls with T == 1 and prefill/scoring calls apart), with the fastest call of each, and
+// written to <path> as JSON ({kind: {section: [ns, calls, least ns]}}) when the process exits
+// (bench/kernels.py; one predictor running at a time: the sums are not synchronized). Unset: one
+// predictable branch per section.
+enum Sec { kEmbed, kLn1, kQkv, kAttn, kOut, kLn2, kFc, kProj, kHeadLn, kHead, kGap, kOutside, kNumSec };
+const char* const kSecNames[kNumSec] = {"embed", "ln1", "qkv", "attention", "out", "ln2", "fc", "proj",
+                                         "head_ln", "head_linear", "between_ops", "outside_program"};
+struct Profile {
+  const char* path = std::getenv("GPTC_PROFILE");
+  double ns[2][kNumSec] = {};
+  int64_t calls[2][kNumSec] = {};
+  double least[2][kNumSec] = {};  // the fastest call of each section (the least disturbed one)
+  void add(int kind, int sec, double t) {
+    ns[kind][sec] += t;
+    least[kind][sec] = calls[kind][sec]++ ? std::min(least[kind][sec], t) : t;
+  }
+  std::chrono::steady_clock::time_point last_end{};  // end of the previous op (gaps between ops)
+  bool head_ended = false;                             // the previous op was a head: a new program run
+  ~Profile() {
+    if (path == nullptr || !*path) return;
+    if (FILE* f = std::fopen(path, "w")) {
+      std::fprintf(f, "{");
+      for (int t = 0; t < 2; ++t) {
+        std::fprintf(f, "%s\"%s\": {", t ? ", " : "", t ? "prefill" : "decode");
+        for (int i = 0; i < kNumSec; ++i)
+          std::fprintf(f, "%s\"%s\": [%.0f, %lld, %.0f]", i ? ", " : "", kSecNames[i], ns[t][i],
+                       (long long)calls[t][i], least[t][i]);
+        std::fprintf(f, "}");
+      }
+      std::fprintf(f, "}\n");
+      std::fclose(f);
+    }
+  }
+};
+Profile g_prof;
+
+// Section timer of one op call: lap(sec) adds the time since the previous lap (or the op's
+// entry) to sec. Also records the gap since the previous op ended (op_enter/op_exit).
+struct Laps {
+  int kind;
+  std::chrono::steady_clock::time_point t;
+  explicit Laps(int kind_) : kind(kind_) {
+    if (g_prof.path) t = std::chrono::steady_clock::now();
+  }
+  void lap(int sec) {
+    if (!g_prof.path) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_prof.add(kind, sec, std::chrono::duration<double, std::nano>(now - t).count());
+    t = now;
+  }
+};
+
+// At an op's entry/exit: the time since the previous op ended (Paddle between ops, or outside
+// the program between runs when the previous op was the head).
+inline void op_enter(int kind) {
+  if (!g_prof.path) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (g_prof.last_end.time_since_epoch().count()) {
+    const int sec = g_prof.head_ended ? kOutside : kGap;
+    g_prof.add(kind, sec, std::chrono::duration<double, std::nano>(now - g_prof.last_end).count());
+  }
+}
+inline void op_exit(bool head) {
+  if (!g_prof.path) return;
+  g_prof.last_end = std::chrono::steady_clock::now();
+  g_prof.head_ended = head;
+}
+
+// Read per region (cheap): a backend sets it for the process (inference/fused.py).
+inline int nthreads() {
+  const char* e = std::getenv("GPTC_THREADS");
+  const int n = e ? std::atoi(e) : 0;
+  return n > 0 ? n : omp_get_max_threads();
+}
+
+struct Lin {
+  const float* wf = nullptr;    // float32 (N, K)
+  const int8_t* wq = nullptr;   // int8 (N, K) or int4 packed (N, K/2)
+  const float* scale = nullptr; // (N, K/blk)
+  const float* bias = nullptr;  // (N) or null
+  int64_t n = 0, k = 0, blk = 0;
+  int bits = 32;
+  float act = -1.f;
+};
+
+Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Tensor* b, int bits,
+             float act) {
+  Lin L;
+  L.bits = bits;
+  L.act = act;
+  L.n = w.shape()[0];
+  if (bits == 32) {
+    PD_CHECK(w.dtype() == paddle::DataType::FLOAT32, "gptc: float weight expected");
+    L.wf = w.data<float>();
+    L.k = w.shape()[1];
+  } else {
+    PD_CHECK(w.dtype() == paddle::DataType::INT8, "gptc: int8 weight codes expected");
+    PD_CHECK(bits == 8 || bits == 4, "gptc: weights must be 32, 8 or 4 bits");
+    L.wq = w.data<int8_t>();
+    L.k = bits == 4 ? w.shape()[1] * 2 : w.shape()[1];
+    L.scale = s.data<float>();
+    L.blk = L.k / s.shape()[1];
+    PD_CHECK(bits == 8 || L.k % 32 == 0, "gptc: int4 weights need a multiple of 32 inputs");
+    PD_CHECK(s.shape()[0] == L.n && L.blk * s.shape()[1] == L.k, "gptc: weight scale shape mismatch");
+  }
+  if (b != nullptr) L.bias = b->data<float>();
+  return L;
+}
+
+#if defined(__AVX2__)
+// The one horizontal sum every output of the float kernels goes through (a fixed tree).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 int8 x 32 int8 -> 8 int32 partial sums: |x| as unsigned times w with x's sign, exact
+// (maddubs pairs stay below 2 * 128 * 127 < 2^15). VNNI does it in one instruction (compiled in
+// by -march=native where the CPU has it; unverified on the AVX2-only machines of this repo).
+inline __m256i dot32_i8(__m256i ax, __m256i x, __m256i w) {
+  const __m256i sw = _mm256_sign_epi8(w, x);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sw);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+#endif
+}
+
+// exp of 8 lanes (Cephes' polynomial, ~1 ulp); every lane independent of the others, so a
+// value's exp never depends on where it sits in a buffer.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_COMMON_H_

@@ -1,0 +1,235 @@
+// A Linear's inputs and one block of its outputs: per-thread scratch, the int8 input
+// quantization (per token and block, or one calibrated scale), and linear_block (the tiles and
+// the epilogue: activation, residual).
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_LINEAR_H_
+#define GPTC_KERNELS_GPTC_LINEAR_H_
+
+#include "gptc_tiles.h"
+
+namespace {
+
+void activate(float* h, int64_t n, int act);
+
+// Scratch of one thread, kept across calls (libgomp's threads persist): no allocation per call
+// once grown. The op's calling thread also keeps the buffers its threads share (Shared).
+struct Scratch {
+  std::vector<float> h, sx, wbuf, tile, p;
+  std::vector<int8_t> xq, ibuf;
+};
+struct Shared {
+  std::vector<float> q, ctx, f, sel, h;
+  std::vector<int32_t> keys;
+  std::vector<int64_t> nkeys;
+  std::vector<float> rows_h, rows_sx;  // prepare_rows' layer norms and input scales (M > 1)
+  std::vector<int8_t> rows_xq;         // and int8 inputs
+};
+thread_local Scratch t_scratch;
+thread_local Shared t_shared;
+
+template <class T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// After a call: buffers past 8 MB (long prompts, scoring batches) are freed, not kept for the
+// life of the thread; decode-sized ones stay.
+template <class T>
+inline void trim(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > (size_t(8) << 20)) std::vector<T>().swap(v);
+}
+inline void trim(Scratch& s) {
+  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.xq), trim(s.ibuf);
+}
+inline void trim(Shared& s) {
+  trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
+  trim(s.rows_h), trim(s.rows_sx), trim(s.rows_xq);
+}
+
+inline bool is_integer(const Lin& L) { return !(L.bits == 32 || L.act < 0.f); }
+
+// The inputs of an integer layer as int8: (M, K) codes into xq, (M, K/blk) scales into sx.
+void quantize_inputs(const Lin& L, const float* x, int64_t M, int8_t* xq, float* sx) {
+  const int64_t K = L.k, nb = K / L.blk;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * L.blk;
+      float s = L.act;
+      if (s == 0.f) {
+        float amax = 0.f;
+        int64_t j = 0;
+#if defined(__AVX2__)
+        if (L.blk >= 8) {  // max is exact in any order; a NaN is skipped as std::max skips it
+          __m256 acc = _mm256_setzero_ps();
+          for (; j + 8 <= L.blk; j += 8)
+            acc = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)), acc);
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, acc);
+          for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
+        }
+#endif
+        for (; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        s = std::max(amax, 1e-30f) / 127.0f;
+      }
+      sx[m * nb + b] = s;
+      int8_t* qb = xq + m * K + b * L.blk;
+      int64_t j = 0;
+#if defined(__AVX2__)
+      // The scalar loop's exact values, 8 at a time: the same IEEE division, std::round's
+      // half-away-from-zero as trunc + (|v - trunc| >= 0.5 ? sign : 0), the same clamps.
+      const __m256 vs = _mm256_set1_ps(s), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+      const __m256 sgn = _mm256_set1_ps(-0.f);
+      for (; j + 8 <= L.blk; j += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(xb + j), vs);
+        const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sgn, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+        __m256 r = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sgn, v))));
+        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-128.f)), _mm256_set1_ps(127.f));
+        const __m256i i32 = _mm256_cvtps_epi32(r);
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + j), _mm_packs_epi16(i16, i16));
+      }
+#endif
+      for (; j < L.blk; ++j) {
+        const float v = std::round(xb[j] / s);
+        qb[j] = int8_t(std::min(127.f, std::max(-128.f, v)));
+      }
+    }
+}
+
+// A linear's inputs as this thread's kernels take them: x itself, or its int8 codes and scales
+// (made by this thread into its scratch: every thread of a region quantizes the same rows the
+// same way, so no thread waits for another).
+struct In {
+  const float* x;
+  const int8_t* xq = nullptr;
+  const float* sx = nullptr;
+};
+
+In prepare_inputs(const Lin& L, const float* x, int64_t M, Scratch& sc) {
+  In in{x};
+  if (is_integer(L)) {
+    int8_t* xq = grow(sc.xq, size_t(M * L.k));
+    float* sx = grow(sc.sx, size_t(M * (L.k / L.blk)));
+    quantize_inputs(L, x, M, xq, sx);
+    in.xq = xq;
+    in.sx = sx;
+  }
+  return in;
+}
+
+void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
+
+// M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
+// out among the threads into the op's buffers xq, sx (the worksharing loop's end is the
+// barrier) instead of every thread making all of them; with ln_w, each row's layer norm first
+// (into h, rows C = L.k apart; the linear's inputs are then h). Per row, so the same values.
+In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, const float* ln_b, float eps, float* h,
+                int8_t* xq, float* sx) {
+  const bool integer = is_integer(L);
+  if (!integer && ln_w == nullptr) return In{x};  // nothing to make (every thread alike: no barrier)
+  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    if (ln_w != nullptr) {
+      layer_norm(xm, 1, K, ln_w, ln_b, eps, h + m * K);
+      xm = h + m * K;
+    }
+    if (integer) quantize_inputs(L, xm, 1, xq + m * K, sx + m * nb);
+  }
+  In in{ln_w != nullptr ? h : x};
+  if (integer) in.xq = xq, in.sx = sx;
+  return in;
+}
+
+// Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
+// then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
+// may be y itself: each value is read before it is written, by the thread that writes it).
+void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, float* y, int64_t ldy,
+                  const float* res, int act, Scratch& sc) {
+  const int64_t K = L.k;
+  const float* bias = L.bias ? L.bias + n0 : nullptr;
+  float* t = grow(sc.tile, size_t(M * NBLK));
+  // M > 1: the next block's weights (this thread's next: the blocks of a static schedule are
+  // consecutive) are prefetched by the tiles; its scales here.
+  const char* pf = nullptr;
+  int64_t pf_bytes = 0;
+  if (M > 1 && n0 + NBLK < L.n) {
+    const int64_t n1 = n0 + NBLK, rows = std::min<int64_t>(NBLK, L.n - n1);
+    if (L.bits == 32) {
+      pf = reinterpret_cast<const char*>(L.wf + n1 * K);
+      pf_bytes = rows * K * int64_t(sizeof(float));
+    } else {
+      const int64_t row = L.bits == 4 ? K / 2 : K;
+      pf = reinterpret_cast<const char*>(L.wq + n1 * row);
+      pf_bytes = rows * row;
+#if defined(__AVX2__)
+      const int64_t nb = K / L.blk;
+      const char* s1 = reinterpret_cast<const char*>(L.scale + n1 * nb);
+      for (int64_t o = 0; o < rows * nb * int64_t(sizeof(float)); o += 64) _mm_prefetch(s1 + o, _MM_HINT_T0);
+#endif
+    }
+  }
+  if (L.bits == 32) {
+    fblock(in.x, M, K, L.wf + n0 * K, nr, t, NBLK, bias, pf, pf_bytes);
+  } else {
+    const int8_t* q[NBLK];
+    const float* sw[NBLK];
+    const bool packed = L.bits == 4 && in.xq != nullptr && packed4_ok(M, K, L.blk);
+    int8_t* ibuf = L.bits == 4 && !packed ? grow(sc.ibuf, size_t(NBLK * K)) : nullptr;  // unpacked int4 rows
+    for (int n = 0; n < nr; ++n) {
+      q[n] = packed ? L.wq + (n0 + n) * (K / 2) : int_row(L, n0 + n, ibuf ? ibuf + n * K : nullptr);
+      sw[n] = L.scale + (n0 + n) * (K / L.blk);
+    }
+    if (packed) {
+      iblock<true>(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
+    } else if (in.xq != nullptr) {
+      iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias, pf, pf_bytes);
+    } else {
+      float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
+      for (int n = 0; n < nr; ++n)
+        for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
+      fblock(in.x, M, K, wbuf, nr, t, NBLK, bias, pf, pf_bytes);
+    }
+  }
+  // The activation elementwise: over the whole tile when its rows are contiguous (nr == NBLK; the
+  // same values, a value's activation depending on it alone, without a padded tail per row).
+  const bool whole = act >= 0 && nr == NBLK;
+  if (whole) activate(t, M * NBLK, act);
+#if defined(__AVX2__)
+  if (nr == NBLK) {  // 12 values a row: one 8- and one 4-lane move (a memcpy call each cost ~1 ms a prefill)
+    static_assert(NBLK == 12, "the row moves below are 8 + 4 values");
+    for (int64_t m = 0; m < M; ++m) {
+      const float* tm = t + m * NBLK;
+      float* ym = y + m * ldy + n0;
+      __m256 a = _mm256_loadu_ps(tm);
+      __m128 b = _mm_loadu_ps(tm + 8);
+      if (res != nullptr) {  // rm + tm, as below
+        const float* rm = res + m * ldy + n0;
+        a = _mm256_add_ps(_mm256_loadu_ps(rm), a);
+        b = _mm_add_ps(_mm_loadu_ps(rm + 8), b);
+      }
+      _mm256_storeu_ps(ym, a);
+      _mm_storeu_ps(ym + 8, b);
+    }
+    return;
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m) {
+    float* tm = t + m * NBLK;
+    if (act >= 0 && !whole) activate(tm, nr, act);
+    float* ym = y + m * ldy + n0;
+    if (res != nullptr) {
+      const float* rm = res + m * ldy + n0;
+      for (int n = 0; n < nr; ++n) ym[n] = rm[n] + tm[n];
+    } else {
+      std::memcpy(ym, tm, nr * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_LINEAR_H_

@@ -1,0 +1,136 @@
+// Layer norm, the activations (ReLU, exact GELU, gelu_new) and attention of one query over its
+// unmasked cache keys.
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_NORM_ATTENTION_H_
+#define GPTC_KERNELS_GPTC_NORM_ATTENTION_H_
+
+#include "gptc_common.h"
+
+namespace {
+
+void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps,
+                float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * C;
+    float mean = 0.f, var = 0.f;
+    for (int64_t c = 0; c < C; ++c) mean += xm[c];
+    mean /= C;
+    for (int64_t c = 0; c < C; ++c) var += (xm[c] - mean) * (xm[c] - mean);
+    const float inv = 1.f / std::sqrt(var / C + eps);
+    for (int64_t c = 0; c < C; ++c) y[m * C + c] = (xm[c] - mean) * inv * w[c] + b[c];
+  }
+}
+
+// Activation in place, elementwise (each value's result depends on that value only).
+void activate(float* h, int64_t n, int act) {
+  if (act == 0) {
+    for (int64_t i = 0; i < n; ++i) h[i] = h[i] > 0.f ? h[i] : 0.f;
+    return;
+  }
+  if (act == 1) {  // exact erf GELU (libm)
+    for (int64_t i = 0; i < n; ++i) h[i] = 0.5f * h[i] * (1.f + std::erf(h[i] * 0.70710678118654752f));
+    return;
+  }
+#if defined(__AVX2__)
+  // gelu_new: 0.5 v (1 + tanh(u)), tanh(u) = 1 - 2 / (exp(2u) + 1); the tail goes through the
+  // same 8-lane code (padded), so no value is computed two ways.
+  auto gelu8 = [](__m256 v) {
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.79788456080286536f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), v), _mm256_mul_ps(v, v), v));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(2.f), u));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f),
+                                   _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.f), t));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, gelu8(_mm256_loadu_ps(h + i)));
+  if (i < n) {
+    float buf[8] = {0.f};
+    std::memcpy(buf, h + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(buf, gelu8(_mm256_loadu_ps(buf)));
+    std::memcpy(h + i, buf, (n - i) * sizeof(float));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = h[i];
+    h[i] = 0.5f * v * (1.f + std::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+  }
+#endif
+}
+
+// One query against its n keys (rows idx[0..n) of kb/vb, D floats each): softmax(q.k * scale) @ v
+// into o. Keys are the query's unmasked cache columns in order, so every reduction runs over
+// the same values in the same order whatever the padding, batch or prefill/decode split.
+// p: scratch of n + 8 floats.
+void attend(const float* qv, const float* kb, const float* vb, const int32_t* idx, int64_t n, int64_t D,
+            float scale, float* p, float* o) {
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  if (n == 0) return;  // a padding query: attends to nothing real
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8) {  // 8 keys per pass, one fixed reduction tree per key
+      __m256 a[8];
+      const float* kr[8];
+      for (int j = 0; j < 8; ++j) {
+        kr[j] = kb + int64_t(idx[std::min<int64_t>(i + j, n - 1)]) * D;
+        a[j] = _mm256_setzero_ps();
+      }
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(qv + d);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[j] + d), a[j]);
+      }
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+      _mm256_storeu_ps(p + i, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+    }
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vmx));
+      if (i + 8 > n) {  // zero the lanes past the last key
+        alignas(32) float keep[8];
+        for (int j = 0; j < 8; ++j) keep[j] = i + j < n ? 1.f : 0.f;
+        e = _mm256_mul_ps(e, _mm256_load_ps(keep));
+      }
+      _mm256_storeu_ps(p + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const float inv = 1.f / hsum(sum);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // sum_i p_i v_i, 8 accumulators of 8 dims
+      const int nd = int(std::min<int64_t>(64, D - d0) / 8);
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 w = _mm256_set1_ps(p[i]);
+        const float* vr = vb + int64_t(idx[i]) * D + d0;
+        for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < nd; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    }
+    return;
+  }
+#endif
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s = std::fma(qv[d], kb[int64_t(idx[i]) * D + d], s);
+    p[i] = s * scale;
+    mx = std::max(mx, p[i]);
+  }
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = std::exp(p[i] - mx);
+    sum += p[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p[i], vb[int64_t(idx[i]) * D + d], o[d]);
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+}
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_NORM_ATTENTION_H_

@@ -1,0 +1,57 @@
+"""The fused operators' C++ is one translation unit in several files (kernels/gptc_ops.cc and the
+headers it #includes): the cache key, the snapshot the build compiles and the manifests'
+``source_sha256`` must cover every one of them, or an edit to a header would load a stale library.
+No build: the key is computed from the source bytes (tests/test_fused.py builds the library)."""
+import fnmatch
+import os
+import re
+import shutil
+import tomllib
+from pathlib import Path
+
+from gpt_compress import kernels
+
+INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def test_changing_any_source_file_changes_the_cache_key_and_source_sha256(tmp_path, monkeypatch):
+    """One byte appended to any one file of SOURCES (a comment: the code is the same) gives a new
+    cache directory and a new manifest ``source_sha256``; the unchanged files give the old ones."""
+    sources = kernels.read_sources()
+    key, sha = kernels.cache_key(sources), kernels.kernel_info()["source_sha256"]
+    assert kernels.cache_key(dict(sources)) == key and sha == kernels.sources_sha256(sources)[:16]
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels.DIR, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(kernels, "DIR", str(copy))
+    keys, shas = {key}, {sha}
+    for name in kernels.SOURCES:
+        edited = {**sources, name: sources[name] + b"\n//\n"}
+        keys.add(kernels.cache_key(edited))
+        (copy / name).write_bytes(edited[name])  # the same edit on disk: what load_ops and exports read
+        assert kernels.read_sources() == edited and kernels.cache_key() == kernels.cache_key(edited)
+        shas.add(kernels.kernel_info()["source_sha256"])
+        (copy / name).write_bytes(sources[name])
+    assert len(keys) == len(shas) == 1 + len(kernels.SOURCES)
+
+
+def test_sources_are_every_file_of_the_unit_and_installed():
+    """SOURCES names every .cc/.h file beside the loader (a new header must be listed, so it is
+    hashed and snapshotted); the unit's quoted #includes name only them (the snapshot holds
+    every file the build reads from this package) and reach every header; pyproject's package
+    data installs them all."""
+    on_disk = {f for f in os.listdir(kernels.DIR) if f.endswith((".cc", ".h"))}
+    assert set(kernels.SOURCES) == on_disk and kernels.SOURCES[0] == "gptc_ops.cc"
+    sources = kernels.read_sources()
+    included = {m.decode() for text in sources.values() for m in INCLUDE.findall(text)} - {"paddle/extension.h"}
+    assert included == set(kernels.SOURCES[1:])
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["gpt_compress.kernels"]
+    assert all(any(fnmatch.fnmatch(name, g) for g in globs) for name in kernels.SOURCES), globs
+
+
+def test_the_snapshot_holds_every_source_beside_the_unit(tmp_path):
+    """The build compiles the copies in the keyed directory: all of SOURCES, the hashed bytes."""
+    sources = kernels.read_sources()
+    unit = kernels._snapshot_sources(str(tmp_path), sources)
+    assert unit == str(tmp_path / "gptc_ops.cc")
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == sources
