@@ -119,14 +119,12 @@ def peak_rss_mb() -> float:
     """This process's peak RSS: /proc's VmHWM (of this program only). ``getrusage``'s ru_maxrss
     survives exec, so a worker started by a driver that had exported a model reported the
     driver's peak (every row of a run showed the same figure)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)  # kB
-    except OSError:
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
+    from gpt_compress.memory import status_bytes
+
+    peak = status_bytes("VmHWM")
+    if peak is None:  # no /proc
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
+    return round(peak / 2 ** 20, 1)
 
 
 def weights_mb(path: str, backend_class: str) -> float:

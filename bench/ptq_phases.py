@@ -26,11 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rss() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This process's resident bytes now (``memory.status_bytes``), 0 without /proc."""
+    from gpt_compress.memory import status_bytes
+
+    return status_bytes("VmRSS") or 0
 
 
 class Timeline:

@@ -89,11 +89,11 @@ def start_server(model_dir: str, backend: str, max_batch: int, log_path: str,
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident MB of process ``pid`` now (``memory.status_bytes``), NaN if it cannot be read."""
+    from gpt_compress.memory import status_bytes
+
+    b = status_bytes("VmRSS", pid)
+    return float("nan") if b is None else b / 2 ** 20
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], out: int, stats: Stats,

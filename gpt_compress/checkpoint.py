@@ -17,7 +17,7 @@ import numpy as np
 from .config import ConfigError, ModelConfig
 # Re-exported: older call sites write checkpoints and exports through these names.
 from .fileio import CHECKSUMS, sha256_file, verify_checksums, write_json_atomic  # noqa: F401
-from .fileio import read_json, write_dir_atomic
+from .fileio import json_count, read_json, write_dir_atomic
 from .fileio import write_dir_atomic as write_checkpoint_dir  # noqa: F401
 
 FORMAT = "gpt-compress-checkpoint"
@@ -47,10 +47,8 @@ def read_prompt_tokens(path: str) -> int:
     """``prompt_tokens`` recorded in checkpoint ``path`` (``gptc finetune`` with
     ``Finetune.prompt_tokens``: text prompts are fixed to that many tokens,
     ``data/tokenizer.py:encode_prompts``); 0 when none is recorded."""
-    n = read_config(path)[1].get("prompt_tokens", 0)
-    if not isinstance(n, int) or n < 0:
-        raise CheckpointError(f"{os.path.join(path, CONFIG)}: prompt_tokens {n!r} is not a non-negative integer")
-    return n
+    return json_count(read_config(path)[1], "prompt_tokens", os.path.join(path, CONFIG), CheckpointError,
+                      "; set it to the Finetune.prompt_tokens the model was finetuned with, or remove it")
 
 
 def state_dict_numpy(model) -> dict[str, np.ndarray]:

@@ -100,6 +100,15 @@ def read_json(path: str, error: type = ValueError, missing: str = "", hint: str 
         raise error(f"{path} is not valid JSON: {e}{hint}") from None
 
 
+def json_count(data: dict, key: str, path: str, error: type = ValueError, hint: str = "") -> int:
+    """``data[key]`` of the JSON file ``path`` as a count: 0 when absent; anything but a
+    non-negative integer (a bool included) raises ``error("PATH: KEY VALUE is not ..." + hint)``."""
+    n = data.get(key, 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise error(f"{path}: {key} {n!r} is not a non-negative integer{hint}")
+    return n
+
+
 def verify_checksums(path: str) -> None:
     """Raise ``CheckpointError`` if any file listed in checksums.json is missing or altered."""
     sums = read_json(os.path.join(path, CHECKSUMS), CheckpointError,

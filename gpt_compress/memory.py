@@ -36,6 +36,9 @@ measured at gpt-345M (README "Scale"), less the ~1 GB of libraries, rounded up:
   scoring: logits, shifted, exponentiated).
 
 ``GPTC_SKIP_MEMORY_CHECK=1`` skips the check (the estimate is deliberately pessimistic).
+
+``status_bytes`` reads a process's resident set and its peak from ``/proc/PID/status`` and
+``reset_peak_rss`` restarts the peak: the one reader the benchmarks and tests measure with.
 """
 from __future__ import annotations
 
@@ -150,6 +153,28 @@ def _cgroup_room() -> Optional[int]:
         if limit is not None and used is not None and limit < (1 << 60):  # v1 "no limit" is ~2^63
             return max(0, limit - used)
     return None
+
+
+def status_bytes(key: str = "VmRSS", pid="self") -> Optional[int]:
+    """``key`` of ``/proc/PID/status`` in bytes: ``VmRSS`` the resident set now, ``VmHWM`` its
+    peak since the process started or ``reset_peak_rss``. None off Linux, for a process gone, or
+    a key the kernel does not report."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Set this process's ``VmHWM`` to its ``VmRSS`` (``/proc/self/clear_refs``), so a later
+    ``status_bytes("VmHWM")`` is the peak of what runs in between. Raises OSError where the kernel
+    does not allow it."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
 
 
 def available_bytes() -> int:

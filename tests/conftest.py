@@ -7,6 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from gpt_compress import runtime
+
+# MKL fixes its kernels at the process's first matmul (runtime.py): choose them here, before any
+# test imports Paddle, as `gptc` does for its commands, so a test's numbers do not depend on whether
+# an earlier test in the same process multiplied before a `gptc` call set the variable.
+runtime.prefer_mkl_avx2()
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 

@@ -182,6 +182,40 @@ def test_head_score_op_equals_numpy_reference():
     assert top.numpy()[0] == 300 and (top.numpy() == logits.argmax(axis=-1)).all()
 
 
+def test_head_weight_is_read_alone_from_the_combined_params_file(tmp_path):
+    """``head_score._head_weight`` reads the (hidden, vocab) float32 head out of a combined params
+    file written by Paddle's ``save_combine`` (what ``jit.save`` runs; a 4 MB body before the head,
+    an int64 buffer after) by walking the tensors' headers: the same values, and of the 4.2 MB it
+    reads under 0.5 MB (``rchar`` of /proc/self/io; ``jit.load`` read all of it). A file cut short
+    gives None. A real export's head: ``test_fast_scoring_equals_full_logits_reference[paddle]``."""
+    import paddle
+    from paddle.base import core
+
+    from gpt_compress.inference.head_score import _head_weight
+
+    io = "/proc/self/io"
+    if not os.path.exists(io):
+        pytest.skip("no /proc/self/io")
+    paddle.seed(0)
+    tensors = {"a_body": paddle.randn([1024, 1024]), "head": paddle.randn([16, 40]), "z_steps": paddle.arange(3)}
+    params = str(tmp_path / "model.pdiparams")
+    core.save_combine_func([t.value().get_tensor() for t in tensors.values()], list(tensors), params, True, False, False)
+
+    def rchar() -> int:
+        with open(io, encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+    before = rchar()
+    w = _head_weight(params, 16, 40)
+    read = rchar() - before
+    np.testing.assert_array_equal(w, tensors["head"].numpy())
+    assert os.path.getsize(params) > 4 << 20 and read < 1 << 19, read
+    assert _head_weight(params, 40, 16) is None  # no such tensor
+    cut = tmp_path / "cut.pdiparams"
+    cut.write_bytes(open(params, "rb").read()[:-10])
+    assert _head_weight(str(cut), 16, 40) is None
+
+
 def test_chosen_rows_path_equals_full_logits_reference(dirs, gens, wiki_part):
     """A backend with ``logits_at`` (the fused Paddle program, which also runs int8 and older
     exports; tensor-parallel ranks) computes logits only at the chosen rows, a call holding the

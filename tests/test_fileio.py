@@ -39,3 +39,30 @@ def test_write_dir_atomic_adds_checksums_and_replaces_only_on_success(tmp_path):
     write_dir_atomic(str(out), fill("three"), overwrite=True)
     assert (out / "weights.bin").read_text() == "three"
     assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+@pytest.mark.parametrize("bad", [-1, "24", 2.0, True])
+def test_prompt_tokens_is_checked_alike_in_a_checkpoint_and_an_export(tmp_path, bad):
+    """``prompt_tokens`` of a checkpoint's config.json and of an export's manifest.json: one
+    check (``fileio.json_count``), one message naming the file, the value and what to do; a bool
+    is no count (``True`` passed as 1 before)."""
+    from gpt_compress import checkpoint
+    from gpt_compress.config import ModelConfig
+    from gpt_compress.errors import CheckpointError, ModelDirError
+    from gpt_compress.inference.manifest import MANIFEST, Manifest
+
+    meta = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
+            "model": ModelConfig.from_preset("gpt-tiny").to_dict()}
+    write_json_atomic(str(tmp_path / checkpoint.CONFIG), meta)
+    assert checkpoint.read_prompt_tokens(str(tmp_path)) == 0 == Manifest(str(tmp_path), {}).prompt_tokens
+    write_json_atomic(str(tmp_path / checkpoint.CONFIG), {**meta, "prompt_tokens": 24})
+    assert checkpoint.read_prompt_tokens(str(tmp_path)) == 24 == Manifest(str(tmp_path), {"prompt_tokens": 24}).prompt_tokens
+
+    write_json_atomic(str(tmp_path / checkpoint.CONFIG), {**meta, "prompt_tokens": bad})
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.read_prompt_tokens(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path / checkpoint.CONFIG}: prompt_tokens {bad!r} is not a non-negative integer; "
+                            "set it to the Finetune.prompt_tokens the model was finetuned with, or remove it")
+    with pytest.raises(ModelDirError) as e:
+        Manifest(str(tmp_path), {"prompt_tokens": bad}).prompt_tokens
+    assert str(e.value) == f"{tmp_path / MANIFEST}: prompt_tokens {bad!r} is not a non-negative integer; re-export the model"

@@ -16,10 +16,11 @@ import pytest
 from gpt_compress.checkpoint import build_model, load_model
 from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
+from gpt_compress.data.tokenizer import encode_prompts
 from gpt_compress.errors import ConfigError, DataError
 from gpt_compress.sections import FinetuneConfig, LoraConfig
-from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_prompts, encode_rows, hold_out, pack,
-                                        plan_batches, read_rows)
+from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, hold_out, pack, plan_batches,
+                                        read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
 from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_generations
 from gpt_compress.train.loss import lm_head_loss
@@ -385,21 +386,20 @@ def tang_full(chinese_gpt, tmp_path_factory):
 
 
 def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_full, chinese_gpt):
-    """Held-out (30 poems) response perplexity after 600 finetuning steps (1 packed row of 128,
-    LR 1e-2) is at most TANG_MAX_PPL_RATIO of the pretrained model's (measured 1372 -> 442).
-    All 30 held-out titles are decoded (sampling at temperature 0.7, seed 0; greedy decoding of a
-    model this small loops) and scored, the verse form included (``poem_form``): the references
-    have REFERENCE_MIN_FORM % of their clauses in form (measured 91.8% of 329); the finetuned
-    model's poems TANG_MIN_FORM % (measured 43.0% of 223 clauses when this test runs alone, 37.2%
-    of 223 inside its file's run, each the same on a second run: there an earlier test's matmul
-    makes MKL pick its generic kernels before `gptc` sets MKL_DEBUG_CPU_TYPE=5 (runtime.tune_cpu,
-    AMD), the 600 steps end a few float bits apart and the samples differ; with the variable set
-    before pytest starts the file's order gives 43.0% too. Other sampling seeds on the first
-    model: 33.9-37.4%. Clause lengths peak at 5 characters). The pretrained model, same prompts
-    and decoding: 1.6% of 183 (both ways), so the test fails on a model that has not learnt the
-    form. What makes the form learnable at this size (README "Finetuning for generation"): one
-    token a character (`train-tokenizer --split-cjk`) and every response starting at the same
-    position (``Finetune.prompt_tokens``): the model places ，and 。by position. With
+    """Held-out (30 poems) response perplexity after 600 finetuning steps (1 packed row of 128, LR
+    1e-2) is at most TANG_MAX_PPL_RATIO of the pretrained model's (measured 1372 -> 442). All 30
+    held-out titles are decoded (sampling at temperature 0.7, seed 0; greedy decoding of a model
+    this small loops) and scored, the verse form included (``poem_form``): the references have
+    REFERENCE_MIN_FORM % of their clauses in form (measured 91.8% of 329); the finetuned model's
+    poems TANG_MIN_FORM % (measured 43.0% of 223 clauses, the same when this test runs alone and
+    inside its file's run: tests/conftest.py chooses MKL's kernels (runtime.prefer_mkl_avx2) before
+    any test's matmul; when only `gptc` did, an earlier test's matmul fixed MKL's generic kernels on
+    AMD, the 600 steps ended a few float bits apart and the file's run gave 37.2%. Other sampling
+    seeds on the first model: 33.9-37.4%. Clause lengths peak at 5 characters). The pretrained
+    model, same prompts and decoding: 1.6% of 183 (both ways), so the test fails on a model that has
+    not learnt the form. What makes the form learnable at this size (README "Finetuning for
+    generation"): one token a character (`train-tokenizer --split-cjk`) and every response starting
+    at the same position (``Finetune.prompt_tokens``): the model places ，and 。by position. With
     "《title》author" prompts of 7-22 tokens it would have to count characters since the last line
     end, which it did not learn (the previous recipe: 5.4%; at width 64, 400 steps of 4 on this
     tokenizer: 12%, the same with prompts fixed to 24 tokens: 44%)."""

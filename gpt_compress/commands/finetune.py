@@ -44,7 +44,8 @@ def run(args) -> int:
     from ..checkpoint import save_model
     from ..fileio import write_json_atomic
     from ..errors import ConfigError, DataError
-    from ..finetune.data import PlanIterator, encode_prompts, encode_rows, hold_out, plan_batches, read_rows
+    from ..data.tokenizer import encode_prompts
+    from ..finetune.data import PlanIterator, encode_rows, hold_out, plan_batches, read_rows
     from ..finetune.lora import apply_lora, merge_lora, save_adapters
     from ..finetune.metrics import finetune_loss, generate_texts, response_perplexity, score_generations
     from ..train.trainer import fit

@@ -47,7 +47,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..data.tokenizer import encode_prompts, fixed_prompt  # noqa: F401  (finetuning's prompt encoding; re-exported)
+from ..data.tokenizer import fixed_prompt
 from ..errors import ConfigError, DataError
 from ..sections import FinetuneConfig
 

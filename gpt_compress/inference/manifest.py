@@ -48,7 +48,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..fileio import CHECKSUMS, read_json, sha256_file, write_json_atomic
+from ..fileio import CHECKSUMS, json_count, read_json, sha256_file, write_json_atomic
 
 FORMAT = "gpt-compress-inference"
 FORMAT_VERSION = 1
@@ -95,11 +95,8 @@ class Manifest:
     @property
     def prompt_tokens(self) -> int:
         """Length text prompts are fixed to (``data/tokenizer.py:encode_prompts``); 0: as encoded."""
-        n = self.data.get("prompt_tokens", 0)
-        if not isinstance(n, int) or n < 0:
-            raise ModelDirError(f"{os.path.join(self.path, MANIFEST)}: prompt_tokens {n!r} is not a "
-                                "non-negative integer; re-export the model")
-        return n
+        return json_count(self.data, "prompt_tokens", os.path.join(self.path, MANIFEST), ModelDirError,
+                          "; re-export the model")
 
     @property
     def layers(self) -> list[dict]:
