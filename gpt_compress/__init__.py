@@ -4,6 +4,10 @@ import os as _os
 # `import paddle` forces OMP_NUM_THREADS=1 when it is unset; default to the machine's cores.
 _os.environ.setdefault("OMP_NUM_THREADS", str(_os.cpu_count() or 1))
 
+from . import runtime as _runtime  # noqa: E402
+
+_runtime.openmp_spin()  # before anything loads libgomp (import paddle does): see runtime.GOMP_SPINCOUNT
+
 __version__ = "0.1.0"
 
 from .config import Config, ConfigError, ModelConfig, PRESETS, load_config  # noqa: E402

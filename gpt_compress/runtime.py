@@ -28,8 +28,6 @@ one quiet window: none 7.7 s, +mkl_amd 4.0 s, +no strided views 3.4 s, +malloc 3
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -64,6 +62,9 @@ def cpu_flags() -> frozenset:
 
 
 def _glibc_mallopt():
+    import ctypes
+    import ctypes.util
+
     name = ctypes.util.find_library("c")
     return getattr(ctypes.CDLL(name), "mallopt", None) if name else None  # None off glibc
 
@@ -75,6 +76,39 @@ def prefer_mkl_avx2() -> str:
     if cpu_vendor() == "AuthenticAMD":
         os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
     return os.environ.get("MKL_DEBUG_CPU_TYPE", "")
+
+
+# libgomp's $GOMP_SPINCOUNT for the fused ops' OpenMP threads (kernels/): they spin this many
+# pause loops (~25 ns each on the AMD EPYC here: ~50 us) at a barrier or between regions, then
+# sleep. Waking a sleeping thread made an empty region cost 13-18 us instead of 3 us (libgomp
+# microbenchmark, load 8), ~32 times per decode step; libgomp's default (300,000 spins) made two
+# threads on a busy 2-core machine 10-30x slower than one (inference/fused.py DEFAULT_THREADS).
+GOMP_SPINCOUNT = "2000"
+_gomp_spin_applies = None
+
+
+def _libgomp_loaded() -> bool:
+    """Whether the system libgomp (soname libgomp.so.1, the one the ops link) is mapped in this
+    process. Vendored copies under other names (torch's libgomp-<hash>.so.1) do not count."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return any(os.path.basename(line.rstrip()).startswith("libgomp.so.1") for line in f)
+    except OSError:
+        return False
+
+
+def openmp_spin() -> bool:
+    """Set ``$GOMP_SPINCOUNT`` (unless the user set it or ``$OMP_WAIT_POLICY``) for libgomp, which
+    reads its environment once, when it is loaded; ``import gpt_compress`` calls this. Returns
+    whether the setting is in effect: False when libgomp was already loaded without it (``import
+    paddle`` loads it: a program that imports paddle before gpt_compress), decided at the first
+    call and remembered."""
+    global _gomp_spin_applies
+    if _gomp_spin_applies is None:
+        preset = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+        _gomp_spin_applies = preset or not _libgomp_loaded()
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+    return _gomp_spin_applies
 
 
 def enabled() -> bool:

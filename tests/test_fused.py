@@ -177,6 +177,13 @@ def test_repeated_generations_are_identical_and_clones_on_two_threads_agree(dirs
     for t in threads:
         t.join()
     assert not errors and results == [[first, first], [first, first]]
+    # The backend itself runs on its callers' threads (no worker thread): another thread's call
+    # gives the same tokens.
+    other = []
+    t = threading.Thread(target=lambda: other.append(gen.generate(PROMPTS, **kw).sequences))
+    t.start()
+    t.join()
+    assert other == [first]
 
 
 
@@ -242,6 +249,38 @@ def test_without_a_compiler_the_error_names_it_and_the_unfused_programs_run(dirs
     assert "no C++ compiler" in out["error"] and "no-such-g++" in out["error"]
     ref = Generator.from_dir(dirs["ckpt"], backend="dygraph").generate([[5, 6, 7]], max_new_tokens=6).sequences
     assert out["tokens"] == ref
+
+
+OPENMP_ORDER = r"""
+import json, os, sys, warnings
+if sys.argv[2] == "paddle_first":
+    import paddle  # noqa: F401  (loads libgomp before gpt_compress can set GOMP_SPINCOUNT)
+from gpt_compress.inference.fused import FusedBackend
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    backend = FusedBackend(sys.argv[1], verify=False)
+tokens = [int(t) for t in backend.prefill(*[__import__("numpy").array([[5, 6, 7]])] * 2)[0].argmax(-1)]
+print(json.dumps({"threads": backend.threads, "warning": " ".join(str(x.message) for x in w if "libgomp" in str(x.message)),
+                  "tokens": tokens}))
+"""
+
+
+def test_ops_threads_fall_back_to_one_when_libgomp_was_loaded_before_gpt_compress(dirs, tmp_path):
+    """``import gpt_compress`` sets GOMP_SPINCOUNT before libgomp reads it; a program that imports
+    paddle first (which loads libgomp) cannot get the short spin, and its fused ops run on one
+    thread by default, with a warning saying how to use all of them. Same logits either way."""
+    env = {k: v for k, v in ENV.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env["OMP_NUM_THREADS"] = "2"
+    out = {}
+    for order in ("paddle_first", "gpt_compress_first"):
+        proc = subprocess.run([sys.executable, "-c", OPENMP_ORDER, dirs["export"], order], env=env,
+                              cwd=str(tmp_path), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[order] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["gpt_compress_first"]["threads"] == 2 and out["gpt_compress_first"]["warning"] == ""
+    assert out["paddle_first"]["threads"] == 1
+    assert "GOMP_SPINCOUNT" in out["paddle_first"]["warning"] and "import gpt_compress before" in out["paddle_first"]["warning"]
+    assert out["paddle_first"]["tokens"] == out["gpt_compress_first"]["tokens"]
 
 
 def test_a_corrupt_cached_library_is_detected(dirs, tmp_path):

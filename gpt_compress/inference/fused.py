@@ -9,6 +9,13 @@ library is loaded before the predictor is created (``kernels.load_ops``); the op
 threads (``threads``; ``DEFAULT_THREADS`` = 0: $OMP_NUM_THREADS or all cores; one setting
 per process, passed as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
 
+Threads: unlike the unfused ``PaddleBackend`` (whose oneDNN/MKL kernels keep per-thread
+state, so its calls go to one worker thread), a fused predictor runs from any thread with
+bitwise the same outputs (``tests/test_fused.py``), so calls run on the caller's thread under
+the backend's lock (re-entrant: ``_call`` nests). That saves the worker-thread hop, two context
+switches per decode step. Each thread that calls owns one libgomp team of ``threads - 1``
+helpers for its life; parallel serving still gives each thread its own ``clone()``.
+
 ``paddle_backend`` picks this backend or the unfused ``PaddleBackend``: ``fused=None`` (default)
 uses the fused program on CPU when the export has one and falls back, with a warning naming
 why, when the operators cannot be built here; ``fused=True`` requires it; ``fused=False``
@@ -17,21 +24,25 @@ never uses it.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 
 from ..errors import KernelError
+from ..runtime import GOMP_SPINCOUNT, openmp_spin
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
-# spin only briefly at each barrier (kernels.load_ops sets GOMP_SPINCOUNT=2000 unless the user did): with
-# its default spinning, two threads on a loaded 2-core machine made a step 10-30x slower than one
-# (a spinning thread waits out a descheduled one). bench/decode.py gpt-bench, --rounds 2 --reps 2,
+# spin only briefly at each barrier (``import gpt_compress`` sets GOMP_SPINCOUNT=2000 unless the
+# user did: runtime.openmp_spin): with its default spinning, two threads on a loaded 2-core machine
+# made a step 10-30x slower than one (a spinning thread waits out a descheduled one). When libgomp
+# was loaded before gpt_compress was imported (``import paddle`` first), the setting cannot take
+# effect: the default then is one thread, with a warning (interleaved runs with another process
+# on one core, gpt-bench int8, 2 threads: 85-93 tok/s with the setting, 7-10 without). bench/decode.py gpt-bench, --rounds 2 --reps 2,
 # 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet, batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs
 # 92-114, int8 108-123 vs 244-269, prefill 56-61 vs 25-26 ms, batch 8 int8 372 vs 745; with two
 # busy loops beside it (load 2): fp32 31-40 vs 32-41, int8 108-112 vs 63-167, prefill 72-75 vs
@@ -76,12 +87,23 @@ class FusedBackend:
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
         self.threads, self.reserve = _threads(threads), reserve
+        if self.threads > 1 and not openmp_spin():
+            asked = f"{self.threads} threads as asked" if threads else "1 thread"
+            if not threads:
+                self.threads = 1
+            warnings.warn("libgomp (the fused operators' OpenMP runtime) was loaded before gpt_compress was "
+                          "imported (import paddle loads it), so it ignores gpt-compress's GOMP_SPINCOUNT="
+                          f"{GOMP_SPINCOUNT} and its threads spin at every barrier: on a busy machine two threads "
+                          f"ran 10x slower than one. Running the ops on {asked}; import gpt_compress before "
+                          "paddle, or set GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment, to use all "
+                          "threads safely", stacklevel=3)
         # The ops' OpenMP runtime is not Paddle's: they read their thread count from here (one
         # value per process: the last backend created sets it).
         os.environ["GPTC_THREADS"] = str(self.threads)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-fused")
-        self._pred = self._call(self._create)
+        self._lock = threading.RLock()
+        self._pred = self._create()
         self._io, self._bound = None, []  # the predictor's handles (made on first run); cache tensors bound
+        self._rows, self._decode_rows = None, {}  # rows bound; decode's rows array per (batch, new tokens)
 
     def _create(self):
         from .predictor import ProgramOptions, create_predictor  # plain CPU kernels, no oneDNN
@@ -89,23 +111,26 @@ class FusedBackend:
         return create_predictor(self.files, ProgramOptions(threads=self.threads))
 
     def _call(self, fn, *args):
-        """Run on this backend's own worker thread (a predictor keeps per-thread state)."""
-        return self._worker.submit(fn, *args).result()
+        """Run ``fn(*args)`` on the calling thread, one call of this backend at a time."""
+        with self._lock:
+            return fn(*args)
 
     def clone(self) -> "FusedBackend":
-        """An independent backend (own worker thread) sharing this one's weights."""
+        """An independent backend (own lock, own predictor) sharing this one's weights."""
         other = object.__new__(FusedBackend)
         other.__dict__.update(self.__dict__)
-        other._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-fused")
+        other._lock = threading.RLock()
         other._pred = self._call(self._pred.clone)
-        other._io, other._bound = None, []
+        other._io, other._bound, other._rows, other._decode_rows = None, [], None, {}
         return other
 
     # ------------------------------------------------------------------ cache
     def _alloc(self, batch: int, capacity: int) -> list:
+        """Uninitialised: the ops read a cached position only once it is written and unmasked
+        (attention walks each row's unmasked keys, all below the mask's width)."""
         import paddle
 
-        return [paddle.zeros([batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
+        return [paddle.empty([batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
                 for layer in self.layers for _ in range(2)]
 
     def _capacity(self, needed: int) -> int:
@@ -115,7 +140,9 @@ class FusedBackend:
     def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list) -> np.ndarray:
         """One program run through the predictor's input/output handles: the three int64 inputs
         copied in, the cache tensors shared (bound again only when they are not the previous
-        run's tensors: a decode step binds nothing), the logits copied out. Per batch-1 step
+        run's tensors: a decode step binds nothing), the logits copied out. ``rows`` is never
+        mutated after a call (it is not copied again when it is the array bound last: decode
+        passes one array per batch shape). Per batch-1 step
         this saves the three ``paddle.to_tensor`` and most of ``Predictor.run(list)``'s own
         cost (bench/kernels.py's ``decode_wrapper``)."""
         if self._io is None:
@@ -123,8 +150,11 @@ class FusedBackend:
             self._io = ([self._pred.get_input_handle(n) for n in names],
                         self._pred.get_output_handle(self._pred.get_output_names()[0]))
         inputs, output = self._io
-        for handle, arr in zip(inputs, (ids, mask, rows)):
+        for handle, arr in zip(inputs, (ids, mask)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
+        if rows is not self._rows:  # a decode step passes the previous step's rows array
+            inputs[2].copy_from_cpu(np.ascontiguousarray(rows, dtype=np.int64))
+            self._rows = rows
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
             for handle, tensor in zip(inputs[3:], caches):
@@ -149,8 +179,6 @@ class FusedBackend:
         return self._call(self._decode, input_ids, attention_mask, cache)
 
     def _decode(self, input_ids, attention_mask, cache):
-        import paddle
-
         b, t = input_ids.shape
         need = cache.length + t
         if attention_mask.shape[1] != need:
@@ -161,8 +189,10 @@ class FusedBackend:
             for new, old in zip(grown, cache.tensors):
                 new[:, :, :cache.length] = old[:, :, :cache.length]
             cache = FusedCache(grown, cache.length)
-        with paddle.no_grad():
-            logits = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors)
+        rows = self._decode_rows.get((b, t))
+        if rows is None:
+            rows = self._decode_rows[(b, t)] = np.arange(b) * t + t - 1
+        logits = self._run(input_ids, attention_mask, rows, cache.tensors)
         cache.length = need
         return logits, cache
 
@@ -197,6 +227,7 @@ class FusedBackend:
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
+        rows = np.array(rows, dtype=np.int64)  # our own: _run skips a rows array it bound last
         return self._run(input_ids, attention_mask, rows, self._alloc(b, t))
 
 

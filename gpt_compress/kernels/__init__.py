@@ -35,7 +35,7 @@ from typing import Mapping, Optional
 
 from ..errors import KernelError
 from ..fileio import sha256_file as _sha256
-from ..runtime import cpu_flags
+from ..runtime import cpu_flags, openmp_spin
 
 DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
@@ -53,7 +53,6 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: 
 # a batch-1 step 4x slower on a busy machine: its threads spin 200 ms after every region.)
 LDFLAGS = ["-fopenmp"]
 OPS = ("gptc_embed", "gptc_layer", "gptc_head")
-SPINCOUNT = "2000"  # libgomp's $GOMP_SPINCOUNT default for the ops (see load_ops)
 
 _lock = threading.Lock()
 _module = None
@@ -187,14 +186,7 @@ def load_ops():
     with _lock:
         if _module is not None:
             return _module
-        # libgomp reads this when the library loads: its threads spin this many pause loops
-        # (~25 ns each on the AMD EPYC here: ~50 us) at a barrier or between regions, then sleep.
-        # Waking a sleeping thread made an empty region cost 13-18 us instead of 3 us (libgomp
-        # microbenchmark, load 8), ~32 times per decode step; libgomp's default spin (300,000)
-        # made two threads on a loaded 2-core machine 10-30x slower (inference/fused.py
-        # DEFAULT_THREADS): a short spin bounds that waste. No effect when another library
-        # (torch) loaded libgomp earlier in the process: then only speed differs.
-        os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
+        openmp_spin()  # the ops' libgomp threads spin briefly, if libgomp is not loaded yet (runtime.py)
         sources = read_sources()  # read once: the key and the snapshot are the same text
         directory = cache_dir(sources)  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)

@@ -179,7 +179,7 @@ std::vector<paddle::Tensor> LayerForward(
                         : prepare_inputs(qkv, h, M, sc);
     if (lead) lp.lap(kLn1);
     if (by_head) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
       for (int64_t hh = 0; hh < H; ++hh) {
         linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
         for (int64_t b = 0; b < B; ++b) attend_head(b, hh, sc);

@@ -150,11 +150,17 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
 #endif
 }
 
-// y (1, N) = epilogue(x @ W^T + bias), the GEMV_ROWS chunks shared out like linear_for's blocks.
+// y (1, N) = epilogue(x @ W^T + bias), the GEMV_ROWS chunks shared out among the threads of the
+// enclosing region as they come for them, `grain` at a time (about 16 grabs per thread): a
+// thread that a busy machine delays, or that joins the region late (woken from its sleep
+// between ops), leaves its share to the others instead of making them wait at the barrier.
+// Consecutive chunks of a grab keep the rows' streams (and prefetches) running on one core.
+// Which thread computes an output never changes its value.
 void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
+  const int64_t grain = std::max<int64_t>(1, chunks / (16 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, grain)
   for (int64_t c = 0; c < chunks; ++c)
     gemv_rows(L, in, c * GEMV_ROWS, std::min(L.n, (c + 1) * GEMV_ROWS), y, res, act, sc);
 }
@@ -168,13 +174,16 @@ void linear_rows(const Lin& L, const In& in, int64_t M, int64_t r0, int64_t r1, 
 }
 
 // y (M, N) = epilogue(x (M, K) @ W^T + bias), the blocks shared out among the threads of the
-// enclosing parallel region (an orphaned worksharing loop; its end is a barrier), or all on
-// the calling thread outside one.
+// enclosing parallel region (an orphaned worksharing loop; its end is a barrier) as they come
+// for them, `grain` consecutive blocks at a time (about 8 grabs a thread: a delayed thread's
+// share goes to the others, as in gemv_for; the next-block prefetch misses only at a grab's
+// end), or all on the calling thread outside one.
 void linear_for(const Lin& L, const In& in, int64_t M, float* y, const float* res, int act) {
   if (M == 1 && gemv_ok(L, in)) return gemv_for(L, in, y, res, act);
   const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
+  const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, grain)
   for (int64_t blk = 0; blk < nblocks; ++blk)
     linear_block(L, in, M, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), y, L.n, res, act, sc);
 }

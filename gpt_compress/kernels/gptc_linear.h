@@ -152,8 +152,8 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   float* t = grow(sc.tile, size_t(M * NBLK));
-  // M > 1: the next block's weights (this thread's next: the blocks of a static schedule are
-  // consecutive) are prefetched by the tiles; its scales here.
+  // M > 1: the next block's weights (this thread's next, but at the end of a grab of
+  // linear_for's dynamic schedule) are prefetched by the tiles; its scales here.
   const char* pf = nullptr;
   int64_t pf_bytes = 0;
   if (M > 1 && n0 + NBLK < L.n) {

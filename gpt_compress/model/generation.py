@@ -154,15 +154,17 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
     rng = np.random.default_rng(cfg.seed)
     logits, cache = backend.prefill(ids, mask)
     vocab = logits.shape[-1]
-    seen = np.zeros((batch, vocab), dtype=bool)
-    if cfg.repetition_penalty != 1.0:
+    penalty = cfg.repetition_penalty != 1.0  # only the penalty reads ``seen``
+    seen = np.zeros((batch, vocab if penalty else 0), dtype=bool)
+    if penalty:
         rows, cols = np.nonzero(mask)
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
     for step in range(cfg.max_new_tokens):
         nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng)
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
-        seen[np.arange(batch), nxt] |= unfinished
+        if penalty:
+            seen[np.arange(batch), nxt] |= unfinished
         yield nxt
         if eos_token_id is not None:
             unfinished &= nxt != eos_token_id
