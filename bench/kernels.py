@@ -19,7 +19,9 @@ It reports per batch-1 decode step, in microseconds:
 - ``overhead_us``: generate - decode (the Python loop: argmax, mask concat), decode - run (the
   worker-thread hop, the inputs copied in, the (B, V) logits copied out), run - ops (Paddle
   Inference), and the op-measured gaps.
-Prefill (the prompt) sections are reported under ``prefill_ms``.
+Prefill (the prompt) sections are reported under ``prefill_ms``. The ops hand rows to their threads
+dynamically, and sections are timed by thread 0: when it arrives late the other thread may have
+done a section's work already, so a section's *fastest* call can be near zero; read the means.
 """
 from __future__ import annotations
 

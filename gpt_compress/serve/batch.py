@@ -58,7 +58,8 @@ class BatchDecoder:
 
     def __init__(self, backend):
         self.backend = backend
-        # Paddle tensors must be touched on the backend's own worker thread (predictor.py).
+        # Paddle tensors are touched through the backend's _call: on its own worker thread
+        # (predictor.py) or under its lock (inference/fused.py).
         self._on_backend = getattr(backend, "_call", lambda fn, *args: fn(*args))
         self.keys: list[Hashable] = []
         self._cache: Any = None
