@@ -42,9 +42,9 @@ RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in
 # made a step 10-30x slower than one (a spinning thread waits out a descheduled one). When libgomp
 # was loaded before gpt_compress was imported (``import paddle`` first), the setting cannot take
 # effect: the default then is one thread, with a warning (interleaved runs with another process
-# on one core, gpt-bench int8, 2 threads: 85-93 tok/s with the setting, 7-10 without). bench/decode.py gpt-bench, --rounds 2 --reps 2,
-# 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet, batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs
-# 92-114, int8 108-123 vs 244-269, prefill 56-61 vs 25-26 ms, batch 8 int8 372 vs 745; with two
+# on one core, gpt-bench int8, 2 threads: 85-93 tok/s with the setting, 7-10 without).
+# bench/decode.py gpt-bench, --rounds 2 --reps 2, 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet,
+# batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs 92-114, int8 108-123 vs 244-269, prefill 56-61 vs 25-26 ms, batch 8 int8 372 vs 745; with two
 # busy loops beside it (load 2): fp32 31-40 vs 32-41, int8 108-112 vs 63-167, prefill 72-75 vs
 # 40-51 ms. Spinning (libgomp's default) under that load: 2.9 tok/s.
 DEFAULT_THREADS = 0
