@@ -56,10 +56,20 @@ def state_dict_numpy(model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}
 
 
+def _host_array(t) -> np.ndarray:
+    """A Paddle tensor's value as numpy: a view of its memory for a CPU tensor (DLPack: no copy),
+    else ``t.numpy()`` (device tensors, dtypes numpy lacks)."""
+    try:
+        return np.from_dlpack(t.detach())  # detach: a view of the same memory, without autograd
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        return t.numpy()
+
+
 def write_weights(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
     """Write Paddle tensors (or arrays) ``tensors`` to safetensors file ``path`` one tensor at a
     time (``safetensors.numpy.save_file`` needs them all as numpy at once: a second copy of the
-    weights). Keys in sorted order, the header padded to 8 bytes, as safetensors writes it."""
+    weights), a CPU tensor straight from its memory (``_host_array``). Keys in sorted order, the
+    header padded to 8 bytes, as safetensors writes it."""
     codes = {v.name: k for k, v in _DTYPES.items()}
     header, offset = {}, 0
     for k in sorted(tensors):
@@ -79,7 +89,7 @@ def write_weights(tensors: dict, path: str, metadata: Optional[dict] = None) -> 
         f.write(np.uint64(len(raw)).astype("<u8").tobytes() + raw)
         for k in sorted(tensors):
             t = tensors[k]
-            a = np.ascontiguousarray(t if isinstance(t, np.ndarray) else t.numpy(), dtype=_DTYPES[header[k]["dtype"]])
+            a = np.ascontiguousarray(t if isinstance(t, np.ndarray) else _host_array(t), dtype=_DTYPES[header[k]["dtype"]])
             f.write(memoryview(a).cast("B"))  # little-endian, C order: safetensors' layout
             del a
 

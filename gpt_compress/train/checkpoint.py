@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 
 from ..checkpoint import (CheckpointError, FORMAT, FORMAT_VERSION, WEIGHTS, CONFIG, assign_weights,
-                          load_weights, verify_checksums)
+                          load_weights, verify_checksums, write_weights)
 from ..fileio import write_dir_atomic, write_json_atomic
 
 OPTIMIZER = "optimizer.safetensors"
@@ -63,7 +63,7 @@ def set_rng_state(state: dict) -> None:
 def _optimizer_tensors(model, optimizer, to_numpy=None) -> tuple[dict, dict]:
     """Optimizer state keyed by public parameter names: (tensors, json extras). ``to_numpy``
     turns a state tensor into its whole value (a gather for distributed tensors); by default the
-    Paddle tensors themselves (``_save_tensors`` writes them without a copy)."""
+    Paddle tensors themselves (``write_weights`` writes them without a copy)."""
     to_numpy = to_numpy or (lambda t: t)
     internal = {p.name: n for n, p in model.named_parameters()}
     by_len = sorted(internal, key=len, reverse=True)
@@ -90,17 +90,6 @@ def _load_optimizer(model, optimizer, tensors: dict, scheduler_state: dict) -> N
     optimizer.set_state_dict(sd)
 
 
-def _save_tensors(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
-    """Write ``tensors`` to safetensors file ``path``: Paddle tensors straight from their memory
-    (``safetensors.paddle`` >= 0.8 hands the writer their data pointers: no copy), or the numpy
-    arrays a distributed run gathered."""
-    if all(isinstance(t, paddle.Tensor) for t in tensors.values()):
-        from safetensors.paddle import save_file
-    else:
-        from safetensors.numpy import save_file
-    save_file(tensors, path, metadata=metadata)
-
-
 def save_training_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, consumed_samples: int,
                              run_config: dict, tokenizer=None, keep: int = 3, extra: Optional[dict] = None,
                              parallel=None) -> str:
@@ -122,8 +111,8 @@ def save_training_checkpoint(output_dir: str, step: int, model, optimizer, sched
              "optimizer_extra": opt_extra, "rng": rng_state(), "run_config": run_config, **(extra or {})}
 
     def write(tmp):
-        _save_tensors(weights, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
-        _save_tensors(opt_tensors, os.path.join(tmp, OPTIMIZER))
+        write_weights(weights, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
+        write_weights(opt_tensors, os.path.join(tmp, OPTIMIZER))
         write_json_atomic(os.path.join(tmp, CONFIG), {"format": FORMAT, "format_version": FORMAT_VERSION,
                                                       "head": head, "model": model.config.to_dict()})
         write_json_atomic(os.path.join(tmp, STATE), state)
