@@ -3,9 +3,9 @@
 ``gptc`` applies them to every command (``GPTC_TUNE_CPU=0`` turns that off); the Paddle Inference
 runner applies ``prefer_mkl_avx2`` when it is imported, and the test suite before any test runs
 (tests/conftest.py: MKL keeps the kernels of the process's first matmul, so a test's numbers
-would otherwise depend on the tests before it). ``import gpt_compress`` applies nothing (the
-benchmarks' untuned baselines import it): code that trains through the Python API calls
-``tune_cpu()`` first.
+would otherwise depend on the tests before it). ``import gpt_compress`` applies none of these
+(the benchmarks' untuned baselines import it; code that trains through the Python API calls
+``tune_cpu()`` first), only ``openmp_spin`` for the fused operators' OpenMP runtime.
 
 Measured on a 2-core AMD EPYC (Zen 4) VM, gpt-bench train step (batch 8 x seq 256, fp32, AdamW),
 one quiet window: none 7.7 s, +mkl_amd 4.0 s, +no strided views 3.4 s, +malloc 3.0 s

@@ -103,7 +103,6 @@ class FusedBackend:
         self._lock = threading.RLock()
         self._pred = self._create()
         self._io, self._bound = None, []  # the predictor's handles (made on first run); cache tensors bound
-        self._rows, self._decode_rows = None, {}  # rows bound; decode's rows array per (batch, new tokens)
 
     def _create(self):
         from .predictor import ProgramOptions, create_predictor  # plain CPU kernels, no oneDNN
@@ -121,7 +120,7 @@ class FusedBackend:
         other.__dict__.update(self.__dict__)
         other._lock = threading.RLock()
         other._pred = self._call(self._pred.clone)
-        other._io, other._bound, other._rows, other._decode_rows = None, [], None, {}
+        other._io, other._bound = None, []
         return other
 
     # ------------------------------------------------------------------ cache
@@ -140,9 +139,7 @@ class FusedBackend:
     def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list) -> np.ndarray:
         """One program run through the predictor's input/output handles: the three int64 inputs
         copied in, the cache tensors shared (bound again only when they are not the previous
-        run's tensors: a decode step binds nothing), the logits copied out. ``rows`` is never
-        mutated after a call (it is not copied again when it is the array bound last: decode
-        passes one array per batch shape). Per batch-1 step
+        run's tensors: a decode step binds nothing), the logits copied out. Per batch-1 step
         this saves the three ``paddle.to_tensor`` and most of ``Predictor.run(list)``'s own
         cost (bench/kernels.py's ``decode_wrapper``)."""
         if self._io is None:
@@ -150,11 +147,8 @@ class FusedBackend:
             self._io = ([self._pred.get_input_handle(n) for n in names],
                         self._pred.get_output_handle(self._pred.get_output_names()[0]))
         inputs, output = self._io
-        for handle, arr in zip(inputs, (ids, mask)):
+        for handle, arr in zip(inputs, (ids, mask, rows)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
-        if rows is not self._rows:  # a decode step passes the previous step's rows array
-            inputs[2].copy_from_cpu(np.ascontiguousarray(rows, dtype=np.int64))
-            self._rows = rows
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
             for handle, tensor in zip(inputs[3:], caches):
@@ -189,10 +183,7 @@ class FusedBackend:
             for new, old in zip(grown, cache.tensors):
                 new[:, :, :cache.length] = old[:, :, :cache.length]
             cache = FusedCache(grown, cache.length)
-        rows = self._decode_rows.get((b, t))
-        if rows is None:
-            rows = self._decode_rows[(b, t)] = np.arange(b) * t + t - 1
-        logits = self._run(input_ids, attention_mask, rows, cache.tensors)
+        logits = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors)
         cache.length = need
         return logits, cache
 
@@ -227,7 +218,6 @@ class FusedBackend:
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
-        rows = np.array(rows, dtype=np.int64)  # our own: _run skips a rows array it bound last
         return self._run(input_ids, attention_mask, rows, self._alloc(b, t))
 
 

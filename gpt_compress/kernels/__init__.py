@@ -35,7 +35,7 @@ from typing import Mapping, Optional
 
 from ..errors import KernelError
 from ..fileio import sha256_file as _sha256
-from ..runtime import cpu_flags, openmp_spin
+from ..runtime import cpu_flags
 
 DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
@@ -82,17 +82,14 @@ def read_sources(directory: Optional[str] = None) -> dict:
     return out
 
 
-def _hash_sources(h, sources: Mapping[str, bytes]) -> None:
+def sources_sha256(sources: Optional[Mapping[str, bytes]] = None) -> str:
+    """Hex sha256 of every source file's name and bytes (``sources``, else the package's files)."""
+    h = hashlib.sha256()
+    sources = read_sources() if sources is None else sources
     for name in SOURCES:  # fixed order; name and length first, so no two file sets hash alike
         data = sources[name]
         h.update(f"{name}\0{len(data)}\0".encode())
         h.update(data)
-
-
-def sources_sha256(sources: Optional[Mapping[str, bytes]] = None) -> str:
-    """Hex sha256 of every source file's name and bytes (``sources``, else the package's files)."""
-    h = hashlib.sha256()
-    _hash_sources(h, read_sources() if sources is None else sources)
     return h.hexdigest()
 
 
@@ -101,8 +98,7 @@ def cache_key(sources: Optional[Mapping[str, bytes]] = None) -> str:
     package's files), compiler, flags, Paddle version and CPU flags (the cache subdirectory)."""
     import paddle
 
-    h = hashlib.sha256()
-    _hash_sources(h, read_sources() if sources is None else sources)
+    h = hashlib.sha256(sources_sha256(sources).encode())
     for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
@@ -186,7 +182,6 @@ def load_ops():
     with _lock:
         if _module is not None:
             return _module
-        openmp_spin()  # the ops' libgomp threads spin briefly, if libgomp is not loaded yet (runtime.py)
         sources = read_sources()  # read once: the key and the snapshot are the same text
         directory = cache_dir(sources)  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
