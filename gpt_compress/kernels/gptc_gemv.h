@@ -22,6 +22,7 @@ namespace {
 constexpr int64_t GEMV_ROWS = 64;  // rows per work item (and per epilogue pass)
 constexpr int GEMV_NR_F = 8;       // float weight rows per pass
 constexpr int GEMV_NR_I = 4;       // int weight rows per pass
+constexpr int GEMV_NR_I32 = 8;     // int weight rows per pass, blocks of 32 (igemv32_tile)
 constexpr int GEMV_PREFETCH = 6144;  // bytes ahead in a row's stream (the hardware prefetchers lag)
 
 inline bool gemv_ok(const Lin& L, const In& in) {
@@ -91,6 +92,47 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, int64_t nb, int64_t b
   GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n] = hsum(acc[n]) + (bias ? bias[n] : 0.f);
 }
 
+// igemv_tile for blocks of 32 inputs (the default format: one 32-code step per block): the block
+// loop flat (no inner step loop, no per-step prefetch test), two blocks a pass, GEMV_NR_I32 rows.
+// The same operations in the same order per output as igemv_tile (bitwise equal). Standalone copy
+// on the AMD EPYC here (one core, 1024 x 384 int8 weights in L2, best of 400): 21.9 -> 14.5 us;
+// the 50304 x 384 head on 2 threads 608 -> 453-477 us.
+template <int NR, bool I4>
+inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const int8_t* q, int64_t ldq,
+                         const float* prod, float* y, const float* bias) {
+  __m256 acc[NR];
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  auto block = [&](int64_t b) {
+    const int64_t c = b * 32, off = I4 ? c / 2 : c;
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
+    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax + c));
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      __m256i wv;
+      if (I4) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * ldq + off));
+        wv = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4), eight);
+      } else {
+        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + off));
+      }
+      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(av, xv, wv)), _mm256_broadcast_ss(prod + n * nb + b),
+                               acc[n]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const int64_t off = I4 ? b * 16 : b * 32;  // a prefetch per 64 bytes of each row
+    if (!I4 || !(b & 3)) {
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(q + n * ldq + off) + GEMV_PREFETCH, _MM_HINT_T0);
+    }
+    block(b);
+    block(b + 1);
+  }
+  if (b < nb) block(b);
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n] = hsum(acc[n]) + (bias ? bias[n] : 0.f);
+}
+
 // Rows [n0, n0 + nr) of an int layer into t.
 template <bool I4>
 void igemv(const Lin& L, const In& in, const int8_t* ax, int64_t n0, int64_t nr, float* t, Scratch& sc) {
@@ -106,6 +148,13 @@ void igemv(const Lin& L, const In& in, const int8_t* ax, int64_t n0, int64_t nr,
   const int8_t* q = L.wq + n0 * ldq;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   int64_t n = 0;
+  if (L.blk == 32) {
+    for (; n + GEMV_NR_I32 <= nr; n += GEMV_NR_I32)
+      igemv32_tile<GEMV_NR_I32, I4>(in.xq, ax, nb, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
+    for (; n < nr; ++n)
+      igemv32_tile<1, I4>(in.xq, ax, nb, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
+    return;
+  }
   for (; n + GEMV_NR_I <= nr; n += GEMV_NR_I)
     igemv_tile<GEMV_NR_I, I4>(in.xq, ax, nb, L.blk, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
   for (; n < nr; ++n)
