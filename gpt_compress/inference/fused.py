@@ -136,17 +136,19 @@ class FusedBackend:
         return min(max(needed, self.manifest.max_positions), needed + self.reserve)
 
     # ------------------------------------------------------------------ runs
-    def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list) -> np.ndarray:
+    def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list,
+             tokens: bool = False) -> np.ndarray:
         """One program run through the predictor's input/output handles: the three int64 inputs
         copied in, the cache tensors shared (bound again only when they are not the previous
         run's tensors: a decode step binds nothing), the logits copied out. Per batch-1 step
         this saves the three ``paddle.to_tensor`` and most of ``Predictor.run(list)``'s own
-        cost (bench/kernels.py's ``decode_wrapper``)."""
+        cost (bench/kernels.py's ``decode_wrapper``). ``tokens``: the argmax per row instead of
+        the logits (the program's second output, else ``np.argmax`` of the logits)."""
         if self._io is None:
             names = self._pred.get_input_names()
             self._io = ([self._pred.get_input_handle(n) for n in names],
-                        self._pred.get_output_handle(self._pred.get_output_names()[0]))
-        inputs, output = self._io
+                        [self._pred.get_output_handle(n) for n in self._pred.get_output_names()])
+        inputs, outputs = self._io
         for handle, arr in zip(inputs, (ids, mask, rows)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
         bound = self._bound
@@ -155,7 +157,9 @@ class FusedBackend:
                 handle.share_external_data(tensor)
             self._bound = list(caches)  # the predictor's inputs hold these tensors' memory until rebound
         self._pred.run()
-        return output.copy_to_cpu()
+        if not tokens:
+            return outputs[0].copy_to_cpu()
+        return outputs[1].copy_to_cpu() if len(outputs) > 1 else np.argmax(outputs[0].copy_to_cpu(), axis=-1)
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
         """Prompt (B, T) -> last logits (B, V) float32, cache."""
@@ -172,7 +176,13 @@ class FusedBackend:
         place: do not reuse the old one)."""
         return self._call(self._decode, input_ids, attention_mask, cache)
 
-    def _decode(self, input_ids, attention_mask, cache):
+    def decode_greedy(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
+        """``decode``'s argmax token per row (B,) int64 (``np.argmax``'s choice) and the cache: the
+        program's token output when it has one (the logits stay in the predictor), else the
+        argmax of the logits."""
+        return self._call(self._decode, input_ids, attention_mask, cache, True)
+
+    def _decode(self, input_ids, attention_mask, cache, tokens: bool = False):
         b, t = input_ids.shape
         need = cache.length + t
         if attention_mask.shape[1] != need:
@@ -183,9 +193,9 @@ class FusedBackend:
             for new, old in zip(grown, cache.tensors):
                 new[:, :, :cache.length] = old[:, :, :cache.length]
             cache = FusedCache(grown, cache.length)
-        logits = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors)
+        out = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors, tokens)
         cache.length = need
-        return logits, cache
+        return out, cache
 
     def reorder_cache(self, cache: FusedCache, rows: np.ndarray) -> FusedCache:
         """Gather cache rows (beam search): new tensors."""

@@ -1,6 +1,6 @@
 // Common definitions of the fused CPU operators: the includes, the profiler ($GPTC_PROFILE), the
 // thread count ($GPTC_THREADS), a Linear's weights (Lin) and the AVX2 vector helpers (hsum,
-// the int8 dot product, exp8).
+// the int8 dot product, exp8) and a row's argmax.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_COMMON_H_
 #define GPTC_KERNELS_GPTC_COMMON_H_
@@ -176,6 +176,35 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+// np.argmax of a row of n floats: the first NaN if there is one, else the first maximum (values
+// compare as numpy compares them: -0 == +0). Greedy decoding's token (the decoder op's Tokens).
+inline int64_t row_argmax(const float* v, int64_t n) {
+  float m = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (n >= 8) {
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(v + i);
+      un = _mm256_or_ps(un, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      mv = _mm256_max_ps(x, mv);  // a NaN x leaves mv (max_ps returns its second operand)
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mv);
+    for (float l : lanes) m = std::max(m, l);
+    nan = _mm256_movemask_ps(un) != 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    if (v[i] != v[i]) nan = true;
+    else if (v[i] > m) m = v[i];
+  }
+  for (i = 0; i < n; ++i)
+    if (nan ? v[i] != v[i] : v[i] == m) return i;
+  return 0;  // n == 0
+}
 
 }  // namespace
 

@@ -39,6 +39,11 @@ class DecodeBackend(Protocol):
     def reorder_cache(self, cache: Any, rows: np.ndarray) -> Any:
         """Select/duplicate cache rows (beam search)."""
 
+    # Optional: ``decode_greedy(ids (B,1), mask (B,S+1), cache) -> (tokens (B,) int64, cache)``,
+    # the argmax of ``decode``'s logits (``np.argmax``'s choice: the first maximum, or the first
+    # NaN) without handing the logits out. Greedy decoding uses it on the steps no logits
+    # processor changes (``_plain_greedy``).
+
 
 @dataclass
 class GenerationOutput:
@@ -131,6 +136,12 @@ def _processed(logits, seen, step, cfg, eos):
     return scores
 
 
+def _plain_greedy(cfg: GenerationConfig, step: int, eos) -> bool:
+    """Greedy with no processor at ``step``: the token is the argmax of the raw logits."""
+    return (cfg.decode_strategy == "greedy" and cfg.repetition_penalty == 1.0
+            and (step >= cfg.min_new_tokens or eos is None))
+
+
 def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: GenerationConfig,
                 eos_token_id: Optional[int], rng: np.random.Generator) -> np.ndarray:
     """The token (B,) chosen from each row of ``logits`` (B, V) at generation step ``step``
@@ -160,8 +171,9 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         rows, cols = np.nonzero(mask)
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
+    greedy = getattr(backend, "decode_greedy", None)  # the argmax made by the backend (no logits copied out)
     for step in range(cfg.max_new_tokens):
-        nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng)
+        nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng) if logits is not None else argmax
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
         if penalty:
             seen[np.arange(batch), nxt] |= unfinished
@@ -171,7 +183,10 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         if not unfinished.any() or step == cfg.max_new_tokens - 1:
             return
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-        logits, cache = backend.decode(nxt[:, None], mask, cache)
+        if greedy is not None and _plain_greedy(cfg, step + 1, eos_token_id):
+            (argmax, cache), logits = greedy(nxt[:, None], mask, cache), None
+        else:
+            logits, cache = backend.decode(nxt[:, None], mask, cache)
 
 
 # --------------------------------------------------------------------------------------
