@@ -6,12 +6,16 @@ One program serves all three (so a runner holds one copy of the weights)::
     fused(input_ids (B,T), attention_mask (B,S+T), rows (n,), cache_key_0, cache_value_0, ...)
         -> logits (n, V) of the flat positions ``rows`` of the (B*T) new tokens
 
-It is ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head``. Each layer writes its new
-keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)`` at
-positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as inplace
-outputs, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated or
-copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
-scoring asks for every row.
+It is one ``gptc_decoder`` op: embed, every block and the LM head in one call (Paddle's executor
+cost per op, paid once a step; the op's threads stay in one parallel region). Each block writes
+its new keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)``
+at positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as an inplace
+vector output, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated
+or copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
+scoring asks for every row. Exports written before it (kernel version 1) hold the same
+computation as ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head`` (bitwise the same
+logits); those ops stay registered so they still run, and ``FusedLM(..., stack=False)`` builds
+that form.
 
 Weights are stored (N, K) per Linear in the format the model was quantized to
 (``qat.quantize``): float32; weight-only int8 / int4 (blocks of ``weight_block_size``, int4
@@ -136,13 +140,15 @@ def fused_weights(model) -> dict:
 
 class FusedLM(nn.Layer):
     """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
-    op formats, ``forward`` = embed, layers, head (see the module docstring)."""
+    op formats, ``forward`` = embed, layers, head (see the module docstring): one
+    ``gptc_decoder`` call, or with ``stack=False`` the per-layer ops of kernel version 1."""
 
-    def __init__(self, weights: dict, ops=None):
+    def __init__(self, weights: dict, ops=None, stack: bool = True):
         super().__init__()
         from ..kernels import load_ops
 
         self.ops = ops or load_ops()
+        self.stack = stack
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
         self._none = self._buf("none", np.zeros([1], np.float32))
@@ -167,6 +173,9 @@ class FusedLM(nn.Layer):
             self.head_w = self._buf("head_w", head["w"])
             self.head_s = self._buf("head_s", head["s"]) if head["s"] is not None else self._none
         self.head_bits, self.head_act = head["bits"], float(head["act"])
+        # gptc_decoder's weights vector (gptc_decoder_stack.h): the fixed eight, then each block's.
+        self.stack_weights = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
+        self.stack_weights += [w for args in self.layer_args for w in args]
 
     def _buf(self, name: str, array: np.ndarray) -> paddle.Tensor:
         self.register_buffer(name, paddle.to_tensor(np.ascontiguousarray(array)), persistable=True)
@@ -186,6 +195,12 @@ class FusedLM(nn.Layer):
     def forward(self, input_ids, attention_mask, rows, caches):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V);
         the caches are written in place."""
+        if self.stack:
+            out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches), self.stack_weights,
+                                        self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs], self.eps,
+                                        self.activation, [b for a in self.layer_attrs for b in a[1]],
+                                        [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
+            return out[0] if isinstance(out, (list, tuple)) else out
         x = self.ops.gptc_embed(input_ids, attention_mask, self.wte, self.wte_s, self.wpe, self.wpe_s,
                                 self.wte_bits, self.wpe_bits)
         for i, (args, (heads, bits, acts)) in enumerate(zip(self.layer_args, self.layer_attrs)):
@@ -225,14 +240,14 @@ def count_ops(program_json: str) -> dict[str, int]:
     return dict(names)
 
 
-def save_fused(model, out_dir: str) -> dict:
+def save_fused(model, out_dir: str, stack: bool = True) -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
-    (``model`` is not mutated). Returns the manifest's ``fused`` entry. Raises ``KernelError`` when
+    (``model`` is not mutated; ``stack=False``: the per-layer program of kernel version 1). Returns the manifest's ``fused`` entry. Raises ``KernelError`` when
     the operators cannot be built, ``ExportError`` for a model with no fused form."""
     from ..kernels import kernel_info
 
     cfg = model.config
-    layer = FusedLM(fused_weights(model))
+    layer = FusedLM(fused_weights(model), stack=stack)
     layer.eval()
     static = paddle.jit.to_static(layer, input_spec=input_spec(cfg), full_graph=True)
     scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
@@ -244,7 +259,8 @@ def save_fused(model, out_dir: str) -> dict:
             os.replace(os.path.join(scratch, src), os.path.join(out_dir, dst))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel_info(),
+    kernel = {**kernel_info(), **({} if stack else {"version": 1})}  # version 1: the per-layer ops
+    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel,
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
                         "head_bits": layer.head_bits},

@@ -1,0 +1,120 @@
+// gptc_decoder: the whole decoder (embed, every block, final layer norm and LM head) in one
+// operator call and one OpenMP parallel region, so a decode step pays Paddle's per-op executor
+// cost once and the op's threads never go back to sleep between blocks (libgomp parks them
+// after GOMP_SPINCOUNT spins, shorter than the gap between two ops). The arithmetic is the
+// per-layer ops' (gptc_decoder_ops.h: the same embed_rows, layer_step and head inputs), so a
+// program of this op gives bitwise the logits of the gptc_embed -> gptc_layer... -> gptc_head
+// programs (tests/test_fused.py).
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_DECODER_STACK_H_
+#define GPTC_KERNELS_GPTC_DECODER_STACK_H_
+
+#include "gptc_decoder_ops.h"
+
+namespace {
+
+// Activations of the blocks, ping-pong (block i reads act[i % 2], writes act[(i + 1) % 2]): the
+// calling thread's, kept across calls as Shared is.
+struct StackBuffers {
+  std::vector<float> act[2];
+};
+thread_local StackBuffers t_stack;
+
+// Weights vector of gptc_decoder: kHeadW first entries, then kPerLayer per block.
+enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
+constexpr int kPerLayer = 16;
+
+}  // namespace
+
+// ids (B, T), mask (B, S+T), rows (n,), caches [k_0, v_0, k_1, ...] (B, H_i, cap, D) written in
+// place, weights [wte, wte_s, wpe, wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16
+// inputs of gptc_layer from Ln1W] -> logits (n, V) of the flat rows of the B*T new positions.
+// heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.
+std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
+                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
+                                           const std::vector<paddle::Tensor>& ws, int wte_bits, int wpe_bits,
+                                           const std::vector<int>& heads, float eps, int activation,
+                                           const std::vector<int>& bits, const std::vector<float>& act,
+                                           int head_bits, float head_act) {
+  const int64_t B = ids.shape()[0], T = ids.shape()[1], L = mask.shape()[1], n = rows.numel();
+  const int64_t layers = int64_t(heads.size());
+  const int kind = T > 1;
+  op_enter(kind);
+  Laps lp(kind);
+  PD_CHECK(mask.shape()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
+  PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
+               int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
+           "gptc_decoder: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
+           " weights and ", 4 * layers, " bits/act entries");
+  const Table wte = make_table(ws[kWte], ws[kWteS], wte_bits), wpe = make_table(ws[kWpe], ws[kWpeS], wpe_bits);
+  const int64_t C = wte_bits == 4 ? cols(ws[kWte]) * 2 : cols(ws[kWte]), M = B * T;
+  const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
+  PD_CHECK(head.k == C, "gptc_decoder: head weight has ", head.k, " inputs, hidden size is ", C);
+  std::vector<LayerW> lw(layers);
+  int64_t inner = 0, F = 0, kmax = C;
+  for (int64_t i = 0; i < layers; ++i) {
+    const paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
+    check_cache(kc, vc, B, heads[i], L);
+    const paddle::Tensor* w[kPerLayer];
+    for (int j = 0; j < kPerLayer; ++j) w[j] = &ws[kStackFixed + kPerLayer * i + j];
+    lw[i] = make_layer(w, C, heads[i], kc.shape()[3], bits.data() + 4 * i, act.data() + 4 * i);
+    inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
+  }
+  const int64_t* r = rows.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_decoder: row index out of range");
+  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, inner, F, kmax, n, eps, activation);
+  float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
+                 grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
+  auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
+  const int64_t* id = ids.data<int64_t>();
+  const int64_t* mk = mask.data<int64_t>();
+  const float* ln_f_w = ws[kLnfW].data<float>();
+  const float* ln_f_b = ws[kLnfB].data<float>();
+  float* logits = out.data<float>();
+  // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
+  // (layer_step), head_ln, head_linear; no between_ops.
+#pragma omp parallel num_threads(s.nt)
+  {
+    const bool lead = omp_get_thread_num() == 0;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, L, b, b + 1, a[0]);
+    if (lead) lp.lap(kEmbed);
+    for (int64_t i = 0; i < layers; ++i)
+      layer_step(lw[i], s, a[i % 2], a[(i + 1) % 2], caches[2 * i].data<float>(), caches[2 * i + 1].data<float>(),
+                 caches[2 * i].shape()[2], lp, lead);
+    const In hin = head_inputs(head, s, a[layers % 2], r, n, ln_f_w, ln_f_b);
+    if (lead) lp.lap(kHeadLn);
+    if (n) linear_for(head, hin, n, logits, nullptr, -1);
+    if (lead) lp.lap(kHead);
+    trim(t_scratch);
+  }
+  trim(t_shared);
+  trim(t_stack.act[0]), trim(t_stack.act[1]);
+  op_exit(true);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> DecoderShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                               const std::vector<int64_t>& rows,
+                                               const std::vector<std::vector<int64_t>>&,
+                                               const std::vector<std::vector<int64_t>>& ws) {
+  return {{rows[0], ws[kHeadW][0]}};
+}
+
+std::vector<paddle::DataType> DecoderDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+                                           const std::vector<paddle::DataType>&,
+                                           const std::vector<paddle::DataType>&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(gptc_decoder)
+    .Inputs({"Ids", "Mask", "Rows", paddle::Vec("Caches"), paddle::Vec("Weights")})
+    .Outputs({"Out", paddle::Vec("CachesOut")})
+    .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
+    .Attrs({"wte_bits: int", "wpe_bits: int", "heads: std::vector<int>", "eps: float", "activation: int",
+            "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int", "head_act: float"})
+    .SetKernelFn(PD_KERNEL(DecoderForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(DecoderShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderDtype));
+
+#endif  // GPTC_KERNELS_GPTC_DECODER_STACK_H_
