@@ -198,14 +198,16 @@ def _json_line(cmd: list[str], env: dict) -> dict:
 
 def prepare_int(workdir: str, preset: str, ckpt: str, bits: int, formats=("paddle", "onnx")) -> str:
     """Weight-only int``bits`` export (every Linear, the tied embedding/head and positions; blocks
-    of 32, int8 inputs per token and block) of ``ckpt`` (paddle + onnx), reused if present."""
+    of 32, int8 inputs per token and block) of ``ckpt`` in ``formats``, reused if present (an
+    export of other formats than paddle + onnx has them in its directory's name)."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.export import export_model
     from gpt_compress.inference.manifest import MANIFEST
     from gpt_compress.config import QuantConfig
     from gpt_compress.qat.quantize import quantize_model
 
-    out = os.path.join(workdir, f"{preset}-int{bits}")
+    suffix = "" if sorted(formats) == ["onnx", "paddle"] else "-" + "-".join(formats)
+    out = os.path.join(workdir, f"{preset}-int{bits}{suffix}")
     if not os.path.isfile(os.path.join(out, MANIFEST)):
         qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
         export_model(qmodel, out, formats=tuple(formats), validate=False)  # random init: see int8.py
@@ -308,8 +310,9 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     p.add_argument("--no-positions", action="store_true", help="skip the steps at 100 / 900 cached tokens")
     p.add_argument("--int-formats", default="paddle,onnx",
-                   help="formats of the int exports, or 'fused': the fused program alone (gpt-345M: the "
-                        "full int8 export needs > 6 GB)")
+                   help="formats of the int exports, or 'fused' (the fused program alone) or 'fused,onnx' "
+                        "(the fused program and an ONNX-only export, for onnx_int*): gpt-345M's full int8 "
+                        "export needs > 6 GB, the ONNX-only one about 4 GB")
     p.add_argument("--fused-threads", type=int, default=0,
                    help="OpenMP threads of the fused operators (0: the backend's default)")
     p.add_argument("--worker", nargs=2, metavar=("BACKEND", "PATH"), help=argparse.SUPPRESS)
@@ -333,10 +336,17 @@ def main() -> None:
     if unknown:
         p.error(f"unknown backend(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     paths = {"ckpt": ckpt, "fp32": out}
+    int_formats = a.int_formats.split(",")
     for bits in (8, 4):
-        if any(CONTENDERS[b][1] == f"int{bits}" for b in backends):
-            paths[f"int{bits}"] = (prepare_fused_int(workdir, a.preset, ckpt, bits, out) if a.int_formats == "fused"
-                                   else prepare_int(workdir, a.preset, ckpt, bits, a.int_formats.split(",")))
+        users = {CONTENDERS[b][0] for b in backends if CONTENDERS[b][1] == f"int{bits}"}
+        if not users:
+            continue
+        if "fused" not in int_formats:
+            paths[f"int{bits}"] = prepare_int(workdir, a.preset, ckpt, bits, int_formats)
+            continue
+        paths[f"int{bits}"] = prepare_fused_int(workdir, a.preset, ckpt, bits, out)
+        if "onnx" in int_formats and "onnx" in users:
+            paths[f"int{bits}_onnx"] = prepare_int(workdir, a.preset, ckpt, bits, ("onnx",))
     export_s = time.perf_counter() - t0
 
     names = backends + ([] if a.no_peer else ["hf_peer", "ct2_peer"])
@@ -361,7 +371,8 @@ def main() -> None:
                     runs.setdefault(row, []).append(res)
                 continue
             else:
-                path = paths[CONTENDERS[name][1]]
+                kind, variant, _ = CONTENDERS[name]
+                path = paths.get(f"{variant}_{kind}", paths[variant])
                 res = _json_line([sys.executable, os.path.abspath(__file__), "--worker", name, path, *common], env)
             runs[name].append(res)
         bandwidth.append(copy_bandwidth_gbps())
