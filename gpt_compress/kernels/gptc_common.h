@@ -116,20 +116,20 @@ Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Ten
   Lin L;
   L.bits = bits;
   L.act = act;
-  L.n = w.shape()[0];
+  L.n = w.dims()[0];
   if (bits == 32) {
     PD_CHECK(w.dtype() == paddle::DataType::FLOAT32, "gptc: float weight expected");
     L.wf = w.data<float>();
-    L.k = w.shape()[1];
+    L.k = w.dims()[1];
   } else {
     PD_CHECK(w.dtype() == paddle::DataType::INT8, "gptc: int8 weight codes expected");
     PD_CHECK(bits == 8 || bits == 4, "gptc: weights must be 32, 8 or 4 bits");
     L.wq = w.data<int8_t>();
-    L.k = bits == 4 ? w.shape()[1] * 2 : w.shape()[1];
+    L.k = bits == 4 ? w.dims()[1] * 2 : w.dims()[1];
     L.scale = s.data<float>();
-    L.blk = L.k / s.shape()[1];
+    L.blk = L.k / s.dims()[1];
     PD_CHECK(bits == 8 || L.k % 32 == 0, "gptc: int4 weights need a multiple of 32 inputs");
-    PD_CHECK(s.shape()[0] == L.n && L.blk * s.shape()[1] == L.k, "gptc: weight scale shape mismatch");
+    PD_CHECK(s.dims()[0] == L.n && L.blk * s.dims()[1] == L.k, "gptc: weight scale shape mismatch");
   }
   if (b != nullptr) L.bias = b->data<float>();
   return L;

@@ -9,7 +9,7 @@
 
 namespace {
 
-int64_t cols(const paddle::Tensor& t) { return t.shape()[t.shape().size() - 1]; }
+int64_t cols(const paddle::Tensor& t) { return t.dims()[t.dims().size() - 1]; }
 
 // ---------------------------------------------------------------------------------- embed
 // An embedding table as embed_rows reads it: float32 (rows, C), or int codes with block scales
@@ -25,7 +25,7 @@ struct Table {
 Table make_table(const paddle::Tensor& w, const paddle::Tensor& s, int bits) {
   Table t;
   t.bits = bits;
-  t.rows = w.shape()[0];
+  t.rows = w.dims()[0];
   if (bits == 32) {
     t.wf = w.data<float>();
   } else {
@@ -221,9 +221,9 @@ void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, floa
 }
 
 void check_cache(const paddle::Tensor& kc, const paddle::Tensor& vc, int64_t B, int64_t H, int64_t positions) {
-  PD_CHECK(kc.shape().size() == 4 && kc.shape()[0] == B && kc.shape()[1] == H && vc.shape() == kc.shape(),
+  PD_CHECK(kc.dims().size() == 4 && kc.dims()[0] == B && kc.dims()[1] == H && vc.dims() == kc.dims(),
            "gptc: cache must be (B, heads, capacity, head_dim)");
-  PD_CHECK(kc.shape()[2] >= positions, "gptc: cache capacity ", kc.shape()[2], " < ", positions, " positions");
+  PD_CHECK(kc.dims()[2] >= positions, "gptc: cache capacity ", kc.dims()[2], " < ", positions, " positions");
 }
 
 // ---------------------------------------------------------------------------------- head
@@ -258,8 +258,8 @@ std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle
                                          const paddle::Tensor& wte, const paddle::Tensor& wte_s,
                                          const paddle::Tensor& wpe, const paddle::Tensor& wpe_s,
                                          int wte_bits, int wpe_bits) {
-  const int64_t B = ids.shape()[0], T = ids.shape()[1], L = mask.shape()[1];
-  PD_CHECK(mask.shape()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
+  const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1];
+  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
   op_enter(T > 1);
   Laps lp(T > 1);
   const int64_t C = wte_bits == 4 ? cols(wte) * 2 : cols(wte);
@@ -301,20 +301,20 @@ std::vector<paddle::Tensor> LayerForward(
     const paddle::Tensor& proj_b, int num_heads, float eps, int activation, const std::vector<int>& bits,
     const std::vector<float>& act) {
   PD_CHECK(bits.size() == 4 && act.size() == 4, "gptc_layer: bits and act need 4 entries");
-  const int64_t B = x.shape()[0], T = x.shape()[1], C = x.shape()[2], L = mask.shape()[1];
+  const int64_t B = x.dims()[0], T = x.dims()[1], C = x.dims()[2], L = mask.dims()[1];
   op_enter(T > 1);
   Laps lp(T > 1);
   PD_CHECK(L >= T, "gptc_layer: mask must be (B, S+T)");
   check_cache(kc, vc, B, num_heads, L);
   const paddle::Tensor* w[16] = {&ln1_w, &ln1_b, &qkv_w, &qkv_s, &qkv_b, &out_w, &out_s, &out_b,
                                  &ln2_w, &ln2_b, &fc_w,  &fc_s,  &fc_b,  &proj_w, &proj_s, &proj_b};
-  const LayerW lw = make_layer(w, C, num_heads, kc.shape()[3], bits.data(), act.data());
+  const LayerW lw = make_layer(w, C, num_heads, kc.dims()[3], bits.data(), act.data());
   const Step s = make_step(B, T, C, mask.data<int64_t>(), L, lw.H * lw.D, lw.F, kmax_of(lw), 0, eps, activation);
   auto y = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, x.place());
   // One parallel region for the layer (its fork is in the ln1 lap).
 #pragma omp parallel num_threads(s.nt)
   {
-    layer_step(lw, s, x.data<float>(), y.data<float>(), kc.data<float>(), vc.data<float>(), kc.shape()[2], lp,
+    layer_step(lw, s, x.data<float>(), y.data<float>(), kc.data<float>(), vc.data<float>(), kc.dims()[2], lp,
                omp_get_thread_num() == 0);
     trim(t_scratch);
   }
@@ -358,8 +358,8 @@ std::vector<paddle::Tensor> HeadForward(const paddle::Tensor& x, const paddle::T
                                         const paddle::Tensor& ln_w, const paddle::Tensor& ln_b,
                                         const paddle::Tensor& w, const paddle::Tensor& s, float eps, int bits,
                                         float act) {
-  const int64_t C = x.shape()[x.shape().size() - 1], total = x.numel() / C, n = rows.numel();
-  const int kind = x.shape().size() == 3 && x.shape()[1] > 1;
+  const int64_t C = x.dims()[x.dims().size() - 1], total = x.numel() / C, n = rows.numel();
+  const int kind = x.dims().size() == 3 && x.dims()[1] > 1;
   op_enter(kind);
   Laps lp(kind);
   const Lin head = make_lin(w, s, nullptr, bits, act);

@@ -19,6 +19,9 @@ struct StackBuffers {
   std::vector<float> act[2];
 };
 thread_local StackBuffers t_stack;
+// Short inputs (decode steps): every thread's own copy of the embeddings, block 0's input (see
+// DecoderForward).
+thread_local std::vector<float> t_embed;
 
 // Weights vector of gptc_decoder: kHeadW first entries, then kPerLayer per block.
 enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
@@ -36,12 +39,12 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
                                            const std::vector<int>& heads, float eps, int activation,
                                            const std::vector<int>& bits, const std::vector<float>& act,
                                            int head_bits, float head_act) {
-  const int64_t B = ids.shape()[0], T = ids.shape()[1], L = mask.shape()[1], n = rows.numel();
+  const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1], n = rows.numel();
   const int64_t layers = int64_t(heads.size());
   const int kind = T > 1;
   op_enter(kind);
   Laps lp(kind);
-  PD_CHECK(mask.shape()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
+  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
   PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
                int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
            "gptc_decoder: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
@@ -51,13 +54,16 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
   PD_CHECK(head.k == C, "gptc_decoder: head weight has ", head.k, " inputs, hidden size is ", C);
   std::vector<LayerW> lw(layers);
+  std::vector<float*> kv(2 * layers);  // each block's key and value cache
+  std::vector<int64_t> cap(layers);
   int64_t inner = 0, F = 0, kmax = C;
   for (int64_t i = 0; i < layers; ++i) {
-    const paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
+    paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
     check_cache(kc, vc, B, heads[i], L);
+    kv[2 * i] = kc.data<float>(), kv[2 * i + 1] = vc.data<float>(), cap[i] = kc.dims()[2];
     const paddle::Tensor* w[kPerLayer];
     for (int j = 0; j < kPerLayer; ++j) w[j] = &ws[kStackFixed + kPerLayer * i + j];
-    lw[i] = make_layer(w, C, heads[i], kc.shape()[3], bits.data() + 4 * i, act.data() + 4 * i);
+    lw[i] = make_layer(w, C, heads[i], kc.dims()[3], bits.data() + 4 * i, act.data() + 4 * i);
     inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
   }
   const int64_t* r = rows.data<int64_t>();
@@ -73,20 +79,29 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   float* logits = out.data<float>();
   // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
   // (layer_step), head_ln, head_linear; no between_ops.
+  // Block 0's input: for short inputs (decode) every thread embeds all rows itself into its own
+  // buffer (the same values; a few rows), so no barrier follows the fork and the first thread
+  // starts block 0 while the others are still waking (they sleep between program runs); long
+  // ones are shared out into act[0] (one barrier). Block i > 0 reads act[i % 2].
 #pragma omp parallel num_threads(s.nt)
   {
     const bool lead = omp_get_thread_num() == 0;
+    float* x0 = a[0];
+    if (s.rows) {
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, L, b, b + 1, a[0]);
+      for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, L, b, b + 1, x0);
+    } else {
+      x0 = grow(t_embed, size_t(std::max<int64_t>(M * C, 1)));
+      embed_rows(wte, wpe, C, id, mk, T, L, 0, B, x0);
+    }
     if (lead) lp.lap(kEmbed);
     for (int64_t i = 0; i < layers; ++i)
-      layer_step(lw[i], s, a[i % 2], a[(i + 1) % 2], caches[2 * i].data<float>(), caches[2 * i + 1].data<float>(),
-                 caches[2 * i].shape()[2], lp, lead);
-    const In hin = head_inputs(head, s, a[layers % 2], r, n, ln_f_w, ln_f_b);
+      layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead);
+    const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
     if (lead) lp.lap(kHeadLn);
     if (n) linear_for(head, hin, n, logits, nullptr, -1);
     if (lead) lp.lap(kHead);
-    trim(t_scratch);
+    trim(t_scratch), trim(t_embed);
   }
   trim(t_shared);
   trim(t_stack.act[0]), trim(t_stack.act[1]);
