@@ -138,6 +138,41 @@ def fused_weights(model) -> dict:
             "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
 
 
+class _Packer:
+    """The weights of a ``gptc_decoder`` program packed into two blobs, float32 and int8 (two op
+    inputs instead of one per weight: Paddle's executor costs about as much per input as per op).
+    Each piece starts on a 64-byte boundary; ``layout_of`` gives the op's 4 numbers per piece
+    (blob, offset in elements, rows, columns). Arrays are held until ``blobs`` copies them in,
+    one at a time, into the zero-initialised blobs (about one copy of the weights at a time)."""
+
+    def __init__(self):
+        self.parts: list = []  # (blob, offset, array)
+        self.entries: list = []
+        self.size = [0, 0]
+
+    def add(self, array: np.ndarray) -> int:
+        a = np.ascontiguousarray(array)
+        blob = 1 if a.dtype == np.int8 else 0
+        a = a if blob else a.astype(np.float32, copy=False)
+        unit = 16 if blob == 0 else 64  # elements per 64 bytes
+        off = -(-self.size[blob] // unit) * unit
+        self.parts.append((blob, off, a))
+        self.size[blob] = off + a.size
+        self.entries.append([blob, off, int(a.shape[0]) if a.ndim else 1, int(np.prod(a.shape[1:], dtype=np.int64))])
+        return len(self.entries) - 1
+
+    def layout_of(self, pieces: list) -> list:
+        return [int(x) for i in pieces for x in self.entries[i]]
+
+    def blobs(self) -> list:
+        out = [paddle.zeros([max(self.size[0], 16)], "float32"), paddle.zeros([max(self.size[1], 64)], "int8")]
+        parts, self.parts = self.parts, []
+        while parts:
+            blob, off, a = parts.pop(0)
+            out[blob][off:off + a.size] = paddle.to_tensor(a.reshape(-1))
+        return out
+
+
 class FusedLM(nn.Layer):
     """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
     op formats, ``forward`` = embed, layers, head (see the module docstring): one
@@ -151,6 +186,7 @@ class FusedLM(nn.Layer):
         self.stack = stack
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
+        self._packer = _Packer() if stack else None
         self._none = self._buf("none", np.zeros([1], np.float32))
         # Each spec's arrays are dropped once copied into their buffers (``fused_weights``).
         self.wte, self.wte_s, self.wte_bits = self._table("wte", weights["wte"]())
@@ -173,11 +209,18 @@ class FusedLM(nn.Layer):
             self.head_w = self._buf("head_w", head["w"])
             self.head_s = self._buf("head_s", head["s"]) if head["s"] is not None else self._none
         self.head_bits, self.head_act = head["bits"], float(head["act"])
-        # gptc_decoder's weights vector (gptc_decoder_stack.h): the fixed eight, then each block's.
-        self.stack_weights = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
-        self.stack_weights += [w for args in self.layer_args for w in args]
+        if stack:  # gptc_decoder's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16
+            pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
+            self.layout = self._packer.layout_of(pieces + [w for args in self.layer_args for w in args])
+            blobs = self._packer.blobs()
+            self._packer = None
+            self.register_buffer("weights_f32", blobs[0], persistable=True)
+            self.register_buffer("weights_i8", blobs[1], persistable=True)
 
-    def _buf(self, name: str, array: np.ndarray) -> paddle.Tensor:
+    def _buf(self, name: str, array: np.ndarray):
+        """A persistable buffer holding ``array`` (per-layer ops), or its piece index in the blobs (stack)."""
+        if self._packer is not None:
+            return self._packer.add(array)
         self.register_buffer(name, paddle.to_tensor(np.ascontiguousarray(array)), persistable=True)
         return getattr(self, name)
 
@@ -196,8 +239,8 @@ class FusedLM(nn.Layer):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V);
         the caches are written in place."""
         if self.stack:
-            out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches), self.stack_weights,
-                                        self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs], self.eps,
+            out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches),
+                                        [self.weights_f32, self.weights_i8], self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs], self.eps,
                                         self.activation, [b for a in self.layer_attrs for b in a[1]],
                                         [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
             return out[0] if isinstance(out, (list, tuple)) else out

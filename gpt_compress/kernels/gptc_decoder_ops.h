@@ -22,16 +22,18 @@ struct Table {
   int bits = 32;
 };
 
-Table make_table(const paddle::Tensor& w, const paddle::Tensor& s, int bits) {
+Table make_table(const View& w, const View& s, int bits) {
   Table t;
   t.bits = bits;
-  t.rows = w.dims()[0];
+  t.rows = w.d0;
   if (bits == 32) {
-    t.wf = w.data<float>();
+    PD_CHECK(!w.i8, "gptc: float embedding expected");
+    t.wf = w.f();
   } else {
-    t.wq = w.data<int8_t>();
-    t.s = s.data<float>();
-    t.nb = cols(s);
+    PD_CHECK(w.i8 && !s.i8 && s.d0 == w.d0, "gptc: int8 embedding codes and float scales expected");
+    t.wq = w.q();
+    t.s = s.f();
+    t.nb = s.d1;
   }
   return t;
 }
@@ -79,21 +81,25 @@ struct LayerW {
   int64_t H, D, F;
 };
 
-// w: the block's 16 weight tensors in gptc_layer's input order (Ln1W .. ProjB); bits, act: 4 each.
-LayerW make_layer(const paddle::Tensor* const* w, int64_t C, int64_t heads, int64_t head_dim, const int* bits,
-                  const float* act) {
+// w: the block's 16 weights in gptc_layer's input order (Ln1W .. ProjB); bits, act: 4 each.
+LayerW make_layer(const View* w, int64_t C, int64_t heads, int64_t head_dim, const int* bits, const float* act) {
   LayerW l;
-  l.ln1_w = w[0]->data<float>(), l.ln1_b = w[1]->data<float>();
-  l.qkv = make_lin(*w[2], *w[3], w[4], bits[0], act[0]);
-  l.out = make_lin(*w[5], *w[6], w[7], bits[1], act[1]);
-  l.ln2_w = w[8]->data<float>(), l.ln2_b = w[9]->data<float>();
-  l.fc = make_lin(*w[10], *w[11], w[12], bits[2], act[2]);
-  l.proj = make_lin(*w[13], *w[14], w[15], bits[3], act[3]);
+  for (int j : {0, 1, 4, 7, 8, 9, 12, 15})
+    PD_CHECK(!w[j].i8 && w[j].d0 * w[j].d1 >= (j == 4 || j == 7 || j == 12 || j == 15 ? 1 : C),
+             "gptc: layer norm weights and biases must be float32");
+  l.ln1_w = w[0].f(), l.ln1_b = w[1].f();
+  l.qkv = make_lin(w[2], w[3], w[4].f(), bits[0], act[0]);
+  l.out = make_lin(w[5], w[6], w[7].f(), bits[1], act[1]);
+  l.ln2_w = w[8].f(), l.ln2_b = w[9].f();
+  l.fc = make_lin(w[10], w[11], w[12].f(), bits[2], act[2]);
+  l.proj = make_lin(w[13], w[14], w[15].f(), bits[3], act[3]);
   l.H = heads, l.D = head_dim, l.F = l.fc.n;
   const int64_t inner = heads * head_dim;
   PD_CHECK(l.qkv.n == 3 * inner && l.qkv.k == C && l.out.k == inner && l.out.n == C && l.fc.k == C &&
                l.proj.k == l.F && l.proj.n == C,
            "gptc: weight shapes do not match the cache/hidden sizes");
+  for (int j : {4, 7, 12, 15})
+    PD_CHECK(w[j].d0 * w[j].d1 == (j == 4 ? l.qkv.n : j == 12 ? l.F : C), "gptc: bias size mismatch");
   return l;
 }
 
@@ -264,7 +270,7 @@ std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle
   Laps lp(T > 1);
   const int64_t C = wte_bits == 4 ? cols(wte) * 2 : cols(wte);
   auto out = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, ids.place());
-  embed_rows(make_table(wte, wte_s, wte_bits), make_table(wpe, wpe_s, wpe_bits), C, ids.data<int64_t>(),
+  embed_rows(make_table(view(wte), view(wte_s), wte_bits), make_table(view(wpe), view(wpe_s), wpe_bits), C, ids.data<int64_t>(),
              mask.data<int64_t>(), T, L, 0, B, out.data<float>());
   lp.lap(kEmbed);
   op_exit(false);
@@ -306,8 +312,9 @@ std::vector<paddle::Tensor> LayerForward(
   Laps lp(T > 1);
   PD_CHECK(L >= T, "gptc_layer: mask must be (B, S+T)");
   check_cache(kc, vc, B, num_heads, L);
-  const paddle::Tensor* w[16] = {&ln1_w, &ln1_b, &qkv_w, &qkv_s, &qkv_b, &out_w, &out_s, &out_b,
-                                 &ln2_w, &ln2_b, &fc_w,  &fc_s,  &fc_b,  &proj_w, &proj_s, &proj_b};
+  const View w[16] = {view(ln1_w), view(ln1_b), view(qkv_w), view(qkv_s), view(qkv_b), view(out_w),
+                      view(out_s), view(out_b), view(ln2_w), view(ln2_b), view(fc_w),  view(fc_s),
+                      view(fc_b),  view(proj_w), view(proj_s), view(proj_b)};
   const LayerW lw = make_layer(w, C, num_heads, kc.dims()[3], bits.data(), act.data());
   const Step s = make_step(B, T, C, mask.data<int64_t>(), L, lw.H * lw.D, lw.F, kmax_of(lw), 0, eps, activation);
   auto y = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, x.place());

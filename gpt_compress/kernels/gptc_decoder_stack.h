@@ -23,21 +23,45 @@ thread_local StackBuffers t_stack;
 // DecoderForward).
 thread_local std::vector<float> t_embed;
 
-// Weights vector of gptc_decoder: kHeadW first entries, then kPerLayer per block.
+// gptc_decoder's weights: entries of the layout, kStackFixed first, then kPerLayer per block.
 enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
 constexpr int kPerLayer = 16;
+
+// The weights packed in two blobs (a float32 and an int8 tensor: two inputs instead of one per
+// weight; Paddle's executor costs about the same per input as per op), each weight a piece
+// described by 4 layout numbers: blob (0 float32, 1 int8), offset (elements), d0, d1.
+std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout) {
+  PD_CHECK(blobs.size() == 2 && blobs[0].dtype() == paddle::DataType::FLOAT32 &&
+               blobs[1].dtype() == paddle::DataType::INT8 && layout.size() % 4 == 0,
+           "gptc_decoder: weights must be a float32 and an int8 blob with 4 layout numbers per piece");
+  const float* f = blobs[0].data<float>();
+  const int8_t* q = blobs[1].data<int8_t>();
+  const int64_t nf = blobs[0].numel(), nq = blobs[1].numel();
+  std::vector<View> out(layout.size() / 4);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t blob = layout[4 * i], off = layout[4 * i + 1], d0 = layout[4 * i + 2], d1 = layout[4 * i + 3];
+    PD_CHECK((blob == 0 || blob == 1) && off >= 0 && d0 >= 0 && d1 >= 0 && off + d0 * d1 <= (blob ? nq : nf),
+             "gptc_decoder: weight piece ", i, " lies outside its blob");
+    View& v = out[i];
+    v.i8 = blob == 1;
+    v.p = v.i8 ? static_cast<const void*>(q + off) : static_cast<const void*>(f + off);
+    v.d0 = d0, v.d1 = d1;
+  }
+  return out;
+}
 
 }  // namespace
 
 // ids (B, T), mask (B, S+T), rows (n,), caches [k_0, v_0, k_1, ...] (B, H_i, cap, D) written in
-// place, weights [wte, wte_s, wpe, wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16
-// inputs of gptc_layer from Ln1W] -> logits (n, V) of the flat rows of the B*T new positions.
+// place, weights [float32 blob, int8 blob] with `layout` (unpack): the pieces wte, wte_s, wpe,
+// wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16 weights of gptc_layer from Ln1W
+// (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new positions.
 // heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.
 std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
                                            const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
-                                           const std::vector<paddle::Tensor>& ws, int wte_bits, int wpe_bits,
-                                           const std::vector<int>& heads, float eps, int activation,
-                                           const std::vector<int>& bits, const std::vector<float>& act,
+                                           const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
+                                           int wte_bits, int wpe_bits, const std::vector<int>& heads, float eps,
+                                           int activation, const std::vector<int>& bits, const std::vector<float>& act,
                                            int head_bits, float head_act) {
   const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1], n = rows.numel();
   const int64_t layers = int64_t(heads.size());
@@ -45,12 +69,17 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   op_enter(kind);
   Laps lp(kind);
   PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
+  const std::vector<View> ws = unpack(blobs, layout);
   PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
                int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
            "gptc_decoder: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
            " weights and ", 4 * layers, " bits/act entries");
   const Table wte = make_table(ws[kWte], ws[kWteS], wte_bits), wpe = make_table(ws[kWpe], ws[kWpeS], wpe_bits);
-  const int64_t C = wte_bits == 4 ? cols(ws[kWte]) * 2 : cols(ws[kWte]), M = B * T;
+  const int64_t C = wte_bits == 4 ? ws[kWte].d1 * 2 : ws[kWte].d1, M = B * T;
+  PD_CHECK(wpe.bits == 32 ? ws[kWpe].d1 == C : (wpe.bits == 4 ? ws[kWpe].d1 * 2 : ws[kWpe].d1) == C,
+           "gptc_decoder: position table width differs from the token table's");
+  PD_CHECK(!ws[kLnfW].i8 && !ws[kLnfB].i8 && ws[kLnfW].d0 * ws[kLnfW].d1 == C && ws[kLnfB].d0 * ws[kLnfB].d1 == C,
+           "gptc_decoder: final layer norm must be float32 of the hidden size");
   const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
   PD_CHECK(head.k == C, "gptc_decoder: head weight has ", head.k, " inputs, hidden size is ", C);
   std::vector<LayerW> lw(layers);
@@ -61,9 +90,8 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
     paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
     check_cache(kc, vc, B, heads[i], L);
     kv[2 * i] = kc.data<float>(), kv[2 * i + 1] = vc.data<float>(), cap[i] = kc.dims()[2];
-    const paddle::Tensor* w[kPerLayer];
-    for (int j = 0; j < kPerLayer; ++j) w[j] = &ws[kStackFixed + kPerLayer * i + j];
-    lw[i] = make_layer(w, C, heads[i], kc.dims()[3], bits.data() + 4 * i, act.data() + 4 * i);
+    lw[i] = make_layer(&ws[kStackFixed + kPerLayer * i], C, heads[i], kc.dims()[3], bits.data() + 4 * i,
+                       act.data() + 4 * i);
     inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
   }
   const int64_t* r = rows.data<int64_t>();
@@ -74,8 +102,8 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
-  const float* ln_f_w = ws[kLnfW].data<float>();
-  const float* ln_f_b = ws[kLnfB].data<float>();
+  const float* ln_f_w = ws[kLnfW].f();
+  const float* ln_f_b = ws[kLnfB].f();
   float* logits = out.data<float>();
   // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
   // (layer_step), head_ln, head_linear; no between_ops.
@@ -112,8 +140,8 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
 std::vector<std::vector<int64_t>> DecoderShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                const std::vector<int64_t>& rows,
                                                const std::vector<std::vector<int64_t>>&,
-                                               const std::vector<std::vector<int64_t>>& ws) {
-  return {{rows[0], ws[kHeadW][0]}};
+                                               const std::vector<std::vector<int64_t>>&) {
+  return {{rows[0], -1}};  // the vocabulary is in the layout (an attribute: not passed here)
 }
 
 std::vector<paddle::DataType> DecoderDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
@@ -126,8 +154,9 @@ PD_BUILD_OP(gptc_decoder)
     .Inputs({"Ids", "Mask", "Rows", paddle::Vec("Caches"), paddle::Vec("Weights")})
     .Outputs({"Out", paddle::Vec("CachesOut")})
     .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
-    .Attrs({"wte_bits: int", "wpe_bits: int", "heads: std::vector<int>", "eps: float", "activation: int",
-            "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int", "head_act: float"})
+    .Attrs({"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
+            "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
+            "head_act: float"})
     .SetKernelFn(PD_KERNEL(DecoderForward))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderDtype));
