@@ -1,7 +1,7 @@
 // gptc_decoder: the whole decoder (embed, every block, final layer norm and LM head) in one
-// operator call and one OpenMP parallel region, so a decode step pays Paddle's per-op executor
-// cost once and the op's threads never go back to sleep between blocks (libgomp parks them
-// after GOMP_SPINCOUNT spins, shorter than the gap between two ops). The arithmetic is the
+// operator call and one OpenMP parallel region, so a decode step pays Paddle's executor cost (per
+// op and per op input: hence the weights in two blobs) once, and the op's threads never leave the
+// region between blocks (no fork, no wake-up from libgomp's sleep after GOMP_SPINCOUNT spins). The arithmetic is the
 // per-layer ops' (gptc_decoder_ops.h: the same embed_rows, layer_step and head inputs), so a
 // program of this op gives bitwise the logits of the gptc_embed -> gptc_layer... -> gptc_head
 // programs (tests/test_fused.py).
