@@ -103,9 +103,10 @@ def test_saved_fused_program_is_the_custom_ops_and_its_inputs(dirs):
     ops = count_ops(os.path.join(dirs["export"], manifest["fused"]["model"]))
     assert ops == manifest["fused"]["ops"]
     # 3 + 2 per layer feeds, the two lists (caches, weights) of the one gptc_decoder op (its
-    # caches inplace: the trailing "_"), one fetch: nothing else runs. The weights are two
-    # parameters, a float32 and an int8 blob (Paddle's executor costs about as much per input as per op).
-    assert ops.pop("parameter") == 2
+    # caches inplace: the trailing "_"), one fetch: nothing else runs. The weights are a float32
+    # and an int8 blob per group (the embeddings, each block; the last with the final norm and
+    # head): Paddle's executor costs about as much per op input as per op.
+    assert ops.pop("parameter") == 2 * (layers + 1)
     assert ops == {"pd_op.data": 3 + 2 * layers, "builtin.combine": 2, "custom_op.gptc_decoder_": 1,
                    "pd_op.fetch": 1}
     assert manifest["fused"]["kernel"]["version"] == KERNEL_VERSION

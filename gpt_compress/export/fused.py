@@ -139,38 +139,49 @@ def fused_weights(model) -> dict:
 
 
 class _Packer:
-    """The weights of a ``gptc_decoder`` program packed into two blobs, float32 and int8 (two op
-    inputs instead of one per weight: Paddle's executor costs about as much per input as per op).
-    Each piece starts on a 64-byte boundary; ``layout_of`` gives the op's 4 numbers per piece
-    (blob, offset in elements, rows, columns). Arrays are held until ``blobs`` copies them in,
-    one at a time, into the zero-initialised blobs (about one copy of the weights at a time)."""
+    """The weights of a ``gptc_decoder`` program packed into blobs, a float32 and an int8 one per
+    group (the embeddings, each block; the last with the final norm and head): a few op inputs instead of one
+    per weight (Paddle's executor costs about as much per input as per op). Each piece starts on a
+    64-byte boundary; ``layout_of`` gives the op's 4 numbers per piece (blob, offset in elements,
+    rows, columns). A piece becomes a Paddle tensor at once (its array is dropped, as the
+    per-layer buffers are), and a group's pieces are concatenated when it closes: the build holds
+    about one copy of the weights plus one group's."""
 
     def __init__(self):
-        self.parts: list = []  # (blob, offset, array)
         self.entries: list = []
+        self.blobs: list = []
+        self.group: list = []  # (kind, offset, flat tensor) of the open group
         self.size = [0, 0]
 
     def add(self, array: np.ndarray) -> int:
         a = np.ascontiguousarray(array)
-        blob = 1 if a.dtype == np.int8 else 0
-        a = a if blob else a.astype(np.float32, copy=False)
-        unit = 16 if blob == 0 else 64  # elements per 64 bytes
-        off = -(-self.size[blob] // unit) * unit
-        self.parts.append((blob, off, a))
-        self.size[blob] = off + a.size
-        self.entries.append([blob, off, int(a.shape[0]) if a.ndim else 1, int(np.prod(a.shape[1:], dtype=np.int64))])
+        kind = 1 if a.dtype == np.int8 else 0
+        a = a if kind else a.astype(np.float32, copy=False)
+        unit = 64 if kind else 16  # elements per 64 bytes
+        off = -(-self.size[kind] // unit) * unit
+        self.group.append((kind, off, paddle.to_tensor(a.reshape(-1))))
+        self.size[kind] = off + a.size
+        rows = int(a.shape[0]) if a.ndim else 1
+        self.entries.append([len(self.blobs) + kind, off, rows, int(np.prod(a.shape[1:], dtype=np.int64))])
         return len(self.entries) - 1
+
+    def close(self) -> None:
+        """The open group's two blobs (zeros between pieces)."""
+        if not self.group:
+            return
+        for kind, dtype in ((0, "float32"), (1, "int8")):
+            parts, end = [], 0
+            for k, off, t in self.group:
+                if k == kind:
+                    if off > end:
+                        parts.append(paddle.zeros([off - end], dtype))
+                    parts.append(t)
+                    end = off + int(t.shape[0])
+            self.blobs.append(paddle.concat(parts) if parts else paddle.zeros([64], dtype))
+        self.group, self.size = [], [0, 0]
 
     def layout_of(self, pieces: list) -> list:
         return [int(x) for i in pieces for x in self.entries[i]]
-
-    def blobs(self) -> list:
-        out = [paddle.zeros([max(self.size[0], 16)], "float32"), paddle.zeros([max(self.size[1], 64)], "int8")]
-        parts, self.parts = self.parts, []
-        while parts:
-            blob, off, a = parts.pop(0)
-            out[blob][off:off + a.size] = paddle.to_tensor(a.reshape(-1))
-        return out
 
 
 class FusedLM(nn.Layer):
@@ -193,6 +204,8 @@ class FusedLM(nn.Layer):
         self.wpe, self.wpe_s, self.wpe_bits = self._table("wpe", weights["wpe"]())
         self.layer_args, self.layer_attrs = [], []
         for i, lay in enumerate(weights["layers"]):
+            if self._packer is not None:
+                self._packer.close()  # the previous group (the embeddings, or block i - 1)
             args = [self._buf(f"l{i}_ln1_w", lay["ln_1"][0]), self._buf(f"l{i}_ln1_b", lay["ln_1"][1])]
             for j, lin in enumerate(lay["linears"]):
                 args += self._linear(f"l{i}_{j}", lin)
@@ -212,10 +225,12 @@ class FusedLM(nn.Layer):
         if stack:  # gptc_decoder's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16
             pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
             self.layout = self._packer.layout_of(pieces + [w for args in self.layer_args for w in args])
-            blobs = self._packer.blobs()
+            self._packer.close()
+            self.blobs = []
+            for i, blob in enumerate(self._packer.blobs):
+                self.register_buffer(f"weights_{i}", blob, persistable=True)
+                self.blobs.append(getattr(self, f"weights_{i}"))
             self._packer = None
-            self.register_buffer("weights_f32", blobs[0], persistable=True)
-            self.register_buffer("weights_i8", blobs[1], persistable=True)
 
     def _buf(self, name: str, array: np.ndarray):
         """A persistable buffer holding ``array`` (per-layer ops), or its piece index in the blobs (stack)."""
@@ -240,7 +255,8 @@ class FusedLM(nn.Layer):
         the caches are written in place."""
         if self.stack:
             out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches),
-                                        [self.weights_f32, self.weights_i8], self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs], self.eps,
+                                        self.blobs, self.layout, self.wte_bits, self.wpe_bits,
+                                        [a[0] for a in self.layer_attrs], self.eps,
                                         self.activation, [b for a in self.layer_attrs for b in a[1]],
                                         [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
             return out[0] if isinstance(out, (list, tuple)) else out

@@ -27,24 +27,26 @@ thread_local std::vector<float> t_embed;
 enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
 constexpr int kPerLayer = 16;
 
-// The weights packed in two blobs (a float32 and an int8 tensor: two inputs instead of one per
-// weight; Paddle's executor costs about the same per input as per op), each weight a piece
-// described by 4 layout numbers: blob (0 float32, 1 int8), offset (elements), d0, d1.
+// The weights packed in blobs (pairs of a float32 and an int8 tensor, one pair per group of
+// weights: a few inputs instead of one per weight; Paddle's executor costs about as much per
+// input as per op), each weight a piece described by 4 layout numbers: blob (even: float32, odd:
+// int8), offset (elements), d0, d1.
 std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout) {
-  PD_CHECK(blobs.size() == 2 && blobs[0].dtype() == paddle::DataType::FLOAT32 &&
-               blobs[1].dtype() == paddle::DataType::INT8 && layout.size() % 4 == 0,
-           "gptc_decoder: weights must be a float32 and an int8 blob with 4 layout numbers per piece");
-  const float* f = blobs[0].data<float>();
-  const int8_t* q = blobs[1].data<int8_t>();
-  const int64_t nf = blobs[0].numel(), nq = blobs[1].numel();
+  PD_CHECK(blobs.size() % 2 == 0 && layout.size() % 4 == 0,
+           "gptc_decoder: weights must be pairs of float32 and int8 blobs, 4 layout numbers per piece");
+  for (size_t b = 0; b < blobs.size(); ++b)
+    PD_CHECK(blobs[b].dtype() == (b % 2 ? paddle::DataType::INT8 : paddle::DataType::FLOAT32),
+             "gptc_decoder: weight blob ", b, " must be ", b % 2 ? "int8" : "float32");
   std::vector<View> out(layout.size() / 4);
   for (size_t i = 0; i < out.size(); ++i) {
     const int64_t blob = layout[4 * i], off = layout[4 * i + 1], d0 = layout[4 * i + 2], d1 = layout[4 * i + 3];
-    PD_CHECK((blob == 0 || blob == 1) && off >= 0 && d0 >= 0 && d1 >= 0 && off + d0 * d1 <= (blob ? nq : nf),
+    PD_CHECK(blob >= 0 && blob < int64_t(blobs.size()) && off >= 0 && d0 >= 0 && d1 >= 0 &&
+                 off + d0 * d1 <= blobs[blob].numel(),
              "gptc_decoder: weight piece ", i, " lies outside its blob");
     View& v = out[i];
-    v.i8 = blob == 1;
-    v.p = v.i8 ? static_cast<const void*>(q + off) : static_cast<const void*>(f + off);
+    v.i8 = blob % 2 == 1;
+    v.p = v.i8 ? static_cast<const void*>(blobs[blob].data<int8_t>() + off)
+               : static_cast<const void*>(blobs[blob].data<float>() + off);
     v.d0 = d0, v.d1 = d1;
   }
   return out;
@@ -53,7 +55,7 @@ std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::ve
 }  // namespace
 
 // ids (B, T), mask (B, S+T), rows (n,), caches [k_0, v_0, k_1, ...] (B, H_i, cap, D) written in
-// place, weights [float32 blob, int8 blob] with `layout` (unpack): the pieces wte, wte_s, wpe,
+// place, weights [float32 blob, int8 blob, ...] with `layout` (unpack): the pieces wte, wte_s, wpe,
 // wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16 weights of gptc_layer from Ln1W
 // (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new positions.
 // heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.

@@ -2,7 +2,7 @@
 //
 // One op makes a whole decode/prefill/scoring program (export/fused.py):
 //   gptc_decoder(ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...], weights [float32 blob,
-//       int8 blob] + a layout attribute) -> logits (n,V): embed, every block and the head in one
+//       int8 blob, ...] + a layout attribute) -> logits (n,V): embed, every block and the head in one
 //       call (gptc_decoder_stack.h), the caches written in place as gptc_layer writes them.
 // Programs exported before it (still loaded and run) are three ops:
 //   gptc_embed(ids (B,T), mask (B,S+T), wte, wte_scale, wpe, wpe_scale) -> x (B,T,C)
