@@ -9,8 +9,9 @@ For each weight format a worker process (``--worker``) runs the fused backend on
 attention, out, ln2, fc, proj; head_ln, head_linear) and the gaps from one run's op to the next
 run's (``outside_program``: Paddle Inference's run entry/exit, our Python). Programs of one
 ``gptc_decoder`` op (kernel version 2) run the whole step in one OpenMP region: ``embed`` then
-includes the op's checks and the region's fork (waking the other threads), ``ln1`` the layer
-norm alone, and there is no ``between_ops``. Older per-layer programs (``gptc_embed`` ->
+includes the op's checks and setup and the region's fork (thread 0 does not wait for the other
+threads to wake: a late one shows in the first layer's qkv), ``ln1`` the layer norm alone, and
+there is no ``between_ops``; Paddle's per-run cost of the op's inputs is in ``outside_program``. Older per-layer programs (``gptc_embed`` ->
 ``gptc_layer``... -> ``gptc_head``) report ``between_ops`` (the gaps between two ops of one run:
 Paddle's executor), and their ``ln1`` includes each layer's fork.
 It reports per batch-1 decode step, in microseconds:
