@@ -6,12 +6,16 @@ One program serves all three (so a runner holds one copy of the weights)::
     fused(input_ids (B,T), attention_mask (B,S+T), rows (n,), cache_key_0, cache_value_0, ...)
         -> logits (n, V) of the flat positions ``rows`` of the (B*T) new tokens
 
-It is ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head``. Each layer writes its new
-keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)`` at
-positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as inplace
-outputs, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated or
-copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
-scoring asks for every row.
+It is one ``gptc_decoder`` op: embed, every block and the LM head in one call (Paddle's executor
+cost per op, paid once a step; the op's threads stay in one parallel region). Each block writes
+its new keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)``
+at positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as an inplace
+vector output, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated
+or copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
+scoring asks for every row. Exports written before it (kernel version 1) hold the same
+computation as ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head`` (bitwise the same
+logits); those ops stay registered so they still run, and ``FusedLM(..., stack=False)`` builds
+that form.
 
 Weights are stored (N, K) per Linear in the format the model was quantized to
 (``qat.quantize``): float32; weight-only int8 / int4 (blocks of ``weight_block_size``, int4
@@ -134,23 +138,74 @@ def fused_weights(model) -> dict:
             "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
 
 
+class _Packer:
+    """The weights of a ``gptc_decoder`` program packed into blobs, a float32 and an int8 one per
+    group (the embeddings, each block; the last with the final norm and head): a few op inputs instead of one
+    per weight (Paddle's executor costs about as much per input as per op). Each piece starts on a
+    64-byte boundary; ``layout_of`` gives the op's 4 numbers per piece (blob, offset in elements,
+    rows, columns). A piece becomes a Paddle tensor at once (its array is dropped, as the
+    per-layer buffers are), and a group's pieces are concatenated when it closes: the build holds
+    about one copy of the weights plus one group's."""
+
+    def __init__(self):
+        self.entries: list = []
+        self.blobs: list = []
+        self.group: list = []  # (kind, offset, flat tensor) of the open group
+        self.size = [0, 0]
+
+    def add(self, array: np.ndarray) -> int:
+        a = np.ascontiguousarray(array)
+        kind = 1 if a.dtype == np.int8 else 0
+        a = a if kind else a.astype(np.float32, copy=False)
+        unit = 64 if kind else 16  # elements per 64 bytes
+        off = -(-self.size[kind] // unit) * unit
+        self.group.append((kind, off, paddle.to_tensor(a.reshape(-1))))
+        self.size[kind] = off + a.size
+        rows = int(a.shape[0]) if a.ndim else 1
+        self.entries.append([len(self.blobs) + kind, off, rows, int(np.prod(a.shape[1:], dtype=np.int64))])
+        return len(self.entries) - 1
+
+    def close(self) -> None:
+        """The open group's two blobs (zeros between pieces)."""
+        if not self.group:
+            return
+        for kind, dtype in ((0, "float32"), (1, "int8")):
+            parts, end = [], 0
+            for k, off, t in self.group:
+                if k == kind:
+                    if off > end:
+                        parts.append(paddle.zeros([off - end], dtype))
+                    parts.append(t)
+                    end = off + int(t.shape[0])
+            self.blobs.append(paddle.concat(parts) if parts else paddle.zeros([64], dtype))
+        self.group, self.size = [], [0, 0]
+
+    def layout_of(self, pieces: list) -> list:
+        return [int(x) for i in pieces for x in self.entries[i]]
+
+
 class FusedLM(nn.Layer):
     """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
-    op formats, ``forward`` = embed, layers, head (see the module docstring)."""
+    op formats, ``forward`` = embed, layers, head (see the module docstring): one
+    ``gptc_decoder`` call, or with ``stack=False`` the per-layer ops of kernel version 1."""
 
-    def __init__(self, weights: dict, ops=None):
+    def __init__(self, weights: dict, ops=None, stack: bool = True):
         super().__init__()
         from ..kernels import load_ops
 
         self.ops = ops or load_ops()
+        self.stack = stack
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
+        self._packer = _Packer() if stack else None
         self._none = self._buf("none", np.zeros([1], np.float32))
         # Each spec's arrays are dropped once copied into their buffers (``fused_weights``).
         self.wte, self.wte_s, self.wte_bits = self._table("wte", weights["wte"]())
         self.wpe, self.wpe_s, self.wpe_bits = self._table("wpe", weights["wpe"]())
         self.layer_args, self.layer_attrs = [], []
         for i, lay in enumerate(weights["layers"]):
+            if self._packer is not None:
+                self._packer.close()  # the previous group (the embeddings, or block i - 1)
             args = [self._buf(f"l{i}_ln1_w", lay["ln_1"][0]), self._buf(f"l{i}_ln1_b", lay["ln_1"][1])]
             for j, lin in enumerate(lay["linears"]):
                 args += self._linear(f"l{i}_{j}", lin)
@@ -167,8 +222,20 @@ class FusedLM(nn.Layer):
             self.head_w = self._buf("head_w", head["w"])
             self.head_s = self._buf("head_s", head["s"]) if head["s"] is not None else self._none
         self.head_bits, self.head_act = head["bits"], float(head["act"])
+        if stack:  # gptc_decoder's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16
+            pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
+            self.layout = self._packer.layout_of(pieces + [w for args in self.layer_args for w in args])
+            self._packer.close()
+            self.blobs = []
+            for i, blob in enumerate(self._packer.blobs):
+                self.register_buffer(f"weights_{i}", blob, persistable=True)
+                self.blobs.append(getattr(self, f"weights_{i}"))
+            self._packer = None
 
-    def _buf(self, name: str, array: np.ndarray) -> paddle.Tensor:
+    def _buf(self, name: str, array: np.ndarray):
+        """A persistable buffer holding ``array`` (per-layer ops), or its piece index in the blobs (stack)."""
+        if self._packer is not None:
+            return self._packer.add(array)
         self.register_buffer(name, paddle.to_tensor(np.ascontiguousarray(array)), persistable=True)
         return getattr(self, name)
 
@@ -186,6 +253,13 @@ class FusedLM(nn.Layer):
     def forward(self, input_ids, attention_mask, rows, caches):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V);
         the caches are written in place."""
+        if self.stack:
+            out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches),
+                                        self.blobs, self.layout, self.wte_bits, self.wpe_bits,
+                                        [a[0] for a in self.layer_attrs], self.eps,
+                                        self.activation, [b for a in self.layer_attrs for b in a[1]],
+                                        [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
+            return out[0] if isinstance(out, (list, tuple)) else out
         x = self.ops.gptc_embed(input_ids, attention_mask, self.wte, self.wte_s, self.wpe, self.wpe_s,
                                 self.wte_bits, self.wpe_bits)
         for i, (args, (heads, bits, acts)) in enumerate(zip(self.layer_args, self.layer_attrs)):
@@ -225,14 +299,14 @@ def count_ops(program_json: str) -> dict[str, int]:
     return dict(names)
 
 
-def save_fused(model, out_dir: str) -> dict:
+def save_fused(model, out_dir: str, stack: bool = True) -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
-    (``model`` is not mutated). Returns the manifest's ``fused`` entry. Raises ``KernelError`` when
+    (``model`` is not mutated; ``stack=False``: the per-layer program of kernel version 1). Returns the manifest's ``fused`` entry. Raises ``KernelError`` when
     the operators cannot be built, ``ExportError`` for a model with no fused form."""
     from ..kernels import kernel_info
 
     cfg = model.config
-    layer = FusedLM(fused_weights(model))
+    layer = FusedLM(fused_weights(model), stack=stack)
     layer.eval()
     static = paddle.jit.to_static(layer, input_spec=input_spec(cfg), full_graph=True)
     scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
@@ -244,7 +318,8 @@ def save_fused(model, out_dir: str) -> dict:
             os.replace(os.path.join(scratch, src), os.path.join(out_dir, dst))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel_info(),
+    kernel = {**kernel_info(), **({} if stack else {"version": 1})}  # version 1: the per-layer ops
+    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel,
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
                         "head_bits": layer.head_bits},

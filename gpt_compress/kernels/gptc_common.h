@@ -111,28 +111,53 @@ struct Lin {
   float act = -1.f;
 };
 
-Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Tensor* b, int bits,
-             float act) {
+// A weight as the kernels see it: (d0, d1) values at p (d1 = 1 for a vector), float32 or int8;
+// a tensor's own memory (view()) or a piece of a packed weights blob (gptc_decoder_stack.h).
+struct View {
+  const void* p = nullptr;
+  int64_t d0 = 0, d1 = 1;
+  bool i8 = false;
+  const float* f() const { return static_cast<const float*>(p); }
+  const int8_t* q() const { return static_cast<const int8_t*>(p); }
+};
+
+View view(const paddle::Tensor& t) {
+  View v;
+  const auto& d = t.dims();
+  v.i8 = t.dtype() == paddle::DataType::INT8;
+  PD_CHECK(v.i8 || t.dtype() == paddle::DataType::FLOAT32, "gptc: weights must be float32 or int8");
+  v.p = v.i8 ? static_cast<const void*>(t.data<int8_t>()) : static_cast<const void*>(t.data<float>());
+  v.d0 = d.size() ? d[0] : 1;
+  v.d1 = d.size() > 1 ? d[d.size() - 1] : 1;
+  return v;
+}
+
+Lin make_lin(const View& w, const View& s, const float* bias, int bits, float act) {
   Lin L;
   L.bits = bits;
   L.act = act;
-  L.n = w.shape()[0];
+  L.n = w.d0;
   if (bits == 32) {
-    PD_CHECK(w.dtype() == paddle::DataType::FLOAT32, "gptc: float weight expected");
-    L.wf = w.data<float>();
-    L.k = w.shape()[1];
+    PD_CHECK(!w.i8, "gptc: float weight expected");
+    L.wf = w.f();
+    L.k = w.d1;
   } else {
-    PD_CHECK(w.dtype() == paddle::DataType::INT8, "gptc: int8 weight codes expected");
+    PD_CHECK(w.i8, "gptc: int8 weight codes expected");
     PD_CHECK(bits == 8 || bits == 4, "gptc: weights must be 32, 8 or 4 bits");
-    L.wq = w.data<int8_t>();
-    L.k = bits == 4 ? w.shape()[1] * 2 : w.shape()[1];
-    L.scale = s.data<float>();
-    L.blk = L.k / s.shape()[1];
+    PD_CHECK(!s.i8 && s.d1 > 0, "gptc: float weight scales expected");
+    L.wq = w.q();
+    L.k = bits == 4 ? w.d1 * 2 : w.d1;
+    L.scale = s.f();
+    L.blk = L.k / s.d1;
     PD_CHECK(bits == 8 || L.k % 32 == 0, "gptc: int4 weights need a multiple of 32 inputs");
-    PD_CHECK(s.shape()[0] == L.n && L.blk * s.shape()[1] == L.k, "gptc: weight scale shape mismatch");
+    PD_CHECK(s.d0 == L.n && L.blk * s.d1 == L.k, "gptc: weight scale shape mismatch");
   }
-  if (b != nullptr) L.bias = b->data<float>();
+  L.bias = bias;
   return L;
+}
+
+Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Tensor* b, int bits, float act) {
+  return make_lin(view(w), view(s), b != nullptr ? b->data<float>() : nullptr, bits, act);
 }
 
 #if defined(__AVX2__)

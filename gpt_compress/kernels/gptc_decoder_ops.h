@@ -9,54 +9,269 @@
 
 namespace {
 
-int64_t cols(const paddle::Tensor& t) { return t.shape()[t.shape().size() - 1]; }
-
-}  // namespace
+int64_t cols(const paddle::Tensor& t) { return t.dims()[t.dims().size() - 1]; }
 
 // ---------------------------------------------------------------------------------- embed
-std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
-                                         const paddle::Tensor& wte, const paddle::Tensor& wte_s,
-                                         const paddle::Tensor& wpe, const paddle::Tensor& wpe_s,
-                                         int wte_bits, int wpe_bits) {
-  const int64_t B = ids.shape()[0], T = ids.shape()[1], L = mask.shape()[1];
-  PD_CHECK(mask.shape()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
-  op_enter(T > 1);
-  Laps lp(T > 1);
-  const int64_t C = wte_bits == 4 ? cols(wte) * 2 : cols(wte);
-  auto out = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, ids.place());
-  float* y = out.data<float>();
-  const int64_t* id = ids.data<int64_t>();
-  const int64_t* mk = mask.data<int64_t>();
-  const int64_t V = wte.shape()[0], P = wpe.shape()[0];
-  auto row = [&](const paddle::Tensor& w, const paddle::Tensor& s, int bits, int64_t r, float* dst,
-                 bool add) {
-    if (bits == 32) {
-      const float* src = w.data<float>() + r * C;
+// An embedding table as embed_rows reads it: float32 (rows, C), or int codes with block scales
+// (rows, nb); int4 packed as the Linear weights (gptc_ops.cc).
+struct Table {
+  const float* wf = nullptr;
+  const int8_t* wq = nullptr;
+  const float* s = nullptr;
+  int64_t rows = 0, nb = 0;
+  int bits = 32;
+};
+
+Table make_table(const View& w, const View& s, int bits) {
+  Table t;
+  t.bits = bits;
+  t.rows = w.d0;
+  if (bits == 32) {
+    PD_CHECK(!w.i8, "gptc: float embedding expected");
+    t.wf = w.f();
+  } else {
+    PD_CHECK(w.i8 && !s.i8 && s.d0 == w.d0, "gptc: int8 embedding codes and float scales expected");
+    t.wq = w.q();
+    t.s = s.f();
+    t.nb = s.d1;
+  }
+  return t;
+}
+
+// Batch rows [b0, b1) of y (B, T, C): the token embedding plus the position embedding of the
+// last T mask columns (position = cumsum(mask) - 1, clipped at 0), ids and positions clipped to
+// the tables. A row depends on its own ids and mask alone.
+void embed_rows(const Table& wte, const Table& wpe, int64_t C, const int64_t* id, const int64_t* mk, int64_t T,
+                int64_t L, int64_t b0, int64_t b1, float* y) {
+  auto row = [&](const Table& w, int64_t r, float* dst, bool add) {
+    if (w.bits == 32) {
+      const float* src = w.wf + r * C;
       for (int64_t c = 0; c < C; ++c) dst[c] = add ? dst[c] + src[c] : src[c];
       return;
     }
-    const int64_t nb = cols(s), blk = C / nb;
-    const float* sc = s.data<float>() + r * nb;
-    const int8_t* q8 = w.data<int8_t>() + r * (bits == 4 ? C / 2 : C);
+    const int64_t blk = C / w.nb;
+    const float* sc = w.s + r * w.nb;
+    const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
     for (int64_t c = 0; c < C; ++c) {
       const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: see the format above
-      const int q = bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
+      const int q = w.bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
       const float v = float(q) * sc[c / blk];
       dst[c] = add ? dst[c] + v : v;
     }
   };
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t pos = 0;  // cumsum(mask) - 1, clipped at 0, for the last T columns
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t pos = 0;
     for (int64_t j = 0; j < L - T; ++j) pos += mk[b * L + j];
     for (int64_t t = 0; t < T; ++t) {
       pos += mk[b * L + L - T + t];
-      const int64_t p = std::min(std::max<int64_t>(pos - 1, 0), P - 1);
-      const int64_t tok = std::min(std::max<int64_t>(id[b * T + t], 0), V - 1);
+      const int64_t p = std::min(std::max<int64_t>(pos - 1, 0), wpe.rows - 1);
+      const int64_t tok = std::min(std::max<int64_t>(id[b * T + t], 0), wte.rows - 1);
       float* dst = y + (b * T + t) * C;
-      row(wte, wte_s, wte_bits, tok, dst, false);
-      row(wpe, wpe_s, wpe_bits, p, dst, true);
+      row(wte, tok, dst, false);
+      row(wpe, p, dst, true);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------- layer
+// One decoder block's weights (make_layer) and what every block of one call shares (a Step).
+struct LayerW {
+  Lin qkv, out, fc, proj;
+  const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+  int64_t H, D, F;
+};
+
+// w: the block's 16 weights in gptc_layer's input order (Ln1W .. ProjB); bits, act: 4 each.
+LayerW make_layer(const View* w, int64_t C, int64_t heads, int64_t head_dim, const int* bits, const float* act) {
+  LayerW l;
+  for (int j : {0, 1, 4, 7, 8, 9, 12, 15})
+    PD_CHECK(!w[j].i8 && w[j].d0 * w[j].d1 >= (j == 4 || j == 7 || j == 12 || j == 15 ? 1 : C),
+             "gptc: layer norm weights and biases must be float32");
+  l.ln1_w = w[0].f(), l.ln1_b = w[1].f();
+  l.qkv = make_lin(w[2], w[3], w[4].f(), bits[0], act[0]);
+  l.out = make_lin(w[5], w[6], w[7].f(), bits[1], act[1]);
+  l.ln2_w = w[8].f(), l.ln2_b = w[9].f();
+  l.fc = make_lin(w[10], w[11], w[12].f(), bits[2], act[2]);
+  l.proj = make_lin(w[13], w[14], w[15].f(), bits[3], act[3]);
+  l.H = heads, l.D = head_dim, l.F = l.fc.n;
+  const int64_t inner = heads * head_dim;
+  PD_CHECK(l.qkv.n == 3 * inner && l.qkv.k == C && l.out.k == inner && l.out.n == C && l.fc.k == C &&
+               l.proj.k == l.F && l.proj.n == C,
+           "gptc: weight shapes do not match the cache/hidden sizes");
+  for (int j : {4, 7, 12, 15})
+    PD_CHECK(w[j].d0 * w[j].d1 == (j == 4 ? l.qkv.n : j == 12 ? l.F : C), "gptc: bias size mismatch");
+  return l;
+}
+
+struct Step {
+  int64_t B, T, C, L, S, M;
+  const int32_t* keys;   // (B, L): each row's unmasked cache columns, in order
+  const int64_t* nkeys;  // (B, T): how many of them a query at column S+t attends to
+  float *q, *ctx, *f;    // shared: qkv outputs, attention outputs, MLP hidden (the largest block's size)
+  bool rows;             // prepare_rows (long inputs) into the shared hs, xqs, sxs
+  float* hs;
+  int8_t* xqs;
+  float* sxs;
+  int nt;
+  float eps;
+  int activation;
+};
+
+// Shared buffers of a call whose widest block has these sizes (grown on the calling thread,
+// before the parallel region); keys and nkeys of the mask. rows_at: the row count from which
+// the shared prepare_rows buffers are made (also the head's, of `head_rows` rows).
+Step make_step(int64_t B, int64_t T, int64_t C, const int64_t* mk, int64_t L, int64_t inner, int64_t F,
+               int64_t kmax, int64_t head_rows, float eps, int activation) {
+  Shared& sh = t_shared;  // this thread's: the op's threads share them during the call
+  Step s;
+  s.B = B, s.T = T, s.C = C, s.L = L, s.S = L - T, s.M = B * T;
+  s.eps = eps, s.activation = activation, s.nt = nthreads();
+  s.q = grow(sh.q, size_t(s.M * 3 * inner));
+  s.ctx = grow(sh.ctx, size_t(s.M * inner));
+  s.f = grow(sh.f, size_t(s.M * F));
+  int32_t* keys = grow(sh.keys, size_t(B * L));
+  int64_t* nkeys = grow(sh.nkeys, size_t(B * T));
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; ++j) {
+      if (mk[b * L + j]) keys[b * L + n++] = int32_t(j);
+      if (j >= s.S) nkeys[b * T + j - s.S] = n;
+    }
+  }
+  s.keys = keys, s.nkeys = nkeys;
+  // Long inputs (prefill): the layer norms and int8 inputs made once, in shared buffers
+  // (prepare_rows), at the cost of up to 4 more barriers a layer; shorter ones (decode steps of
+  // batches) are cheaper made by every thread. The threshold is an estimate (a barrier ~ a few
+  // us vs 16 rows' norms and quantizations); not measured, the machine was contended.
+  s.rows = s.M >= 16;
+  s.hs = nullptr, s.xqs = nullptr, s.sxs = nullptr;
+  const int64_t n = std::max(s.rows ? s.M : 0, head_rows >= 16 ? head_rows : 0);
+  if (n) {
+    s.hs = grow(sh.rows_h, size_t(n * C));
+    s.xqs = grow(sh.rows_xq, size_t(n * kmax));
+    s.sxs = grow(sh.rows_sx, size_t(n * kmax));  // K / blk scales a row, at most K
+  }
+  return s;
+}
+
+inline int64_t kmax_of(const LayerW& l) { return std::max({l.qkv.k, l.out.k, l.fc.k, l.proj.k}); }
+
+// One block, x (M, C) -> y (M, C), its new keys/values written into K_, V_ (B, H, cap, D) at
+// S..S+T-1; called by every thread of a parallel region (no barrier at its start: y and the
+// shared buffers must not be read by anything else still running).
+// Every thread computes the layer norms and input quantizations itself (the same values: cheap,
+// and no thread waits for another) unless s.rows; the barriers are the ends of the worksharing
+// loops whose outputs the next step reads whole. Profile laps (thread 0, after each barrier):
+// ln1; qkv (+ cache writes and attention when by_head); attention; out (+ residual); ln2; fc
+// (+ activation); proj (+ residual).
+void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, float* K_, float* V_, int64_t cap,
+                Laps& lp, bool lead) {
+  Scratch& sc = t_scratch;
+  const int64_t B = s.B, T = s.T, C = s.C, L = s.L, S = s.S, M = s.M, H = w.H, D = w.D, inner = H * D;
+  const Lin &qkv = w.qkv, &out = w.out, &fc = w.fc, &proj = w.proj;
+  const bool rows = s.rows;
+  const float eps = s.eps, scale = 1.f / std::sqrt(float(D));
+  float *q = s.q, *ctx = s.ctx, *f = s.f;
+  // Head hh's qkv outputs are the rows [hh * 3D, (hh + 1) * 3D) (head-major (H, 3, D)): with
+  // enough heads per thread one work item computes them, writes the new keys/values into the
+  // cache and runs the head's attention, with no barrier between the three.
+  const bool by_head = H % s.nt == 0 || H >= 3 * s.nt;
+  // Everything new keys/values and attention of the (b, hh) rows: keys/values of the T new
+  // positions into the cache at S..S+T-1, then each query's attention.
+  auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
+    float* p = grow(sc.p, size_t(L + 8));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = q + (b * T + t) * 3 * inner + hh * 3 * D;
+      const int64_t dst = ((b * H + hh) * cap + S + t) * D;
+      std::memcpy(K_ + dst, src + D, D * sizeof(float));
+      std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
+    }
+    for (int64_t t = 0; t < T; ++t)
+      attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
+             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
+  };
+  float* h = rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
+  if (!rows) layer_norm(xd, M, C, w.ln1_w, w.ln1_b, eps, h);
+  const In in1 = rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, eps, h, s.xqs, s.sxs)
+                      : prepare_inputs(qkv, h, M, sc);
+  if (lead) lp.lap(kLn1);
+  if (by_head) {
+#pragma omp for schedule(dynamic)
+    for (int64_t hh = 0; hh < H; ++hh) {
+      linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
+      for (int64_t b = 0; b < B; ++b) attend_head(b, hh, sc);
+    }
+    if (lead) lp.lap(kQkv);
+  } else {
+    linear_for(qkv, in1, M, q, nullptr, -1);
+    if (lead) lp.lap(kQkv);
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
+    if (lead) lp.lap(kAttn);
+  }
+  const In in_out = rows ? prepare_rows(out, ctx, M, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
+                         : prepare_inputs(out, ctx, M, sc);
+  linear_for(out, in_out, M, yd, xd, -1);  // y = x + attention
+  if (lead) lp.lap(kOut);
+  if (!rows) layer_norm(yd, M, C, w.ln2_w, w.ln2_b, eps, h);
+  const In in2 = rows ? prepare_rows(fc, yd, M, w.ln2_w, w.ln2_b, eps, h, s.xqs, s.sxs)
+                      : prepare_inputs(fc, h, M, sc);
+  if (lead) lp.lap(kLn2);
+  linear_for(fc, in2, M, f, nullptr, s.activation);
+  if (lead) lp.lap(kFc);
+  const In in_proj = rows ? prepare_rows(proj, f, M, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
+                          : prepare_inputs(proj, f, M, sc);
+  linear_for(proj, in_proj, M, yd, yd, -1);  // y += mlp
+  if (lead) lp.lap(kProj);
+}
+
+void check_cache(const paddle::Tensor& kc, const paddle::Tensor& vc, int64_t B, int64_t H, int64_t positions) {
+  PD_CHECK(kc.dims().size() == 4 && kc.dims()[0] == B && kc.dims()[1] == H && vc.dims() == kc.dims(),
+           "gptc: cache must be (B, heads, capacity, head_dim)");
+  PD_CHECK(kc.dims()[2] >= positions, "gptc: cache capacity ", kc.dims()[2], " < ", positions, " positions");
+}
+
+// ---------------------------------------------------------------------------------- head
+// The head's inputs for logits at the flat rows r[0..n) of x (M, C): each row's final layer norm
+// (and int8 codes), inside a parallel region: made by every thread into its scratch for few
+// rows, shared out (s.hs, s.xqs, s.sxs: the loop's end is a barrier) for 16 and more.
+In head_inputs(const Lin& head, const Step& s, const float* x, const int64_t* r, int64_t n, const float* ln_w,
+               const float* ln_b) {
+  const int64_t C = s.C;
+  if (n < 16) {
+    Scratch& sc = t_scratch;
+    float* h = grow(sc.h, size_t(std::max<int64_t>(n * C, 1)));
+    for (int64_t i = 0; i < n; ++i) layer_norm(x + r[i] * C, 1, C, ln_w, ln_b, s.eps, h + i * C);
+    return prepare_inputs(head, h, n, sc);
+  }
+  const bool integer = is_integer(head);
+  const int64_t nb = integer ? C / head.blk : 0;
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    layer_norm(x + r[i] * C, 1, C, ln_w, ln_b, s.eps, s.hs + i * C);
+    if (integer) quantize_inputs(head, s.hs + i * C, 1, s.xqs + i * C, s.sxs + i * nb);
+  }
+  In in{s.hs};
+  if (integer) in.xq = s.xqs, in.sx = s.sxs;
+  return in;
+}
+
+}  // namespace
+
+// The three ops of the per-layer programs (exports before gptc_decoder; still registered).
+std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
+                                         const paddle::Tensor& wte, const paddle::Tensor& wte_s,
+                                         const paddle::Tensor& wpe, const paddle::Tensor& wpe_s,
+                                         int wte_bits, int wpe_bits) {
+  const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1];
+  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
+  op_enter(T > 1);
+  Laps lp(T > 1);
+  const int64_t C = wte_bits == 4 ? cols(wte) * 2 : cols(wte);
+  auto out = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, ids.place());
+  embed_rows(make_table(view(wte), view(wte_s), wte_bits), make_table(view(wpe), view(wpe_s), wpe_bits), C, ids.data<int64_t>(),
+             mask.data<int64_t>(), T, L, 0, B, out.data<float>());
   lp.lap(kEmbed);
   op_exit(false);
   return {out};
@@ -82,7 +297,6 @@ PD_BUILD_OP(gptc_embed)
     .SetInferShapeFn(PD_INFER_SHAPE(EmbedShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(EmbedDtype));
 
-// ---------------------------------------------------------------------------------- layer
 std::vector<paddle::Tensor> LayerForward(
     const paddle::Tensor& x, const paddle::Tensor& mask, paddle::Tensor& kc, paddle::Tensor& vc,
     const paddle::Tensor& ln1_w, const paddle::Tensor& ln1_b, const paddle::Tensor& qkv_w,
@@ -93,127 +307,28 @@ std::vector<paddle::Tensor> LayerForward(
     const paddle::Tensor& proj_b, int num_heads, float eps, int activation, const std::vector<int>& bits,
     const std::vector<float>& act) {
   PD_CHECK(bits.size() == 4 && act.size() == 4, "gptc_layer: bits and act need 4 entries");
-  const int64_t B = x.shape()[0], T = x.shape()[1], C = x.shape()[2], L = mask.shape()[1];
+  const int64_t B = x.dims()[0], T = x.dims()[1], C = x.dims()[2], L = mask.dims()[1];
   op_enter(T > 1);
   Laps lp(T > 1);
-  const int64_t S = L - T, H = num_heads, cap = kc.shape()[2], D = kc.shape()[3], M = B * T;
-  PD_CHECK(kc.shape()[0] == B && kc.shape()[1] == H && vc.shape() == kc.shape(),
-           "gptc_layer: cache must be (B, heads, capacity, head_dim)");
-  PD_CHECK(S >= 0 && S + T <= cap, "gptc_layer: cache capacity ", cap, " < ", S + T, " positions");
-  const Lin qkv = make_lin(qkv_w, qkv_s, &qkv_b, bits[0], act[0]);
-  const Lin out = make_lin(out_w, out_s, &out_b, bits[1], act[1]);
-  const Lin fc = make_lin(fc_w, fc_s, &fc_b, bits[2], act[2]);
-  const Lin proj = make_lin(proj_w, proj_s, &proj_b, bits[3], act[3]);
-  const int64_t inner = H * D, F = fc.n;
-  PD_CHECK(qkv.n == 3 * inner && qkv.k == C && out.k == inner && fc.k == C && proj.k == F,
-           "gptc_layer: weight shapes do not match the cache/hidden sizes");
-
+  PD_CHECK(L >= T, "gptc_layer: mask must be (B, S+T)");
+  check_cache(kc, vc, B, num_heads, L);
+  const View w[16] = {view(ln1_w), view(ln1_b), view(qkv_w), view(qkv_s), view(qkv_b), view(out_w),
+                      view(out_s), view(out_b), view(ln2_w), view(ln2_b), view(fc_w),  view(fc_s),
+                      view(fc_b),  view(proj_w), view(proj_s), view(proj_b)};
+  const LayerW lw = make_layer(w, C, num_heads, kc.dims()[3], bits.data(), act.data());
+  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, lw.H * lw.D, lw.F, kmax_of(lw), 0, eps, activation);
   auto y = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, x.place());
-  const float* xd = x.data<float>();
-  float* yd = y.data<float>();
-  const int64_t* mk = mask.data<int64_t>();
-  float* K_ = kc.data<float>();
-  float* V_ = vc.data<float>();
-  Shared& sh = t_shared;  // this thread's: the op's threads share them during the call
-  float* q = grow(sh.q, size_t(M * 3 * inner));
-  float* ctx = grow(sh.ctx, size_t(M * inner));
-  float* f = grow(sh.f, size_t(M * F));
-  // Each row's unmasked cache columns, in order: a query at column S+t attends to those <= S+t.
-  int32_t* keys = grow(sh.keys, size_t(B * L));
-  int64_t* nkeys = grow(sh.nkeys, size_t(B * T));
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t n = 0;
-    for (int64_t j = 0; j < L; ++j) {
-      if (mk[b * L + j]) keys[b * L + n++] = int32_t(j);
-      if (j >= S) nkeys[b * T + j - S] = n;
-    }
-  }
-  const float scale = 1.f / std::sqrt(float(D));
-  const int nt = nthreads();
-  // Long inputs (prefill): the layer norms and int8 inputs made once, in shared buffers
-  // (prepare_rows), at the cost of up to 4 more barriers a layer; shorter ones (decode steps of
-  // batches) are cheaper made by every thread. The threshold is an estimate (a barrier ~ a few
-  // us vs 16 rows' norms and quantizations); not measured, the machine was contended.
-  const bool rows = M >= 16;
-  float* hs = nullptr;
-  int8_t* xqs = nullptr;
-  float* sxs = nullptr;
-  if (rows) {
-    int64_t kmax = 0;
-    for (const Lin* L : {&qkv, &out, &fc, &proj}) kmax = std::max(kmax, L->k);
-    hs = grow(sh.rows_h, size_t(M * C));
-    xqs = grow(sh.rows_xq, size_t(M * kmax));
-    sxs = grow(sh.rows_sx, size_t(M * kmax));  // K / blk scales a row, at most K
-  }
-  // Head hh's qkv outputs are the rows [hh * 3D, (hh + 1) * 3D) (head-major (H, 3, D)): with
-  // enough heads per thread one work item computes them, writes the new keys/values into the
-  // cache and runs the head's attention, with no barrier between the three.
-  const bool by_head = H % nt == 0 || H >= 3 * nt;
-  // Everything new keys/values and attention of the (b, hh) rows: keys/values of the T new
-  // positions into the cache at S..S+T-1, then each query's attention.
-  auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
-    float* p = grow(sc.p, size_t(L + 8));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = q + (b * T + t) * 3 * inner + hh * 3 * D;
-      const int64_t dst = ((b * H + hh) * cap + S + t) * D;
-      std::memcpy(K_ + dst, src + D, D * sizeof(float));
-      std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
-    }
-    for (int64_t t = 0; t < T; ++t)
-      attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-             keys + b * L, nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
-  };
-  // One parallel region for the layer: every thread computes the layer norms and input
-  // quantizations itself (the same values: cheap, and no thread waits for another); the
-  // barriers are the ends of the worksharing loops whose outputs the next step reads whole.
-  // Profile laps (thread 0, after each barrier): ln1 = fork + ln1; qkv = qkv (+ cache writes
-  // and attention when by_head); attention; out (+ residual); ln2; fc (+ activation); proj
-  // (+ residual).
-#pragma omp parallel num_threads(nt)
+  // One parallel region for the layer (its fork is in the ln1 lap).
+#pragma omp parallel num_threads(s.nt)
   {
-    Scratch& sc = t_scratch;
-    const bool lead = omp_get_thread_num() == 0;
-    float* h = rows ? hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
-    if (!rows) layer_norm(xd, M, C, ln1_w.data<float>(), ln1_b.data<float>(), eps, h);
-    const In in1 = rows ? prepare_rows(qkv, xd, M, ln1_w.data<float>(), ln1_b.data<float>(), eps, h, xqs, sxs)
-                        : prepare_inputs(qkv, h, M, sc);
-    if (lead) lp.lap(kLn1);
-    if (by_head) {
-#pragma omp for schedule(dynamic)
-      for (int64_t hh = 0; hh < H; ++hh) {
-        linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
-        for (int64_t b = 0; b < B; ++b) attend_head(b, hh, sc);
-      }
-      if (lead) lp.lap(kQkv);
-    } else {
-      linear_for(qkv, in1, M, q, nullptr, -1);
-      if (lead) lp.lap(kQkv);
-#pragma omp for collapse(2) schedule(dynamic)
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
-      if (lead) lp.lap(kAttn);
-    }
-    const In in_out = rows ? prepare_rows(out, ctx, M, nullptr, nullptr, eps, nullptr, xqs, sxs)
-                           : prepare_inputs(out, ctx, M, sc);
-    linear_for(out, in_out, M, yd, xd, -1);  // y = x + attention
-    if (lead) lp.lap(kOut);
-    if (!rows) layer_norm(yd, M, C, ln2_w.data<float>(), ln2_b.data<float>(), eps, h);
-    const In in2 = rows ? prepare_rows(fc, yd, M, ln2_w.data<float>(), ln2_b.data<float>(), eps, h, xqs, sxs)
-                        : prepare_inputs(fc, h, M, sc);
-    if (lead) lp.lap(kLn2);
-    linear_for(fc, in2, M, f, nullptr, activation);
-    if (lead) lp.lap(kFc);
-    const In in_proj = rows ? prepare_rows(proj, f, M, nullptr, nullptr, eps, nullptr, xqs, sxs)
-                            : prepare_inputs(proj, f, M, sc);
-    linear_for(proj, in_proj, M, yd, yd, -1);  // y += mlp
-    if (lead) lp.lap(kProj);
-    trim(sc);
+    layer_step(lw, s, x.data<float>(), y.data<float>(), kc.data<float>(), vc.data<float>(), kc.dims()[2], lp,
+               omp_get_thread_num() == 0);
+    trim(t_scratch);
   }
-  trim(sh);
+  trim(t_shared);
   op_exit(false);
   return {y};
 }
-
 std::vector<std::vector<int64_t>> LayerShape(
     const std::vector<int64_t>& x, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
@@ -250,8 +365,8 @@ std::vector<paddle::Tensor> HeadForward(const paddle::Tensor& x, const paddle::T
                                         const paddle::Tensor& ln_w, const paddle::Tensor& ln_b,
                                         const paddle::Tensor& w, const paddle::Tensor& s, float eps, int bits,
                                         float act) {
-  const int64_t C = x.shape()[x.shape().size() - 1], total = x.numel() / C, n = rows.numel();
-  const int kind = x.shape().size() == 3 && x.shape()[1] > 1;
+  const int64_t C = x.dims()[x.dims().size() - 1], total = x.numel() / C, n = rows.numel();
+  const int kind = x.dims().size() == 3 && x.dims()[1] > 1;
   op_enter(kind);
   Laps lp(kind);
   const Lin head = make_lin(w, s, nullptr, bits, act);

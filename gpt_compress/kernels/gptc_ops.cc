@@ -1,6 +1,10 @@
 // gpt-compress fused CPU operators for Paddle (custom ops, PD_BUILD_OP).
 //
-// Three ops make a whole decode/prefill/scoring program (export/fused.py):
+// One op makes a whole decode/prefill/scoring program (export/fused.py):
+//   gptc_decoder(ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...], weights [float32 blob,
+//       int8 blob, ...] + a layout attribute) -> logits (n,V): embed, every block and the head in one
+//       call (gptc_decoder_stack.h), the caches written in place as gptc_layer writes them.
+// Programs exported before it (still loaded and run) are three ops:
 //   gptc_embed(ids (B,T), mask (B,S+T), wte, wte_scale, wpe, wpe_scale) -> x (B,T,C)
 //   gptc_layer(x, mask, k_cache, v_cache, 16 weights) -> y (B,T,C); the new keys/values are
 //       written IN PLACE into the preallocated caches (B,H,cap,D) at positions S..S+T-1
@@ -33,4 +37,5 @@
 #include "gptc_gemv.h"
 #include "gptc_norm_attention.h"
 #include "gptc_decoder_ops.h"
+#include "gptc_decoder_stack.h"
 #include "gptc_head_score.h"

@@ -1,0 +1,166 @@
+// gptc_decoder: the whole decoder (embed, every block, final layer norm and LM head) in one
+// operator call and one OpenMP parallel region, so a decode step pays Paddle's executor cost (per
+// op and per op input: hence the weights in two blobs) once, and the op's threads never leave the
+// region between blocks (no fork, no wake-up from libgomp's sleep after GOMP_SPINCOUNT spins). The arithmetic is the
+// per-layer ops' (gptc_decoder_ops.h: the same embed_rows, layer_step and head inputs), so a
+// program of this op gives bitwise the logits of the gptc_embed -> gptc_layer... -> gptc_head
+// programs (tests/test_fused.py).
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_DECODER_STACK_H_
+#define GPTC_KERNELS_GPTC_DECODER_STACK_H_
+
+#include "gptc_decoder_ops.h"
+
+namespace {
+
+// Activations of the blocks, ping-pong (block i reads act[i % 2], writes act[(i + 1) % 2]): the
+// calling thread's, kept across calls as Shared is.
+struct StackBuffers {
+  std::vector<float> act[2];
+};
+thread_local StackBuffers t_stack;
+// Short inputs (decode steps): every thread's own copy of the embeddings, block 0's input (see
+// DecoderForward).
+thread_local std::vector<float> t_embed;
+
+// gptc_decoder's weights: entries of the layout, kStackFixed first, then kPerLayer per block.
+enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
+constexpr int kPerLayer = 16;
+
+// The weights packed in blobs (pairs of a float32 and an int8 tensor, one pair per group of
+// weights: a few inputs instead of one per weight; Paddle's executor costs about as much per
+// input as per op), each weight a piece described by 4 layout numbers: blob (even: float32, odd:
+// int8), offset (elements), d0, d1.
+std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout) {
+  PD_CHECK(blobs.size() % 2 == 0 && layout.size() % 4 == 0,
+           "gptc_decoder: weights must be pairs of float32 and int8 blobs, 4 layout numbers per piece");
+  for (size_t b = 0; b < blobs.size(); ++b)
+    PD_CHECK(blobs[b].dtype() == (b % 2 ? paddle::DataType::INT8 : paddle::DataType::FLOAT32),
+             "gptc_decoder: weight blob ", b, " must be ", b % 2 ? "int8" : "float32");
+  std::vector<View> out(layout.size() / 4);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t blob = layout[4 * i], off = layout[4 * i + 1], d0 = layout[4 * i + 2], d1 = layout[4 * i + 3];
+    PD_CHECK(blob >= 0 && blob < int64_t(blobs.size()) && off >= 0 && d0 >= 0 && d1 >= 0 &&
+                 off + d0 * d1 <= blobs[blob].numel(),
+             "gptc_decoder: weight piece ", i, " lies outside its blob");
+    View& v = out[i];
+    v.i8 = blob % 2 == 1;
+    v.p = v.i8 ? static_cast<const void*>(blobs[blob].data<int8_t>() + off)
+               : static_cast<const void*>(blobs[blob].data<float>() + off);
+    v.d0 = d0, v.d1 = d1;
+  }
+  return out;
+}
+
+}  // namespace
+
+// ids (B, T), mask (B, S+T), rows (n,), caches [k_0, v_0, k_1, ...] (B, H_i, cap, D) written in
+// place, weights [float32 blob, int8 blob, ...] with `layout` (unpack): the pieces wte, wte_s, wpe,
+// wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16 weights of gptc_layer from Ln1W
+// (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new positions.
+// heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.
+std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
+                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
+                                           const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
+                                           int wte_bits, int wpe_bits, const std::vector<int>& heads, float eps,
+                                           int activation, const std::vector<int>& bits, const std::vector<float>& act,
+                                           int head_bits, float head_act) {
+  const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1], n = rows.numel();
+  const int64_t layers = int64_t(heads.size());
+  const int kind = T > 1;
+  op_enter(kind);
+  Laps lp(kind);
+  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
+  const std::vector<View> ws = unpack(blobs, layout);
+  PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
+               int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
+           "gptc_decoder: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
+           " weights and ", 4 * layers, " bits/act entries");
+  const Table wte = make_table(ws[kWte], ws[kWteS], wte_bits), wpe = make_table(ws[kWpe], ws[kWpeS], wpe_bits);
+  const int64_t C = wte_bits == 4 ? ws[kWte].d1 * 2 : ws[kWte].d1, M = B * T;
+  PD_CHECK(wpe.bits == 32 ? ws[kWpe].d1 == C : (wpe.bits == 4 ? ws[kWpe].d1 * 2 : ws[kWpe].d1) == C,
+           "gptc_decoder: position table width differs from the token table's");
+  PD_CHECK(!ws[kLnfW].i8 && !ws[kLnfB].i8 && ws[kLnfW].d0 * ws[kLnfW].d1 == C && ws[kLnfB].d0 * ws[kLnfB].d1 == C,
+           "gptc_decoder: final layer norm must be float32 of the hidden size");
+  const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
+  PD_CHECK(head.k == C, "gptc_decoder: head weight has ", head.k, " inputs, hidden size is ", C);
+  std::vector<LayerW> lw(layers);
+  std::vector<float*> kv(2 * layers);  // each block's key and value cache
+  std::vector<int64_t> cap(layers);
+  int64_t inner = 0, F = 0, kmax = C;
+  for (int64_t i = 0; i < layers; ++i) {
+    paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
+    check_cache(kc, vc, B, heads[i], L);
+    kv[2 * i] = kc.data<float>(), kv[2 * i + 1] = vc.data<float>(), cap[i] = kc.dims()[2];
+    lw[i] = make_layer(&ws[kStackFixed + kPerLayer * i], C, heads[i], kc.dims()[3], bits.data() + 4 * i,
+                       act.data() + 4 * i);
+    inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
+  }
+  const int64_t* r = rows.data<int64_t>();
+  for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_decoder: row index out of range");
+  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, inner, F, kmax, n, eps, activation);
+  float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
+                 grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
+  auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
+  const int64_t* id = ids.data<int64_t>();
+  const int64_t* mk = mask.data<int64_t>();
+  const float* ln_f_w = ws[kLnfW].f();
+  const float* ln_f_b = ws[kLnfB].f();
+  float* logits = out.data<float>();
+  // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
+  // (layer_step), head_ln, head_linear; no between_ops.
+  // Block 0's input: for short inputs (decode) every thread embeds all rows itself into its own
+  // buffer (the same values; a few rows), so no barrier follows the fork and the first thread
+  // starts block 0 while the others are still waking (they sleep between program runs); long
+  // ones are shared out into act[0] (one barrier). Block i > 0 reads act[i % 2].
+#pragma omp parallel num_threads(s.nt)
+  {
+    const bool lead = omp_get_thread_num() == 0;
+    float* x0 = a[0];
+    if (s.rows) {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, L, b, b + 1, x0);
+    } else {
+      x0 = grow(t_embed, size_t(std::max<int64_t>(M * C, 1)));
+      embed_rows(wte, wpe, C, id, mk, T, L, 0, B, x0);
+    }
+    if (lead) lp.lap(kEmbed);
+    for (int64_t i = 0; i < layers; ++i)
+      layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead);
+    const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
+    if (lead) lp.lap(kHeadLn);
+    if (n) linear_for(head, hin, n, logits, nullptr, -1);
+    if (lead) lp.lap(kHead);
+    trim(t_scratch), trim(t_embed);
+  }
+  trim(t_shared);
+  trim(t_stack.act[0]), trim(t_stack.act[1]);
+  op_exit(true);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> DecoderShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                               const std::vector<int64_t>& rows,
+                                               const std::vector<std::vector<int64_t>>&,
+                                               const std::vector<std::vector<int64_t>>&) {
+  return {{rows[0], -1}};  // the vocabulary is in the layout (an attribute: not passed here)
+}
+
+std::vector<paddle::DataType> DecoderDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+                                           const std::vector<paddle::DataType>&,
+                                           const std::vector<paddle::DataType>&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(gptc_decoder)
+    .Inputs({"Ids", "Mask", "Rows", paddle::Vec("Caches"), paddle::Vec("Weights")})
+    .Outputs({"Out", paddle::Vec("CachesOut")})
+    .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
+    .Attrs({"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
+            "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
+            "head_act: float"})
+    .SetKernelFn(PD_KERNEL(DecoderForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(DecoderShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderDtype));
+
+#endif  // GPTC_KERNELS_GPTC_DECODER_STACK_H_
