@@ -103,12 +103,12 @@ def test_saved_fused_program_is_the_custom_ops_and_its_inputs(dirs):
     ops = count_ops(os.path.join(dirs["export"], manifest["fused"]["model"]))
     assert ops == manifest["fused"]["ops"]
     # 3 + 2 per layer feeds, the two lists (caches, weights) of the one gptc_decoder op (its
-    # caches inplace: the trailing "_"), one fetch: nothing else runs. The weights are a float32
+    # caches inplace: the trailing "_"), two fetches (the logits, greedy's tokens): nothing else runs. The weights are a float32
     # and an int8 blob per group (the embeddings, each block; the last with the final norm and
     # head): Paddle's executor costs about as much per op input as per op.
     assert ops.pop("parameter") == 2 * (layers + 1)
     assert ops == {"pd_op.data": 3 + 2 * layers, "builtin.combine": 2, "custom_op.gptc_decoder_": 1,
-                   "pd_op.fetch": 1}
+                   "pd_op.fetch": 2}
     assert manifest["fused"]["kernel"]["version"] == KERNEL_VERSION
 
 
@@ -220,6 +220,29 @@ def test_repeated_generations_are_identical_and_clones_on_two_threads_agree(dirs
     t.join()
     assert other == [first]
 
+
+
+def test_greedy_steps_fetch_the_programs_argmax_token(dirs):
+    """``decode_greedy`` reads the program's Tokens output (gptc_decoder's row_argmax), equal to
+    np.argmax of ``decode``'s logits on every row of a left-padded batch, and greedy ``generate``
+    (which uses it) gives the tokens of the logits path (a proxy without ``decode_greedy``)."""
+    gen = Generator.from_dir(dirs["export"], backend="paddle")
+    be = gen.backend
+    ids, mask = _left_padded(gen.tokenizer, PROMPTS)
+    logits, cache = be.prefill(ids, mask)
+    _, cache2 = be.prefill(ids, mask)
+    nxt = np.argmax(logits, axis=-1)[:, None]
+    for _ in range(6):
+        mask = np.concatenate([mask, np.ones_like(nxt)], axis=1)
+        lg, cache = be.decode(nxt, mask, cache)
+        tok, cache2 = be.decode_greedy(nxt, mask, cache2)
+        assert tok.dtype == np.int64 and tok.shape == (len(PROMPTS),)
+        assert np.array_equal(tok, np.argmax(lg, axis=-1))
+        nxt = tok[:, None]
+    assert len(be._io[1]) == 2 and be._io[1][1].copy_to_cpu().dtype == np.int64  # not the np.argmax fallback
+    plain = Generator(Recorder(be), vocab_size=gen.vocab_size, max_positions=gen.max_positions,
+                      eos_token_id=None, pad_token_id=0, tokenizer=gen.tokenizer)
+    assert gen.generate(PROMPTS, max_new_tokens=12).sequences == plain.generate(PROMPTS, max_new_tokens=12).sequences
 
 
 def test_interleaved_caches_rebind_the_predictor_inputs(dirs):

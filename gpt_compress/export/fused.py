@@ -187,14 +187,16 @@ class _Packer:
 class FusedLM(nn.Layer):
     """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
     op formats, ``forward`` = embed, layers, head (see the module docstring): one
-    ``gptc_decoder`` call, or with ``stack=False`` the per-layer ops of kernel version 1."""
+    ``gptc_decoder`` call, or with ``stack=False`` the per-layer ops of kernel version 1.
+    ``tokens=True`` (stack only; the saved program): ``forward`` returns the logits and each
+    row's argmax (n,) int64, so greedy decoding fetches the token, not the (n, V) logits."""
 
-    def __init__(self, weights: dict, ops=None, stack: bool = True):
+    def __init__(self, weights: dict, ops=None, stack: bool = True, tokens: bool = False):
         super().__init__()
         from ..kernels import load_ops
 
         self.ops = ops or load_ops()
-        self.stack = stack
+        self.stack, self.tokens = stack, tokens and stack
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
         self._packer = _Packer() if stack else None
@@ -251,15 +253,15 @@ class FusedLM(nn.Layer):
         return [w, s, self._buf(name + "_b", b)]
 
     def forward(self, input_ids, attention_mask, rows, caches):
-        """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V);
-        the caches are written in place."""
+        """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V)
+        (and their argmax (n,) with ``tokens``); the caches are written in place."""
         if self.stack:
             out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches),
                                         self.blobs, self.layout, self.wte_bits, self.wpe_bits,
                                         [a[0] for a in self.layer_attrs], self.eps,
                                         self.activation, [b for a in self.layer_attrs for b in a[1]],
                                         [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
-            return out[0] if isinstance(out, (list, tuple)) else out
+            return (out[0], out[1]) if self.tokens else out[0]
         x = self.ops.gptc_embed(input_ids, attention_mask, self.wte, self.wte_s, self.wpe, self.wpe_s,
                                 self.wte_bits, self.wpe_bits)
         for i, (args, (heads, bits, acts)) in enumerate(zip(self.layer_args, self.layer_attrs)):
@@ -306,7 +308,7 @@ def save_fused(model, out_dir: str, stack: bool = True) -> dict:
     from ..kernels import kernel_info
 
     cfg = model.config
-    layer = FusedLM(fused_weights(model), stack=stack)
+    layer = FusedLM(fused_weights(model), stack=stack, tokens=True)
     layer.eval()
     static = paddle.jit.to_static(layer, input_spec=input_spec(cfg), full_graph=True)
     scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
@@ -323,6 +325,7 @@ def save_fused(model, out_dir: str, stack: bool = True) -> dict:
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
                         "head_bits": layer.head_bits},
+            "outputs": ["logits", "tokens"] if stack else ["logits"],
             "inputs": ["input_ids", "attention_mask", "rows"]
                       + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")],
             "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place"}

@@ -4,7 +4,9 @@
 // region between blocks (no fork, no wake-up from libgomp's sleep after GOMP_SPINCOUNT spins). The arithmetic is the
 // per-layer ops' (gptc_decoder_ops.h: the same embed_rows, layer_step and head inputs), so a
 // program of this op gives bitwise the logits of the gptc_embed -> gptc_layer... -> gptc_head
-// programs (tests/test_fused.py).
+// programs (tests/test_fused.py). Outputs: the logits (n, V) of the rows asked for, each row's
+// argmax Tokens (n,) int64 (np.argmax's choice: row_argmax; greedy decoding fetches only these),
+// and the caches, written in place.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_DECODER_STACK_H_
 #define GPTC_KERNELS_GPTC_DECODER_STACK_H_
@@ -102,6 +104,8 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
+  auto tokens = paddle::empty({n}, paddle::DataType::INT64, ids.place());
+  int64_t* tok = tokens.data<int64_t>();
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
   const float* ln_f_w = ws[kLnfW].f();
@@ -130,31 +134,33 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
     const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
     if (lead) lp.lap(kHeadLn);
     if (n) linear_for(head, hin, n, logits, nullptr, -1);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) tok[i] = row_argmax(logits + i * head.n, head.n);  // greedy's token
     if (lead) lp.lap(kHead);
     trim(t_scratch), trim(t_embed);
   }
   trim(t_shared);
   trim(t_stack.act[0]), trim(t_stack.act[1]);
   op_exit(true);
-  return {out};
+  return {out, tokens};
 }
 
 std::vector<std::vector<int64_t>> DecoderShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                const std::vector<int64_t>& rows,
                                                const std::vector<std::vector<int64_t>>&,
                                                const std::vector<std::vector<int64_t>>&) {
-  return {{rows[0], -1}};  // the vocabulary is in the layout (an attribute: not passed here)
+  return {{rows[0], -1}, {rows[0]}};  // the vocabulary is in the layout (an attribute: not passed here)
 }
 
 std::vector<paddle::DataType> DecoderDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
                                            const std::vector<paddle::DataType>&,
                                            const std::vector<paddle::DataType>&) {
-  return {paddle::DataType::FLOAT32};
+  return {paddle::DataType::FLOAT32, paddle::DataType::INT64};
 }
 
 PD_BUILD_OP(gptc_decoder)
     .Inputs({"Ids", "Mask", "Rows", paddle::Vec("Caches"), paddle::Vec("Weights")})
-    .Outputs({"Out", paddle::Vec("CachesOut")})
+    .Outputs({"Out", "Tokens", paddle::Vec("CachesOut")})
     .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
     .Attrs({"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
             "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
