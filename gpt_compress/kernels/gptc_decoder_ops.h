@@ -9,7 +9,8 @@
 
 namespace {
 
-int64_t cols(const paddle::Tensor& t) { return t.dims()[t.dims().size() - 1]; }
+// The hidden size of an embedding table's rows (int4: two codes a byte).
+inline int64_t table_width(const View& w, int bits) { return bits == 4 ? w.d1 * 2 : w.d1; }
 
 // ---------------------------------------------------------------------------------- embed
 // An embedding table as embed_rows reads it: float32 (rows, C), or int codes with block scales
@@ -268,7 +269,7 @@ std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle
   PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
   op_enter(T > 1);
   Laps lp(T > 1);
-  const int64_t C = wte_bits == 4 ? cols(wte) * 2 : cols(wte);
+  const int64_t C = table_width(view(wte), wte_bits);
   auto out = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, ids.place());
   embed_rows(make_table(view(wte), view(wte_s), wte_bits), make_table(view(wpe), view(wpe_s), wpe_bits), C, ids.data<int64_t>(),
              mask.data<int64_t>(), T, L, 0, B, out.data<float>());

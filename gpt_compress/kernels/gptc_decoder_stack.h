@@ -79,9 +79,8 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
            "gptc_decoder: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
            " weights and ", 4 * layers, " bits/act entries");
   const Table wte = make_table(ws[kWte], ws[kWteS], wte_bits), wpe = make_table(ws[kWpe], ws[kWpeS], wpe_bits);
-  const int64_t C = wte_bits == 4 ? ws[kWte].d1 * 2 : ws[kWte].d1, M = B * T;
-  PD_CHECK(wpe.bits == 32 ? ws[kWpe].d1 == C : (wpe.bits == 4 ? ws[kWpe].d1 * 2 : ws[kWpe].d1) == C,
-           "gptc_decoder: position table width differs from the token table's");
+  const int64_t C = table_width(ws[kWte], wte_bits), M = B * T;
+  PD_CHECK(table_width(ws[kWpe], wpe_bits) == C, "gptc_decoder: position table width differs from the token table's");
   PD_CHECK(!ws[kLnfW].i8 && !ws[kLnfB].i8 && ws[kLnfW].d0 * ws[kLnfW].d1 == C && ws[kLnfB].d0 * ws[kLnfB].d1 == C,
            "gptc_decoder: final layer norm must be float32 of the hidden size");
   const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);

@@ -123,11 +123,15 @@ def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # Greedy / sampling
 # --------------------------------------------------------------------------------------
+def _no_processor(cfg: GenerationConfig, step: int, eos) -> bool:
+    """No logits processor changes the scores at ``step`` (no penalty, past ``min_new_tokens``)."""
+    return cfg.repetition_penalty == 1.0 and (step >= cfg.min_new_tokens or eos is None)
+
+
 def _processed(logits, seen, step, cfg, eos):
     """The scores after the processors: a new float32 array, or ``logits`` itself when no processor
     applies (greedy with no penalty after ``min_new_tokens``: the per-step copy is skipped)."""
-    if cfg.repetition_penalty == 1.0 and (step >= cfg.min_new_tokens or eos is None) \
-            and logits.dtype == np.float32:
+    if _no_processor(cfg, step, eos) and logits.dtype == np.float32:
         return logits
     scores = logits.astype(np.float32, copy=True)
     scores = apply_repetition_penalty(scores, seen, cfg.repetition_penalty)
@@ -138,8 +142,7 @@ def _processed(logits, seen, step, cfg, eos):
 
 def _plain_greedy(cfg: GenerationConfig, step: int, eos) -> bool:
     """Greedy with no processor at ``step``: the token is the argmax of the raw logits."""
-    return (cfg.decode_strategy == "greedy" and cfg.repetition_penalty == 1.0
-            and (step >= cfg.min_new_tokens or eos is None))
+    return cfg.decode_strategy == "greedy" and _no_processor(cfg, step, eos)
 
 
 def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: GenerationConfig,
