@@ -205,6 +205,25 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
 #endif
 }
 
+// A stream's start (a grab of gemv_for's schedule, the first rows of a weight): the first
+// GEMV_PREFETCH bytes of the weights from row r0 on, which the passes' own prefetches (always
+// GEMV_PREFETCH ahead) never ask for, and the scales of the chunk, all requested at once instead
+// of missing one line after another.
+inline void gemv_prefetch_start(const Lin& L, int64_t r0) {
+#if defined(__AVX2__)
+  const int64_t rows = std::min(GEMV_ROWS, L.n - r0);
+  const int64_t row_bytes = L.bits == 32 ? L.k * 4 : L.k * L.bits / 8;
+  const char* w = L.bits == 32 ? reinterpret_cast<const char*>(L.wf) : reinterpret_cast<const char*>(L.wq);
+  const int64_t wb = std::min<int64_t>(GEMV_PREFETCH, rows * row_bytes);
+  for (int64_t o = 0; o < wb; o += 64) _mm_prefetch(w + r0 * row_bytes + o, _MM_HINT_T0);
+  if (L.bits != 32) {
+    const int64_t nb = L.k / L.blk;
+    const char* s = reinterpret_cast<const char*>(L.scale + r0 * nb);
+    for (int64_t o = 0; o < rows * nb * 4; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
+  }
+#endif
+}
+
 // y (1, N) = epilogue(x @ W^T + bias), the GEMV_ROWS chunks shared out among the threads of the
 // enclosing region as they come for them, `grain` at a time (about 16 grabs per thread): a
 // thread that a busy machine delays, or that joins the region late (woken from its sleep
@@ -215,9 +234,13 @@ void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
   const int64_t grain = std::max<int64_t>(1, chunks / (16 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
+  int64_t next = -1;  // the chunk after this thread's previous one: its stream is already running
 #pragma omp for schedule(dynamic, grain)
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (c != next) gemv_prefetch_start(L, c * GEMV_ROWS);
     gemv_rows(L, in, c * GEMV_ROWS, std::min(L.n, (c + 1) * GEMV_ROWS), y, res, act, sc);
+    next = c + 1;
+  }
 }
 
 // Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.
