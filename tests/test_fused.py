@@ -102,35 +102,40 @@ def test_saved_fused_program_is_the_custom_ops_and_its_inputs(dirs):
     layers = manifest["model"]["num_layers"]
     ops = count_ops(os.path.join(dirs["export"], manifest["fused"]["model"]))
     assert ops == manifest["fused"]["ops"]
-    # 3 + 2 per layer feeds, the two lists (caches, weights) of the one gptc_decoder op (its
-    # caches inplace: the trailing "_"), two fetches (the logits, greedy's tokens): nothing else runs. The weights are a float32
+    # 4 + 2 per layer feeds (ids, mask, rows, control, the caches), the two lists (caches,
+    # weights) of the one gptc_generate op (its caches inplace: the trailing "_"), two fetches
+    # (the logits, greedy's tokens): nothing else runs. The weights are a float32
     # and an int8 blob per group (the embeddings, each block; the last with the final norm and
     # head): Paddle's executor costs about as much per op input as per op.
     assert ops.pop("parameter") == 2 * (layers + 1)
-    assert ops == {"pd_op.data": 3 + 2 * layers, "builtin.combine": 2, "custom_op.gptc_decoder_": 1,
+    assert ops == {"pd_op.data": 4 + 2 * layers, "builtin.combine": 2, "custom_op.gptc_generate_": 1,
                    "pd_op.fetch": 2}
     assert manifest["fused"]["kernel"]["version"] == KERNEL_VERSION
 
 
-def test_a_per_layer_program_of_kernel_version_1_still_runs_bitwise_the_same(dirs, tmp_path):
-    """Exports written before gptc_decoder (gptc_embed -> gptc_layer per block -> gptc_head) still
-    load and run, and give bitwise the one-op program's logits and caches (prefill, decode steps
-    of a left-padded batch, scoring)."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_program_of_an_older_kernel_version_still_runs_bitwise_the_same(dirs, tmp_path, version):
+    """Exports written before gptc_generate, with gptc_decoder (version 2) or gptc_embed ->
+    gptc_layer per block -> gptc_head (version 1), still load and run (one step a call), and
+    give bitwise the current program's logits and caches (prefill, decode steps of a left-padded
+    batch, scoring)."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.export.fused import count_ops, save_fused
     from gpt_compress.inference.fused import FusedBackend
 
-    old_dir = tmp_path / "v1"
+    old_dir = tmp_path / f"v{version}"
     shutil.copytree(dirs["export"], old_dir)
-    entry = save_fused(load_model(dirs["ckpt"]), str(old_dir), stack=False)
+    entry = save_fused(load_model(dirs["ckpt"]), str(old_dir), version=version)
     manifest = json.loads((old_dir / "manifest.json").read_text())
     manifest["fused"] = entry
     (old_dir / "manifest.json").write_text(json.dumps(manifest))
     layers = manifest["model"]["num_layers"]
-    assert count_ops(str(old_dir / entry["model"]))["custom_op.gptc_layer_"] == layers
-    assert entry["kernel"]["version"] == 1
+    ops = count_ops(str(old_dir / entry["model"]))
+    assert (ops["custom_op.gptc_layer_"] == layers) if version == 1 else (ops["custom_op.gptc_decoder_"] == 1)
+    assert entry["kernel"]["version"] == version
     old, new = FusedBackend(str(old_dir), verify=False), FusedBackend(dirs["export"])
+    assert old.greedy_steps == 1 and new.greedy_steps > 1
     ids, mask = _left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
     assert np.array_equal(old.score(ids, mask), new.score(ids, mask))
     (lo, co), (ln, cn) = old.prefill(ids, mask), new.prefill(ids, mask)
@@ -243,6 +248,52 @@ def test_greedy_steps_fetch_the_programs_argmax_token(dirs):
     plain = Generator(Recorder(be), vocab_size=gen.vocab_size, max_positions=gen.max_positions,
                       eos_token_id=None, pad_token_id=0, tokenizer=gen.tokenizer)
     assert gen.generate(PROMPTS, max_new_tokens=12).sequences == plain.generate(PROMPTS, max_new_tokens=12).sequences
+
+
+def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
+    """``decode_greedy_steps`` (gptc_generate's Control): 5 steps in one program run give the
+    tokens and bitwise the cache of 5 ``decode_greedy`` calls on a left-padded batch, a row
+    finished before the call gets the pad token; greedy ``generate`` (which asks for up to
+    ``greedy_steps`` at a time: 8, then 4 for 13 new tokens) equals the logits path's tokens, with
+    an EOS that ends one row inside a run."""
+    gen = Generator.from_dir(dirs["export"], backend="paddle")
+    be = gen.backend
+    assert be.greedy_steps == 8
+    ids, mask = _left_padded(gen.tokenizer, PROMPTS)
+    logits, cache = be.prefill(ids, mask)
+    _, one = be.prefill(ids, mask)
+    nxt = np.argmax(logits, axis=-1)[:, None]
+    mask = np.concatenate([mask, np.ones_like(nxt)], axis=1)
+    finished = np.zeros(len(PROMPTS), bool)
+    finished[1] = True
+    many, cache = be.decode_greedy_steps(nxt, mask, cache, 5, None, 7, finished)
+    assert many.shape == (len(PROMPTS), 5) and cache.length == mask.shape[1] + 4
+    feed, m = nxt.copy(), mask
+    feed[1] = nxt[1]
+    for j in range(5):
+        tok, one = be.decode_greedy(feed, m, one)
+        tok[1] = 7
+        assert np.array_equal(many[:, j], tok), j
+        feed, m = tok[:, None], np.concatenate([m, np.ones_like(feed)], axis=1)
+    filled = cache.length
+    assert one.length == filled
+    # Row 1 was fed the pad token after the first step in both; the others the same tokens.
+    assert all(np.array_equal(a.numpy()[:, :, :filled], b.numpy()[:, :, :filled])
+               for a, b in zip(cache.tensors, one.tensors))
+    free = Generator(Recorder(be), vocab_size=gen.vocab_size, max_positions=gen.max_positions,
+                     eos_token_id=None, pad_token_id=0, tokenizer=gen.tokenizer)
+    seqs = free.generate(PROMPTS, max_new_tokens=13).sequences
+    # An EOS that ends row 0 inside the first run (its 2nd-8th token) but not some other row
+    # before the second run (its first 9 tokens).
+    eos = next(t for t in seqs[0][1:8] if any(t not in s[:9] for s in seqs[1:]))
+    runs = []
+    steps = be.decode_greedy_steps
+    be.decode_greedy_steps = lambda *a: runs.append(a[3]) or steps(*a)
+    kw = dict(vocab_size=gen.vocab_size, max_positions=gen.max_positions, eos_token_id=int(eos), pad_token_id=0,
+              tokenizer=gen.tokenizer)
+    got = Generator(be, **kw).generate(PROMPTS, max_new_tokens=13).sequences
+    assert got == Generator(Recorder(be), **kw).generate(PROMPTS, max_new_tokens=13).sequences
+    assert runs == [8, 4] and got[0][-1] == eos and len(got[0]) <= 8, (runs, got)
 
 
 def test_interleaved_caches_rebind_the_predictor_inputs(dirs):

@@ -6,16 +6,20 @@ One program serves all three (so a runner holds one copy of the weights)::
     fused(input_ids (B,T), attention_mask (B,S+T), rows (n,), cache_key_0, cache_value_0, ...)
         -> logits (n, V) of the flat positions ``rows`` of the (B*T) new tokens
 
-It is one ``gptc_decoder`` op: embed, every block and the LM head in one call (Paddle's executor
-cost per op, paid once a step; the op's threads stay in one parallel region). Each block writes
+It is one ``gptc_generate`` op (kernel version 3): embed, every block and the LM head in one call
+(Paddle's executor cost per op, paid once a call; the op's threads stay in one parallel region).
+A last input, ``control`` (int64 ``[steps, eos, pad, finished_0, ...]``), lets one call run
+several greedy decode steps, each feeding the previous step's tokens (``FusedBackend
+.decode_greedy_steps``): a generated token then costs no Python and no predictor run of its own.
+Version-2 exports hold the same op without ``control`` (``gptc_decoder``); both still run. Each block writes
 its new keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)``
 at positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as an inplace
 vector output, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated
 or copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
-scoring asks for every row. Exports written before it (kernel version 1) hold the same
+scoring asks for every row. Exports of kernel version 1 hold the same
 computation as ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head`` (bitwise the same
-logits); those ops stay registered so they still run, and ``FusedLM(..., stack=False)`` builds
-that form.
+logits); those ops stay registered so they still run, and ``FusedLM(..., version=1)`` (or 2)
+builds that form.
 
 Weights are stored (N, K) per Linear in the format the model was quantized to
 (``qat.quantize``): float32; weight-only int8 / int4 (blocks of ``weight_block_size``, int4
@@ -187,16 +191,20 @@ class _Packer:
 class FusedLM(nn.Layer):
     """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
     op formats, ``forward`` = embed, layers, head (see the module docstring): one
-    ``gptc_decoder`` call, or with ``stack=False`` the per-layer ops of kernel version 1.
-    ``tokens=True`` (stack only; the saved program): ``forward`` returns the logits and each
-    row's argmax (n,) int64, so greedy decoding fetches the token, not the (n, V) logits."""
+    ``gptc_generate`` call (``version`` 3), one ``gptc_decoder`` call (2) or the per-layer ops (1).
+    ``tokens=True`` (versions 2, 3; the saved program): ``forward`` returns the logits and each
+    row's argmax int64 ((n,); (n, steps) for version 3), so greedy decoding fetches the tokens,
+    not the (n, V) logits."""
 
-    def __init__(self, weights: dict, ops=None, stack: bool = True, tokens: bool = False):
+    def __init__(self, weights: dict, ops=None, version: int = 3, tokens: bool = False):
         super().__init__()
         from ..kernels import load_ops
 
+        if version not in (1, 2, 3):
+            raise ValueError(f"no fused program of kernel version {version}; versions: 1, 2, 3")
         self.ops = ops or load_ops()
-        self.stack, self.tokens = stack, tokens and stack
+        self.version, self.stack = version, version >= 2
+        stack, self.tokens = self.stack, tokens and self.stack
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
         self._packer = _Packer() if stack else None
@@ -252,15 +260,20 @@ class FusedLM(nn.Layer):
         b = spec["b"] if spec["b"] is not None else np.zeros([spec["w"].shape[0]], np.float32)
         return [w, s, self._buf(name + "_b", b)]
 
-    def forward(self, input_ids, attention_mask, rows, caches):
+    def forward(self, input_ids, attention_mask, rows, caches, control=None):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V)
-        (and their argmax (n,) with ``tokens``); the caches are written in place."""
+        (and their argmax with ``tokens``); the caches are written in place. ``control``
+        (version 3; None: one step): int64 [steps, eos (-1: none), pad, finished per row]."""
         if self.stack:
-            out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches),
-                                        self.blobs, self.layout, self.wte_bits, self.wpe_bits,
-                                        [a[0] for a in self.layer_attrs], self.eps,
-                                        self.activation, [b for a in self.layer_attrs for b in a[1]],
-                                        [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
+            attrs = (self.blobs, self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs],
+                     self.eps, self.activation, [b for a in self.layer_attrs for b in a[1]],
+                     [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
+            if self.version == 3:
+                if control is None:
+                    control = paddle.to_tensor(np.array([1, -1, 0] + [0] * input_ids.shape[0], np.int64))
+                out = self.ops.gptc_generate(input_ids, attention_mask, rows, control, list(caches), *attrs)
+            else:
+                out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches), *attrs)
             return (out[0], out[1]) if self.tokens else out[0]
         x = self.ops.gptc_embed(input_ids, attention_mask, self.wte, self.wte_s, self.wpe, self.wpe_s,
                                 self.wte_bits, self.wpe_bits)
@@ -272,13 +285,14 @@ class FusedLM(nn.Layer):
                                   self.head_bits, self.head_act)
 
 
-def input_spec(cfg) -> list:
+def input_spec(cfg, version: int = 3) -> list:
     caches = []
     for i in range(cfg.num_layers):
         for kind in ("key", "value"):
             caches.append(InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"cache_{kind}_{i}"))
+    control = [InputSpec([None], "int64", "control")] if version == 3 else []
     return [InputSpec([None, None], "int64", "input_ids"), InputSpec([None, None], "int64", "attention_mask"),
-            InputSpec([None], "int64", "rows"), caches]
+            InputSpec([None], "int64", "rows"), caches] + control
 
 
 def count_ops(program_json: str) -> dict[str, int]:
@@ -301,16 +315,19 @@ def count_ops(program_json: str) -> dict[str, int]:
     return dict(names)
 
 
-def save_fused(model, out_dir: str, stack: bool = True) -> dict:
+def save_fused(model, out_dir: str, version: Optional[int] = None) -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
-    (``model`` is not mutated; ``stack=False``: the per-layer program of kernel version 1). Returns the manifest's ``fused`` entry. Raises ``KernelError`` when
-    the operators cannot be built, ``ExportError`` for a model with no fused form."""
-    from ..kernels import kernel_info
+    (``model`` is not mutated; ``version``: the program of an older kernel version, 1 or 2, as
+    earlier exports hold; default the current one). Returns the manifest's ``fused`` entry.
+    Raises ``KernelError`` when the operators cannot be built, ``ExportError`` for a model with no
+    fused form."""
+    from ..kernels import KERNEL_VERSION, kernel_info
 
     cfg = model.config
-    layer = FusedLM(fused_weights(model), stack=stack, tokens=True)
+    version = version or KERNEL_VERSION
+    layer = FusedLM(fused_weights(model), version=version, tokens=True)
     layer.eval()
-    static = paddle.jit.to_static(layer, input_spec=input_spec(cfg), full_graph=True)
+    static = paddle.jit.to_static(layer, input_spec=input_spec(cfg, version), full_graph=True)
     scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
     try:
         paddle.jit.save(static, os.path.join(scratch, "fused"))
@@ -320,14 +337,15 @@ def save_fused(model, out_dir: str, stack: bool = True) -> dict:
             os.replace(os.path.join(scratch, src), os.path.join(out_dir, dst))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    kernel = {**kernel_info(), **({} if stack else {"version": 1})}  # version 1: the per-layer ops
+    kernel = {**kernel_info(), "version": version}
     return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel,
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
                         "head_bits": layer.head_bits},
-            "outputs": ["logits", "tokens"] if stack else ["logits"],
+            "outputs": ["logits", "tokens"] if layer.stack else ["logits"],
             "inputs": ["input_ids", "attention_mask", "rows"]
-                      + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")],
+                      + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")]
+                      + (["control"] if version == 3 else []),
             "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place"}
 
 

@@ -36,6 +36,11 @@ from ..runtime import GOMP_SPINCOUNT, openmp_spin
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
+# Greedy tokens per program run (``decode_greedy_steps``, used by ``generation.stream_tokens``):
+# a run's fixed cost outside the op (Paddle Inference's run, the Python loop; 0.3-0.7 ms a step
+# at gpt-bench, run cache-cold after the weights stream through) is paid once per this many
+# tokens. A streaming consumer gets the tokens in bursts of this many.
+GREEDY_STEPS = 8
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
 # spin only briefly at each barrier (``import gpt_compress`` sets GOMP_SPINCOUNT=2000 unless the
 # user did: runtime.openmp_spin): with its default spinning, two threads on a loaded 2-core machine
@@ -73,7 +78,7 @@ class FusedBackend:
     """``DecodeBackend`` + ``score`` running ``fused.json`` with Paddle Inference on CPU."""
 
     def __init__(self, model_dir: Union[str, Manifest], verify: bool = True, threads: int = DEFAULT_THREADS,
-                 reserve: int = RESERVE):
+                 reserve: int = RESERVE, greedy_steps: int = GREEDY_STEPS):
         from ..kernels import load_ops
 
         self.manifest = model_dir if isinstance(model_dir, Manifest) else read_manifest(model_dir)
@@ -87,6 +92,8 @@ class FusedBackend:
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
         self.threads, self.reserve = _threads(threads), reserve
+        # Greedy steps per program run (``decode_greedy_steps``): kernel version 3 programs only.
+        self.greedy_steps = max(1, greedy_steps) if "control" in info.get("inputs", ()) else 1
         if self.threads > 1 and not openmp_spin():
             asked = f"{self.threads} threads as asked" if threads else "1 thread"
             if not threads:
@@ -137,13 +144,14 @@ class FusedBackend:
 
     # ------------------------------------------------------------------ runs
     def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list,
-             tokens: bool = False) -> np.ndarray:
+             tokens: bool = False, control: Optional[np.ndarray] = None) -> np.ndarray:
         """One program run through the predictor's input/output handles: the three int64 inputs
         copied in, the cache tensors shared (bound again only when they are not the previous
         run's tensors: a decode step binds nothing), the logits copied out. Per batch-1 step
         this saves the three ``paddle.to_tensor`` and most of ``Predictor.run(list)``'s own
         cost (bench/kernels.py's ``decode_wrapper``). ``tokens``: the argmax per row instead of
-        the logits (the program's second output, else ``np.argmax`` of the logits)."""
+        the logits (the program's second output, else ``np.argmax`` of the logits); with
+        ``control`` (version 3: ``decode_greedy_steps``) the (n, steps) tokens."""
         if self._io is None:
             names = self._pred.get_input_names()
             self._io = ([self._pred.get_input_handle(n) for n in names],
@@ -151,6 +159,9 @@ class FusedBackend:
         inputs, outputs = self._io
         for handle, arr in zip(inputs, (ids, mask, rows)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
+        if len(inputs) > 3 + len(caches):  # kernel version 3: ``control`` last (one step unless asked)
+            inputs[-1].copy_from_cpu(control if control is not None else
+                                     np.array([1, -1, 0] + [0] * ids.shape[0], np.int64))
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
             for handle, tensor in zip(inputs[3:], caches):
@@ -159,7 +170,10 @@ class FusedBackend:
         self._pred.run()
         if not tokens:
             return outputs[0].copy_to_cpu()
-        return outputs[1].copy_to_cpu() if len(outputs) > 1 else np.argmax(outputs[0].copy_to_cpu(), axis=-1)
+        if len(outputs) == 1:
+            return np.argmax(outputs[0].copy_to_cpu(), axis=-1)
+        out = outputs[1].copy_to_cpu()  # (n,), or (n, steps) from a version-3 program
+        return out if control is not None else out.reshape(-1)
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
         """Prompt (B, T) -> last logits (B, V) float32, cache."""
@@ -182,18 +196,34 @@ class FusedBackend:
         argmax of the logits."""
         return self._call(self._decode, input_ids, attention_mask, cache, True)
 
-    def _decode(self, input_ids, attention_mask, cache, tokens: bool = False):
+    def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache,
+                            steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray):
+        """``steps`` greedy decode steps in one program run (kernel version 3; ``greedy_steps``
+        says how many a caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
+        (B, S + 1), then each step's tokens with one more mask column of ones. Returns the tokens
+        (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
+        (B,) bool before the call or by an earlier step's ``eos_token_id`` (as
+        ``generation.stream_tokens`` step by step), and the cache, now holding S + steps positions."""
+        if self.greedy_steps < 2:
+            raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (kernel version "
+                             f"{self.manifest.data['fused']['kernel'].get('version')}); re-export for several")
+        control = np.array([steps, -1 if eos_token_id is None else eos_token_id, pad_token_id]
+                           + [int(f) for f in finished], np.int64)
+        return self._call(self._decode, input_ids, attention_mask, cache, True, control)
+
+    def _decode(self, input_ids, attention_mask, cache, tokens: bool = False, control=None):
         b, t = input_ids.shape
-        need = cache.length + t
-        if attention_mask.shape[1] != need:
+        steps = int(control[0]) if control is not None else t  # positions the cache gains
+        if attention_mask.shape[1] != cache.length + t:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns; the cache holds "
                              f"{cache.length} positions + {t} new")
+        need = cache.length + steps
         if need > cache.capacity:  # grow once per ``reserve`` positions: one copy
             grown = self._alloc(b, self._capacity(need))
             for new, old in zip(grown, cache.tensors):
                 new[:, :, :cache.length] = old[:, :, :cache.length]
             cache = FusedCache(grown, cache.length)
-        out = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors, tokens)
+        out = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors, tokens, control)
         cache.length = need
         return out, cache
 
@@ -240,7 +270,7 @@ def paddle_backend(manifest: Manifest, fused: Optional[bool] = None, verify: boo
         raise ModelDirError(f"{manifest.path} has no fused CPU program (device={device!r}); re-export it with "
                             "this gpt-compress or pass fused=False")
     if has_fused and fused is not False:
-        fused_opts = {k: options[k] for k in ("threads", "reserve") if k in options}
+        fused_opts = {k: options[k] for k in ("threads", "reserve", "greedy_steps") if k in options}
         try:
             return FusedBackend(manifest, verify=verify, **fused_opts)
         except KernelError as e:
@@ -249,5 +279,5 @@ def paddle_backend(manifest: Manifest, fused: Optional[bool] = None, verify: boo
             warnings.warn(f"running the unfused Paddle programs: {e}", stacklevel=2)
     from .predictor import PaddleBackend
 
-    options = {k: v for k, v in options.items() if k not in ("threads", "reserve")}
+    options = {k: v for k, v in options.items() if k not in ("threads", "reserve", "greedy_steps")}
     return PaddleBackend(manifest, verify=verify, **options)

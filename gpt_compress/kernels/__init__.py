@@ -5,7 +5,7 @@ batch-invariance contract) #includes ``gptc_common.h`` (profiler, thread count, 
 ``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_linear.h`` (input quantization,
 linear_block), ``gptc_gemv.h`` (M = 1 kernels, the Linear entry points), ``gptc_norm_attention.h``,
 ``gptc_decoder_ops.h`` (gptc_embed/gptc_layer/gptc_head), ``gptc_decoder_stack.h``
-(gptc_decoder: all of them in one call) and ``gptc_head_score.h``; ``SOURCES``
+(gptc_decoder, gptc_generate: all of them in one call) and ``gptc_head_score.h``; ``SOURCES``
 lists them all. ``load_ops()`` compiles the unit with ``paddle.utils.cpp_extension.load`` (g++,
 ``-O3 -march=native -fopenmp``) on first use and caches the library in a directory keyed by the
 hash of every source file (names and bytes, in ``SOURCES`` order), the compiler, the Paddle
@@ -46,14 +46,14 @@ SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_linear.h", "gpt
 SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
 # Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests).
-KERNEL_VERSION = 2  # 2: gptc_decoder (programs of version 1 still run)
+KERNEL_VERSION = 3  # 3: gptc_generate, 2: gptc_decoder, 1: per-layer ops (all still run)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
 # GCC's OpenMP runtime (libgomp), a second one beside the Intel runtime Paddle loads: Paddle's
 # set_cpu_math_library_num_threads does not reach it, so the ops take their thread count from
 # $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (Linking libiomp5 instead made
 # a batch-1 step 4x slower on a busy machine: its threads spin 200 ms after every region.)
 LDFLAGS = ["-fopenmp"]
-OPS = ("gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head")
+OPS = ("gptc_generate", "gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head")
 
 _lock = threading.Lock()
 _module = None
@@ -178,7 +178,7 @@ def cached_library_problem(directory: str) -> Optional[str]:
 
 
 def load_ops():
-    """The op module (``gptc_decoder``; ``gptc_embed``, ``gptc_layer``, ``gptc_head``), built or loaded once per process."""
+    """The op module (``gptc_generate``, ``gptc_decoder``; ``gptc_embed``, ``gptc_layer``, ``gptc_head``), built or loaded once per process."""
     global _module, build_seconds
     with _lock:
         if _module is not None:

@@ -6,7 +6,9 @@
 // program of this op gives bitwise the logits of the gptc_embed -> gptc_layer... -> gptc_head
 // programs (tests/test_fused.py). Outputs: the logits (n, V) of the rows asked for, each row's
 // argmax Tokens (n,) int64 (np.argmax's choice: row_argmax; greedy decoding fetches only these),
-// and the caches, written in place.
+// and the caches, written in place. gptc_generate (kernel version 3) is the same op with a
+// Control input: several greedy decode steps in one call (stack_forward), so a generated token
+// costs no Python and no Paddle Inference run of its own.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_DECODER_STACK_H_
 #define GPTC_KERNELS_GPTC_DECODER_STACK_H_
@@ -61,18 +63,34 @@ std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::ve
 // wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16 weights of gptc_layer from Ln1W
 // (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new positions.
 // heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.
-std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
-                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
-                                           const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
-                                           int wte_bits, int wpe_bits, const std::vector<int>& heads, float eps,
-                                           int activation, const std::vector<int>& bits, const std::vector<float>& act,
-                                           int head_bits, float head_act) {
+// control (gptc_generate; null for gptc_decoder): [steps, eos (-1: none), pad, finished_0, ...,
+// finished_{B-1}]. Steps > 1 (greedy decoding, T = 1, rows = 0..B-1) runs that many decode steps
+// in this one call, each feeding the previous step's tokens with one more mask column of ones,
+// as generation.stream_tokens would: a row finished before the call or by an earlier step's eos
+// gets `pad` (fed and returned); the steps end early once every row is finished (the rest
+// `pad`). Tokens are then (B, steps) and the logits the last step's. Each step is the
+// one-step call's arithmetic, so the tokens are the ones step-by-step calls would give.
+std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddle::Tensor& mask,
+                                          const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
+                                          const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
+                                          int wte_bits, int wpe_bits, const std::vector<int>& heads, float eps,
+                                          int activation, const std::vector<int>& bits, const std::vector<float>& act,
+                                          int head_bits, float head_act, const paddle::Tensor* control) {
   const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1], n = rows.numel();
   const int64_t layers = int64_t(heads.size());
   const int kind = T > 1;
   op_enter(kind);
   Laps lp(kind);
   PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
+  const int64_t* ctl = nullptr;
+  int64_t steps = 1;
+  if (control != nullptr) {
+    PD_CHECK(control->dtype() == paddle::DataType::INT64 && control->numel() == 3 + B,
+             "gptc_generate: control must be int64 [steps, eos, pad] and one finished flag per row");
+    ctl = control->data<int64_t>();
+    steps = ctl[0];
+    PD_CHECK(steps >= 1, "gptc_generate: steps must be at least 1");
+  }
   const std::vector<View> ws = unpack(blobs, layout);
   PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
                int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
@@ -91,7 +109,7 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   int64_t inner = 0, F = 0, kmax = C;
   for (int64_t i = 0; i < layers; ++i) {
     paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
-    check_cache(kc, vc, B, heads[i], L);
+    check_cache(kc, vc, B, heads[i], L + steps - 1);
     kv[2 * i] = kc.data<float>(), kv[2 * i + 1] = vc.data<float>(), cap[i] = kc.dims()[2];
     lw[i] = make_layer(&ws[kStackFixed + kPerLayer * i], C, heads[i], kc.dims()[3], bits.data() + 4 * i,
                        act.data() + 4 * i);
@@ -99,49 +117,104 @@ std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const padd
   }
   const int64_t* r = rows.data<int64_t>();
   for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_decoder: row index out of range");
-  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, inner, F, kmax, n, eps, activation);
+  if (steps > 1) {
+    PD_CHECK(T == 1 && n == B, "gptc_generate: several steps need one new token a row and every row's logits");
+    for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] == i, "gptc_generate: several steps need rows 0..B-1 in order");
+  }
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
-  auto tokens = paddle::empty({n}, paddle::DataType::INT64, ids.place());
-  int64_t* tok = tokens.data<int64_t>();
+  auto tokens = ctl ? paddle::empty({n, steps}, paddle::DataType::INT64, ids.place())
+                    : paddle::empty({n}, paddle::DataType::INT64, ids.place());
+  std::vector<int64_t> step_tok(ctl ? n : 0), step_ids, step_mask;
+  int64_t* tok = ctl ? step_tok.data() : tokens.data<int64_t>();
+  std::vector<char> fin(ctl ? B : 0);
+  for (int64_t b = 0; ctl && b < B; ++b) fin[b] = ctl[3 + b] != 0;
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
   const float* ln_f_w = ws[kLnfW].f();
   const float* ln_f_b = ws[kLnfB].f();
   float* logits = out.data<float>();
-  // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
-  // (layer_step), head_ln, head_linear; no between_ops.
-  // Block 0's input: for short inputs (decode) every thread embeds all rows itself into its own
-  // buffer (the same values; a few rows), so no barrier follows the fork and the first thread
-  // starts block 0 while the others are still waking (they sleep between program runs); long
-  // ones are shared out into act[0] (one barrier). Block i > 0 reads act[i % 2].
-#pragma omp parallel num_threads(s.nt)
-  {
-    const bool lead = omp_get_thread_num() == 0;
-    float* x0 = a[0];
-    if (s.rows) {
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, L, b, b + 1, x0);
-    } else {
-      x0 = grow(t_embed, size_t(std::max<int64_t>(M * C, 1)));
-      embed_rows(wte, wpe, C, id, mk, T, L, 0, B, x0);
+  for (int64_t j = 0; j < steps; ++j) {
+    const int64_t Lj = L + j;  // step j: the mask with j columns of ones, the previous tokens
+    if (j > 0) {
+      step_mask.resize(size_t(B * Lj));
+      for (int64_t b = 0; b < B; ++b) {
+        std::memcpy(step_mask.data() + b * Lj, mask.data<int64_t>() + b * L, size_t(L) * sizeof(int64_t));
+        std::fill(step_mask.data() + b * Lj + L, step_mask.data() + (b + 1) * Lj, int64_t(1));
+      }
+      mk = step_mask.data(), id = step_ids.data();
     }
-    if (lead) lp.lap(kEmbed);
-    for (int64_t i = 0; i < layers; ++i)
-      layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead);
-    const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
-    if (lead) lp.lap(kHeadLn);
-    if (n) linear_for(head, hin, n, logits, nullptr, -1);
+    const Step s = make_step(B, T, C, mk, Lj, inner, F, kmax, n, eps, activation);
+    // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
+    // (layer_step), head_ln, head_linear; no between_ops.
+    // Block 0's input: for short inputs (decode) every thread embeds all rows itself into its own
+    // buffer (the same values; a few rows), so no barrier follows the fork and the first thread
+    // starts block 0 while the others are still waking (they sleep between program runs); long
+    // ones are shared out into act[0] (one barrier). Block i > 0 reads act[i % 2].
+#pragma omp parallel num_threads(s.nt)
+    {
+      const bool lead = omp_get_thread_num() == 0;
+      float* x0 = a[0];
+      if (s.rows) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) tok[i] = row_argmax(logits + i * head.n, head.n);  // greedy's token
-    if (lead) lp.lap(kHead);
-    trim(t_scratch), trim(t_embed);
+        for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, Lj, b, b + 1, x0);
+      } else {
+        x0 = grow(t_embed, size_t(std::max<int64_t>(M * C, 1)));
+        embed_rows(wte, wpe, C, id, mk, T, Lj, 0, B, x0);
+      }
+      if (lead) lp.lap(kEmbed);
+      for (int64_t i = 0; i < layers; ++i)
+        layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead);
+      const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
+      if (lead) lp.lap(kHeadLn);
+      if (n) linear_for(head, hin, n, logits, nullptr, -1);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) tok[i] = row_argmax(logits + i * head.n, head.n);  // greedy's token
+      if (lead) lp.lap(kHead);
+      trim(t_scratch), trim(t_embed);
+    }
+    if (ctl == nullptr) break;
+    int64_t* all = tokens.data<int64_t>();  // (B, steps): step j's tokens, finished rows padded
+    bool done = true;
+    step_ids.resize(size_t(B));
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t t = tok[b];
+      if (fin[b]) t = ctl[2];
+      else if (t == ctl[1]) fin[b] = 1;
+      all[b * steps + j] = step_ids[b] = t;
+      done = done && fin[b];
+    }
+    if (done) {  // every row finished: the remaining steps are padding
+      for (int64_t b = 0; b < B; ++b) std::fill(all + b * steps + j + 1, all + (b + 1) * steps, ctl[2]);
+      break;
+    }
   }
   trim(t_shared);
   trim(t_stack.act[0]), trim(t_stack.act[1]);
   op_exit(true);
   return {out, tokens};
+}
+
+std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
+                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
+                                           const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
+                                           int wte_bits, int wpe_bits, const std::vector<int>& heads, float eps,
+                                           int activation, const std::vector<int>& bits, const std::vector<float>& act,
+                                           int head_bits, float head_act) {
+  return stack_forward(ids, mask, rows, caches, blobs, layout, wte_bits, wpe_bits, heads, eps, activation, bits, act,
+                       head_bits, head_act, nullptr);
+}
+
+std::vector<paddle::Tensor> GenerateForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
+                                            const paddle::Tensor& rows, const paddle::Tensor& control,
+                                            std::vector<paddle::Tensor>& caches, const std::vector<paddle::Tensor>& blobs,
+                                            const std::vector<int64_t>& layout, int wte_bits, int wpe_bits,
+                                            const std::vector<int>& heads, float eps, int activation,
+                                            const std::vector<int>& bits, const std::vector<float>& act, int head_bits,
+                                            float head_act) {
+  return stack_forward(ids, mask, rows, caches, blobs, layout, wte_bits, wpe_bits, heads, eps, activation, bits, act,
+                       head_bits, head_act, &control);
 }
 
 std::vector<std::vector<int64_t>> DecoderShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
@@ -167,5 +240,30 @@ PD_BUILD_OP(gptc_decoder)
     .SetKernelFn(PD_KERNEL(DecoderForward))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderDtype));
+
+std::vector<std::vector<int64_t>> GenerateShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                const std::vector<int64_t>& rows, const std::vector<int64_t>&,
+                                                const std::vector<std::vector<int64_t>>&,
+                                                const std::vector<std::vector<int64_t>>&) {
+  return {{rows[0], -1}, {rows[0], -1}};  // the steps are a value of Control
+}
+
+std::vector<paddle::DataType> GenerateDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+                                            const paddle::DataType&, const std::vector<paddle::DataType>&,
+                                            const std::vector<paddle::DataType>&) {
+  return {paddle::DataType::FLOAT32, paddle::DataType::INT64};
+}
+
+// gptc_decoder with a Control input (kernel version 3): several greedy decode steps in one call.
+PD_BUILD_OP(gptc_generate)
+    .Inputs({"Ids", "Mask", "Rows", "Control", paddle::Vec("Caches"), paddle::Vec("Weights")})
+    .Outputs({"Out", "Tokens", paddle::Vec("CachesOut")})
+    .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
+    .Attrs({"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
+            "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
+            "head_act: float"})
+    .SetKernelFn(PD_KERNEL(GenerateForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(GenerateShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(GenerateDtype));
 
 #endif  // GPTC_KERNELS_GPTC_DECODER_STACK_H_

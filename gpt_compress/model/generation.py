@@ -43,6 +43,10 @@ class DecodeBackend(Protocol):
     # the argmax of ``decode``'s logits (``np.argmax``'s choice: the first maximum, or the first
     # NaN) without handing the logits out. Greedy decoding uses it on the steps no logits
     # processor changes (``_plain_greedy``).
+    # Optional: ``greedy_steps`` (int) and ``decode_greedy_steps(ids (B,1), mask (B,S+1), cache,
+    # steps, eos, pad, finished (B,) bool) -> (tokens (B, steps) int64, cache holding S + steps)``:
+    # ``steps`` such greedy steps in one call, each fed the previous one's tokens (finished rows:
+    # ``pad``); ``stream_tokens`` asks for up to ``greedy_steps`` at a time.
 
 
 @dataclass
@@ -175,8 +179,13 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
     greedy = getattr(backend, "decode_greedy", None)  # the argmax made by the backend (no logits copied out)
+    chunk = getattr(backend, "greedy_steps", 1)  # greedy steps the backend runs in one call
+    ahead: list = []  # tokens such a call made that are still to be yielded, in order
     for step in range(cfg.max_new_tokens):
-        nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng) if logits is not None else argmax
+        if ahead:
+            nxt = ahead.pop(0)
+        else:
+            nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng) if logits is not None else argmax
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
         if penalty:
             seen[np.arange(batch), nxt] |= unfinished
@@ -185,8 +194,16 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
             unfinished &= nxt != eos_token_id
         if not unfinished.any() or step == cfg.max_new_tokens - 1:
             return
+        if ahead:  # already fed to the cache by the call that made them
+            continue
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-        if greedy is not None and _plain_greedy(cfg, step + 1, eos_token_id):
+        steps = min(chunk, cfg.max_new_tokens - step - 1)
+        if steps > 1 and _plain_greedy(cfg, step + 1, eos_token_id):
+            tokens, cache = backend.decode_greedy_steps(nxt[:, None], mask, cache, steps, eos_token_id,
+                                                        pad_token_id, ~unfinished)
+            mask = np.concatenate([mask, np.ones((batch, steps - 1), dtype=np.int64)], axis=1)
+            ahead, logits = list(tokens.T), None
+        elif greedy is not None and _plain_greedy(cfg, step + 1, eos_token_id):
             (argmax, cache), logits = greedy(nxt[:, None], mask, cache), None
         else:
             logits, cache = backend.decode(nxt[:, None], mask, cache)
