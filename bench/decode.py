@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -196,19 +197,36 @@ def _json_line(cmd: list[str], env: dict) -> dict:
     return res
 
 
+def _reusable(out: str) -> bool:
+    """An export in ``out`` to reuse: complete, and its fused program (if any) of this kernel
+    version (an older one runs, but not as fast: a bench measures the current program). A stale
+    one is removed."""
+    from gpt_compress.inference.manifest import MANIFEST
+    from gpt_compress.kernels import KERNEL_VERSION
+
+    path = os.path.join(out, MANIFEST)
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        fused = json.load(f).get("fused")
+    if fused is None or fused.get("kernel", {}).get("version") == KERNEL_VERSION:
+        return True
+    shutil.rmtree(out)
+    return False
+
+
 def prepare_int(workdir: str, preset: str, ckpt: str, bits: int, formats=("paddle", "onnx")) -> str:
     """Weight-only int``bits`` export (every Linear, the tied embedding/head and positions; blocks
     of 32, int8 inputs per token and block) of ``ckpt`` in ``formats``, reused if present (an
     export of other formats than paddle + onnx has them in its directory's name)."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.export import export_model
-    from gpt_compress.inference.manifest import MANIFEST
     from gpt_compress.config import QuantConfig
     from gpt_compress.qat.quantize import quantize_model
 
     suffix = "" if sorted(formats) == ["onnx", "paddle"] else "-" + "-".join(formats)
     out = os.path.join(workdir, f"{preset}-int{bits}{suffix}")
-    if not os.path.isfile(os.path.join(out, MANIFEST)):
+    if not _reusable(out):
         qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
         export_model(qmodel, out, formats=tuple(formats), validate=False)  # random init: see int8.py
     return out
@@ -225,7 +243,7 @@ def prepare_fused_int(workdir: str, preset: str, ckpt: str, bits: int, base: str
     from gpt_compress.qat.quantize import quantize_model
 
     out = os.path.join(workdir, f"{preset}-int{bits}-fused")
-    if not os.path.isfile(os.path.join(out, MANIFEST)):
+    if not _reusable(out):
         qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
         qmodel.eval()
         os.makedirs(out, exist_ok=True)
@@ -266,11 +284,10 @@ def prepare(workdir: str, preset: str) -> tuple[str, str]:
     from gpt_compress.checkpoint import save_model
     from gpt_compress.config import ModelConfig
     from gpt_compress.export import export
-    from gpt_compress.inference.manifest import MANIFEST
     from gpt_compress.model.gpt import GPTForCausalLM
 
     ckpt, out = os.path.join(workdir, f"{preset}-ckpt"), os.path.join(workdir, f"{preset}-export")
-    if not os.path.isfile(os.path.join(out, MANIFEST)):
+    if not _reusable(out):
         paddle.seed(0)
         cfg = ModelConfig.from_preset(preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         save_model(GPTForCausalLM(cfg), ckpt, overwrite=True)  # its own work dir: redo after an interruption

@@ -255,7 +255,8 @@ def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
     tokens and bitwise the cache of 5 ``decode_greedy`` calls on a left-padded batch, a row
     finished before the call gets the pad token; greedy ``generate`` (which asks for up to
     ``greedy_steps`` at a time: 8, then 4 for 13 new tokens) equals the logits path's tokens, with
-    an EOS that ends one row inside a run."""
+    an EOS that ends one row inside a run, and with ``min_new_tokens`` keeping it out of the
+    first 10 tokens."""
     gen = Generator.from_dir(dirs["export"], backend="paddle")
     be = gen.backend
     assert be.greedy_steps == 8
@@ -266,7 +267,7 @@ def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
     mask = np.concatenate([mask, np.ones_like(nxt)], axis=1)
     finished = np.zeros(len(PROMPTS), bool)
     finished[1] = True
-    many, cache = be.decode_greedy_steps(nxt, mask, cache, 5, None, 7, finished)
+    many, cache = be.decode_greedy_steps(nxt, mask, cache, 5, None, 7, finished, 0)
     assert many.shape == (len(PROMPTS), 5) and cache.length == mask.shape[1] + 4
     feed, m = nxt.copy(), mask
     feed[1] = nxt[1]
@@ -294,6 +295,11 @@ def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
     got = Generator(be, **kw).generate(PROMPTS, max_new_tokens=13).sequences
     assert got == Generator(Recorder(be), **kw).generate(PROMPTS, max_new_tokens=13).sequences
     assert runs == [8, 4] and got[0][-1] == eos and len(got[0]) <= 8, (runs, got)
+    # min_new_tokens: the runs' first steps never choose the EOS (the logits path's processor).
+    runs.clear()
+    got = Generator(be, **kw).generate(PROMPTS, max_new_tokens=13, min_new_tokens=10).sequences
+    assert got == Generator(Recorder(be), **kw).generate(PROMPTS, max_new_tokens=13, min_new_tokens=10).sequences
+    assert runs == [8, 4] and len(got[0]) >= 10 and eos not in got[0][:9], (runs, got)
 
 
 def test_interleaved_caches_rebind_the_predictor_inputs(dirs):

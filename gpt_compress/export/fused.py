@@ -8,7 +8,7 @@ One program serves all three (so a runner holds one copy of the weights)::
 
 It is one ``gptc_generate`` op (kernel version 3): embed, every block and the LM head in one call
 (Paddle's executor cost per op, paid once a call; the op's threads stay in one parallel region).
-A last input, ``control`` (int64 ``[steps, eos, pad, finished_0, ...]``), lets one call run
+A last input, ``control`` (int64 ``[steps, eos, pad, suppress, finished_0, ...]``), lets one call run
 several greedy decode steps, each feeding the previous step's tokens (``FusedBackend
 .decode_greedy_steps``): a generated token then costs no Python and no predictor run of its own.
 Version-2 exports hold the same op without ``control`` (``gptc_decoder``); both still run. Each block writes
@@ -263,14 +263,15 @@ class FusedLM(nn.Layer):
     def forward(self, input_ids, attention_mask, rows, caches, control=None):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V)
         (and their argmax with ``tokens``); the caches are written in place. ``control``
-        (version 3; None: one step): int64 [steps, eos (-1: none), pad, finished per row]."""
+        (version 3; None: one step): int64 [steps, eos (-1: none), pad, steps without eos,
+        finished per row]."""
         if self.stack:
             attrs = (self.blobs, self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs],
                      self.eps, self.activation, [b for a in self.layer_attrs for b in a[1]],
                      [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
             if self.version == 3:
                 if control is None:
-                    control = paddle.to_tensor(np.array([1, -1, 0] + [0] * input_ids.shape[0], np.int64))
+                    control = paddle.to_tensor(np.array([1, -1, 0, 0] + [0] * input_ids.shape[0], np.int64))
                 out = self.ops.gptc_generate(input_ids, attention_mask, rows, control, list(caches), *attrs)
             else:
                 out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches), *attrs)

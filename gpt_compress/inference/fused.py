@@ -161,7 +161,7 @@ class FusedBackend:
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
         if len(inputs) > 3 + len(caches):  # kernel version 3: ``control`` last (one step unless asked)
             inputs[-1].copy_from_cpu(control if control is not None else
-                                     np.array([1, -1, 0] + [0] * ids.shape[0], np.int64))
+                                     np.array([1, -1, 0, 0] + [0] * ids.shape[0], np.int64))
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
             for handle, tensor in zip(inputs[3:], caches):
@@ -197,17 +197,20 @@ class FusedBackend:
         return self._call(self._decode, input_ids, attention_mask, cache, True)
 
     def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache,
-                            steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray):
+                            steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
+                            suppress_eos: int = 0):
         """``steps`` greedy decode steps in one program run (kernel version 3; ``greedy_steps``
         says how many a caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
         (B, S + 1), then each step's tokens with one more mask column of ones. Returns the tokens
         (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
         (B,) bool before the call or by an earlier step's ``eos_token_id`` (as
-        ``generation.stream_tokens`` step by step), and the cache, now holding S + steps positions."""
+        ``generation.stream_tokens`` step by step), and the cache, now holding S + steps positions.
+        The first ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its
+        logit taken as -inf)."""
         if self.greedy_steps < 2:
             raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (kernel version "
                              f"{self.manifest.data['fused']['kernel'].get('version')}); re-export for several")
-        control = np.array([steps, -1 if eos_token_id is None else eos_token_id, pad_token_id]
+        control = np.array([steps, -1 if eos_token_id is None else eos_token_id, pad_token_id, suppress_eos]
                            + [int(f) for f in finished], np.int64)
         return self._call(self._decode, input_ids, attention_mask, cache, True, control)
 

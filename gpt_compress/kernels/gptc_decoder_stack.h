@@ -63,8 +63,10 @@ std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::ve
 // wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16 weights of gptc_layer from Ln1W
 // (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new positions.
 // heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.
-// control (gptc_generate; null for gptc_decoder): [steps, eos (-1: none), pad, finished_0, ...,
-// finished_{B-1}]. Steps > 1 (greedy decoding, T = 1, rows = 0..B-1) runs that many decode steps
+// control (gptc_generate; null for gptc_decoder): [steps, eos (-1: none), pad, suppress, finished_0,
+// ..., finished_{B-1}]: the tokens of steps j < suppress are never eos (generation's
+// min_new_tokens: the argmax with eos's logit taken as -inf, as the Python processor sets it).
+// Steps > 1 (greedy decoding, T = 1, rows = 0..B-1) runs that many decode steps
 // in this one call, each feeding the previous step's tokens with one more mask column of ones,
 // as generation.stream_tokens would: a row finished before the call or by an earlier step's eos
 // gets `pad` (fed and returned); the steps end early once every row is finished (the rest
@@ -85,8 +87,8 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   const int64_t* ctl = nullptr;
   int64_t steps = 1;
   if (control != nullptr) {
-    PD_CHECK(control->dtype() == paddle::DataType::INT64 && control->numel() == 3 + B,
-             "gptc_generate: control must be int64 [steps, eos, pad] and one finished flag per row");
+    PD_CHECK(control->dtype() == paddle::DataType::INT64 && control->numel() == 4 + B,
+             "gptc_generate: control must be int64 [steps, eos, pad, suppress] and one finished flag per row");
     ctl = control->data<int64_t>();
     steps = ctl[0];
     PD_CHECK(steps >= 1, "gptc_generate: steps must be at least 1");
@@ -129,7 +131,8 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   std::vector<int64_t> step_tok(ctl ? n : 0), step_ids, step_mask;
   int64_t* tok = ctl ? step_tok.data() : tokens.data<int64_t>();
   std::vector<char> fin(ctl ? B : 0);
-  for (int64_t b = 0; ctl && b < B; ++b) fin[b] = ctl[3 + b] != 0;
+  for (int64_t b = 0; ctl && b < B; ++b) fin[b] = ctl[4 + b] != 0;
+  const int64_t eos = ctl ? ctl[1] : -1, suppress = ctl ? ctl[3] : 0;
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
   const float* ln_f_w = ws[kLnfW].f();
@@ -169,8 +172,15 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
       if (lead) lp.lap(kHeadLn);
       if (n) linear_for(head, hin, n, logits, nullptr, -1);
+      const bool no_eos = j < suppress && eos >= 0 && eos < head.n;
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < n; ++i) tok[i] = row_argmax(logits + i * head.n, head.n);  // greedy's token
+      for (int64_t i = 0; i < n; ++i) {  // greedy's token
+        float* row = logits + i * head.n;
+        const float keep = no_eos ? row[eos] : 0.f;
+        if (no_eos) row[eos] = -INFINITY;
+        tok[i] = row_argmax(row, head.n);
+        if (no_eos) row[eos] = keep;
+      }
       if (lead) lp.lap(kHead);
       trim(t_scratch), trim(t_embed);
     }

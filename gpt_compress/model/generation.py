@@ -44,9 +44,10 @@ class DecodeBackend(Protocol):
     # NaN) without handing the logits out. Greedy decoding uses it on the steps no logits
     # processor changes (``_plain_greedy``).
     # Optional: ``greedy_steps`` (int) and ``decode_greedy_steps(ids (B,1), mask (B,S+1), cache,
-    # steps, eos, pad, finished (B,) bool) -> (tokens (B, steps) int64, cache holding S + steps)``:
-    # ``steps`` such greedy steps in one call, each fed the previous one's tokens (finished rows:
-    # ``pad``); ``stream_tokens`` asks for up to ``greedy_steps`` at a time.
+    # steps, eos, pad, finished (B,) bool, suppress_eos) -> (tokens (B, steps) int64, cache holding
+    # S + steps)``: ``steps`` such greedy steps in one call, each fed the previous one's tokens
+    # (finished rows: ``pad``; the first ``suppress_eos`` never ``eos``: ``min_new_tokens``);
+    # ``stream_tokens`` asks for up to ``greedy_steps`` at a time when there is no repetition penalty.
 
 
 @dataclass
@@ -198,9 +199,10 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
             continue
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         steps = min(chunk, cfg.max_new_tokens - step - 1)
-        if steps > 1 and _plain_greedy(cfg, step + 1, eos_token_id):
+        if steps > 1 and cfg.decode_strategy == "greedy" and not penalty:
+            suppress = min(steps, max(0, cfg.min_new_tokens - step - 1)) if eos_token_id is not None else 0
             tokens, cache = backend.decode_greedy_steps(nxt[:, None], mask, cache, steps, eos_token_id,
-                                                        pad_token_id, ~unfinished)
+                                                        pad_token_id, ~unfinished, suppress)
             mask = np.concatenate([mask, np.ones((batch, steps - 1), dtype=np.int64)], axis=1)
             ahead, logits = list(tokens.T), None
         elif greedy is not None and _plain_greedy(cfg, step + 1, eos_token_id):
