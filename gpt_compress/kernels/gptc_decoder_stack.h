@@ -119,10 +119,10 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   }
   const int64_t* r = rows.data<int64_t>();
   for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_decoder: row index out of range");
-  if (steps > 1) {
-    PD_CHECK(T == 1 && n == B, "gptc_generate: several steps need one new token a row and every row's logits");
-    for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] == i, "gptc_generate: several steps need rows 0..B-1 in order");
-  }
+  // Decode rows (one new token a row, every row's logits in order): the control's padding applies.
+  bool per_row = T == 1 && n == B;
+  for (int64_t i = 0; per_row && i < n; ++i) per_row = r[i] == i;
+  PD_CHECK(steps == 1 || per_row, "gptc_generate: several steps need one new token a row and rows 0..B-1 in order");
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
@@ -185,7 +185,11 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       trim(t_scratch), trim(t_embed);
     }
     if (ctl == nullptr) break;
-    int64_t* all = tokens.data<int64_t>();  // (B, steps): step j's tokens, finished rows padded
+    int64_t* all = tokens.data<int64_t>();  // (n, steps): step j's tokens, finished rows padded
+    if (!per_row) {  // prefill or scoring rows (one step): the argmax of each, as gptc_decoder's
+      std::copy(tok, tok + n, all);
+      break;
+    }
     bool done = true;
     step_ids.resize(size_t(B));
     for (int64_t b = 0; b < B; ++b) {
