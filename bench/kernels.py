@@ -16,7 +16,10 @@ there is no ``between_ops``; Paddle's per-run cost of the op's inputs is in ``ou
 Paddle's executor), and their ``ln1`` includes each layer's fork.
 It reports per batch-1 decode step, in microseconds:
 
-- ``generate_step_us``: ``Generator.generate`` (greedy) wall time per new token, prefill excluded;
+- ``generate_step_us``: ``Generator.generate`` (greedy) wall time per new token, prefill excluded
+  (the median over ``--reps`` runs of each run's mean; up to 8 greedy tokens come from one program
+  run, ``FusedBackend.greedy_steps``, while ``decode_call_us`` and ``predictor_run_us`` are one
+  step a call, so ``python_loop`` below can be negative: generate saves the per-run costs);
 - ``decode_call_us``: ``backend.decode`` alone (mask growth by the caller, no argmax);
 - ``predictor_run_us``: ``predictor.run()`` with the inputs bound once (the program alone);
 - ``ops_us``: each section per step (layers summed), its weights' GB/s next to the machine's
@@ -73,10 +76,10 @@ def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
     one = [[int(t) for t in rng.integers(0, gen.vocab_size, prompt)]]
     gen.generate(one, max_new_tokens=8, min_new_tokens=8)
     gen_steps = []
-    for _ in range(reps):  # the time between two tokens of generate (prefill excluded)
-        stamps = []
+    for _ in range(reps):  # generate's time per new token, prefill excluded: a mean over the run, since
+        stamps = []         # greedy tokens come several per program run (FusedBackend.greedy_steps)
         gen.generate(one, max_new_tokens=new, min_new_tokens=new, on_tokens=lambda _: stamps.append(time.perf_counter()))
-        gen_steps += list(np.diff(stamps) * 1e6)
+        gen_steps.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e6)
     ids, mask = np.array(one, np.int64), np.ones((1, prompt), np.int64)
     prefills = []
     for _ in range(10):
