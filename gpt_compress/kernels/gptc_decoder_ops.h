@@ -104,6 +104,9 @@ LayerW make_layer(const View* w, int64_t C, int64_t heads, int64_t head_dim, con
   return l;
 }
 
+// Rows from which a call's layer norms and int8 inputs are made once, shared (Step::rows).
+constexpr int64_t kSharedRows = 16;
+
 struct Step {
   int64_t B, T, C, L, S, M;
   const int32_t* keys;   // (B, L): each row's unmasked cache columns, in order
@@ -144,9 +147,9 @@ Step make_step(int64_t B, int64_t T, int64_t C, const int64_t* mk, int64_t L, in
   // (prepare_rows), at the cost of up to 4 more barriers a layer; shorter ones (decode steps of
   // batches) are cheaper made by every thread. The threshold is an estimate (a barrier ~ a few
   // us vs 16 rows' norms and quantizations); not measured, the machine was contended.
-  s.rows = s.M >= 16;
+  s.rows = s.M >= kSharedRows;
   s.hs = nullptr, s.xqs = nullptr, s.sxs = nullptr;
-  const int64_t n = std::max(s.rows ? s.M : 0, head_rows >= 16 ? head_rows : 0);
+  const int64_t n = std::max(s.rows ? s.M : 0, head_rows >= kSharedRows ? head_rows : 0);
   if (n) {
     s.hs = grow(sh.rows_h, size_t(n * C));
     s.xqs = grow(sh.rows_xq, size_t(n * kmax));
@@ -165,8 +168,20 @@ inline int64_t kmax_of(const LayerW& l) { return std::max({l.qkv.k, l.out.k, l.f
 // loops whose outputs the next step reads whole. Profile laps (thread 0, after each barrier):
 // ln1; qkv (+ cache writes and attention when by_head); attention; out (+ residual); ln2; fc
 // (+ activation); proj (+ residual).
+// The rows of a block's output that are needed (the last block: the head reads only the rows
+// asked for): attention runs only for the queries `need` marks, and the output projection, MLP
+// and residuals only for rows[0..n), gathered in that order (ctx, x: n rows each); y then holds
+// those n rows, compact. The keys/values of every row are still written. Each kept row's values
+// are the full block's (an output's arithmetic never depends on M).
+struct Subset {
+  const int64_t* rows;
+  int64_t n;
+  const char* need;  // (M): 1 for the rows above
+  float *ctx, *x;
+};
+
 void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, float* K_, float* V_, int64_t cap,
-                Laps& lp, bool lead) {
+                Laps& lp, bool lead, const Subset* sub = nullptr) {
   Scratch& sc = t_scratch;
   const int64_t B = s.B, T = s.T, C = s.C, L = s.L, S = s.S, M = s.M, H = w.H, D = w.D, inner = H * D;
   const Lin &qkv = w.qkv, &out = w.out, &fc = w.fc, &proj = w.proj;
@@ -188,8 +203,9 @@ void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, floa
       std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
     }
     for (int64_t t = 0; t < T; ++t)
-      attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
+      if (sub == nullptr || sub->need[b * T + t])
+        attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
+               s.keys + b * L, s.nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
   };
   float* h = rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
   if (!rows) layer_norm(xd, M, C, w.ln1_w, w.ln1_b, eps, h);
@@ -211,19 +227,31 @@ void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, floa
       for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
     if (lead) lp.lap(kAttn);
   }
-  const In in_out = rows ? prepare_rows(out, ctx, M, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
-                         : prepare_inputs(out, ctx, M, sc);
-  linear_for(out, in_out, M, yd, xd, -1);  // y = x + attention
+  int64_t m = M;  // the rows that go on: all, or the subset's, gathered
+  bool shared = rows;
+  const float *x2 = xd, *c2 = ctx;
+  if (sub != nullptr) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < sub->n; ++i) {
+      std::memcpy(sub->ctx + i * inner, ctx + sub->rows[i] * inner, inner * sizeof(float));
+      std::memcpy(sub->x + i * C, xd + sub->rows[i] * C, C * sizeof(float));
+    }
+    m = sub->n, shared = m >= kSharedRows, x2 = sub->x, c2 = sub->ctx;
+    if (!shared) h = grow(sc.h, size_t(m * std::max(C, int64_t(1))));
+  }
+  const In in_out = shared ? prepare_rows(out, c2, m, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
+                           : prepare_inputs(out, c2, m, sc);
+  linear_for(out, in_out, m, yd, x2, -1);  // y = x + attention
   if (lead) lp.lap(kOut);
-  if (!rows) layer_norm(yd, M, C, w.ln2_w, w.ln2_b, eps, h);
-  const In in2 = rows ? prepare_rows(fc, yd, M, w.ln2_w, w.ln2_b, eps, h, s.xqs, s.sxs)
-                      : prepare_inputs(fc, h, M, sc);
+  if (!shared) layer_norm(yd, m, C, w.ln2_w, w.ln2_b, eps, h);
+  const In in2 = shared ? prepare_rows(fc, yd, m, w.ln2_w, w.ln2_b, eps, h, s.xqs, s.sxs)
+                        : prepare_inputs(fc, h, m, sc);
   if (lead) lp.lap(kLn2);
-  linear_for(fc, in2, M, f, nullptr, s.activation);
+  linear_for(fc, in2, m, f, nullptr, s.activation);
   if (lead) lp.lap(kFc);
-  const In in_proj = rows ? prepare_rows(proj, f, M, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
-                          : prepare_inputs(proj, f, M, sc);
-  linear_for(proj, in_proj, M, yd, yd, -1);  // y += mlp
+  const In in_proj = shared ? prepare_rows(proj, f, m, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
+                            : prepare_inputs(proj, f, m, sc);
+  linear_for(proj, in_proj, m, yd, yd, -1);  // y += mlp
   if (lead) lp.lap(kProj);
 }
 
@@ -240,7 +268,7 @@ void check_cache(const paddle::Tensor& kc, const paddle::Tensor& vc, int64_t B, 
 In head_inputs(const Lin& head, const Step& s, const float* x, const int64_t* r, int64_t n, const float* ln_w,
                const float* ln_b) {
   const int64_t C = s.C;
-  if (n < 16) {
+  if (n < kSharedRows) {
     Scratch& sc = t_scratch;
     float* h = grow(sc.h, size_t(std::max<int64_t>(n * C, 1)));
     for (int64_t i = 0; i < n; ++i) layer_norm(x + r[i] * C, 1, C, ln_w, ln_b, s.eps, h + i * C);

@@ -21,6 +21,9 @@ namespace {
 // calling thread's, kept across calls as Shared is.
 struct StackBuffers {
   std::vector<float> act[2];
+  std::vector<float> sub_ctx, sub_x;  // the last block's gathered rows (Subset)
+  std::vector<char> need;
+  std::vector<int64_t> order;         // 0..n-1: the head's rows of that block's compact output
 };
 thread_local StackBuffers t_stack;
 // Short inputs (decode steps): every thread's own copy of the embeddings, block 0's input (see
@@ -125,6 +128,20 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   PD_CHECK(steps == 1 || per_row, "gptc_generate: several steps need one new token a row and rows 0..B-1 in order");
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
+  // Fewer rows asked for than computed (prefill: each sequence's last): the last block computes
+  // past its attention only those (Subset), and the head reads them in order.
+  const bool subset = layers > 0 && n < M;
+  Subset sub{};
+  const int64_t* hr = r;  // the head's rows of the last block's output
+  if (subset) {
+    char* need = grow(t_stack.need, size_t(M));
+    std::fill(need, need + M, char(0));
+    for (int64_t i = 0; i < n; ++i) need[r[i]] = 1;
+    int64_t* order = grow(t_stack.order, size_t(n));
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    sub = Subset{r, n, need, grow(t_stack.sub_ctx, size_t(n * inner)), grow(t_stack.sub_x, size_t(n * C))};
+    hr = order;
+  }
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
   auto tokens = ctl ? paddle::empty({n, steps}, paddle::DataType::INT64, ids.place())
                     : paddle::empty({n}, paddle::DataType::INT64, ids.place());
@@ -168,8 +185,9 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       }
       if (lead) lp.lap(kEmbed);
       for (int64_t i = 0; i < layers; ++i)
-        layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead);
-      const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, r, n, ln_f_w, ln_f_b);
+        layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead,
+                   subset && i == layers - 1 ? &sub : nullptr);
+      const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, hr, n, ln_f_w, ln_f_b);
       if (lead) lp.lap(kHeadLn);
       if (n) linear_for(head, hin, n, logits, nullptr, -1);
       const bool no_eos = j < suppress && eos >= 0 && eos < head.n;
@@ -205,7 +223,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     }
   }
   trim(t_shared);
-  trim(t_stack.act[0]), trim(t_stack.act[1]);
+  trim(t_stack.act[0]), trim(t_stack.act[1]), trim(t_stack.sub_ctx), trim(t_stack.sub_x);
   op_exit(true);
   return {out, tokens};
 }
