@@ -271,7 +271,9 @@ class FusedLM(nn.Layer):
                      [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
             if self.version == 3:
                 if control is None:
-                    control = paddle.to_tensor(np.array([1, -1, 0, 0] + [0] * input_ids.shape[0], np.int64))
+                    from ..kernels import control as make_control
+
+                    control = paddle.to_tensor(make_control(input_ids.shape[0]))
                 out = self.ops.gptc_generate(input_ids, attention_mask, rows, control, list(caches), *attrs)
             else:
                 out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches), *attrs)

@@ -32,6 +32,7 @@ from typing import Optional, Union
 import numpy as np
 
 from ..errors import KernelError
+from ..kernels import control as make_control
 from ..runtime import GOMP_SPINCOUNT, openmp_spin
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
@@ -160,8 +161,7 @@ class FusedBackend:
         for handle, arr in zip(inputs, (ids, mask, rows)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
         if len(inputs) > 3 + len(caches):  # kernel version 3: ``control`` last (one step unless asked)
-            inputs[-1].copy_from_cpu(control if control is not None else
-                                     np.array([1, -1, 0, 0] + [0] * ids.shape[0], np.int64))
+            inputs[-1].copy_from_cpu(control if control is not None else make_control(ids.shape[0]))
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
             for handle, tensor in zip(inputs[3:], caches):
@@ -210,8 +210,7 @@ class FusedBackend:
         if self.greedy_steps < 2:
             raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (kernel version "
                              f"{self.manifest.data['fused']['kernel'].get('version')}); re-export for several")
-        control = np.array([steps, -1 if eos_token_id is None else eos_token_id, pad_token_id, suppress_eos]
-                           + [int(f) for f in finished], np.int64)
+        control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)
         return self._call(self._decode, input_ids, attention_mask, cache, True, control)
 
     def _decode(self, input_ids, attention_mask, cache, tokens: bool = False, control=None):

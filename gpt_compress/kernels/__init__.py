@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Mapping, Optional
 
+import numpy as np
+
 from ..errors import KernelError
 from ..fileio import sha256_file as _sha256
 from ..runtime import cpu_flags
@@ -211,6 +213,14 @@ def load_ops():
         if fresh:
             print(f"gpt-compress: built fused CPU operators in {build_seconds:.1f} s ({so})", file=sys.stderr)
         return _module
+
+
+def control(batch: int, steps: int = 1, eos: Optional[int] = None, pad: int = 0, suppress: int = 0,
+            finished=None) -> np.ndarray:
+    """gptc_generate's ``control`` input (``gptc_decoder_stack.h``): int64 [steps, eos (-1: none),
+    pad, steps whose token is never eos, finished flag per row]; the defaults: one plain step."""
+    flags = [0] * batch if finished is None else [int(f) for f in finished]
+    return np.array([steps, -1 if eos is None else eos, pad, suppress] + flags, np.int64)
 
 
 def kernel_info() -> dict:

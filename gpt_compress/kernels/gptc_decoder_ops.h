@@ -268,17 +268,18 @@ void check_cache(const paddle::Tensor& kc, const paddle::Tensor& vc, int64_t B, 
 In head_inputs(const Lin& head, const Step& s, const float* x, const int64_t* r, int64_t n, const float* ln_w,
                const float* ln_b) {
   const int64_t C = s.C;
+  auto row = [&](int64_t i) { return x + (r ? r[i] : i) * C; };  // r null: rows 0..n-1 (a compact x)
   if (n < kSharedRows) {
     Scratch& sc = t_scratch;
     float* h = grow(sc.h, size_t(std::max<int64_t>(n * C, 1)));
-    for (int64_t i = 0; i < n; ++i) layer_norm(x + r[i] * C, 1, C, ln_w, ln_b, s.eps, h + i * C);
+    for (int64_t i = 0; i < n; ++i) layer_norm(row(i), 1, C, ln_w, ln_b, s.eps, h + i * C);
     return prepare_inputs(head, h, n, sc);
   }
   const bool integer = is_integer(head);
   const int64_t nb = integer ? C / head.blk : 0;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    layer_norm(x + r[i] * C, 1, C, ln_w, ln_b, s.eps, s.hs + i * C);
+    layer_norm(row(i), 1, C, ln_w, ln_b, s.eps, s.hs + i * C);
     if (integer) quantize_inputs(head, s.hs + i * C, 1, s.xqs + i * C, s.sxs + i * nb);
   }
   In in{s.hs};

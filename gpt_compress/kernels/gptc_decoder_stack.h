@@ -23,7 +23,6 @@ struct StackBuffers {
   std::vector<float> act[2];
   std::vector<float> sub_ctx, sub_x;  // the last block's gathered rows (Subset)
   std::vector<char> need;
-  std::vector<int64_t> order;         // 0..n-1: the head's rows of that block's compact output
 };
 thread_local StackBuffers t_stack;
 // Short inputs (decode steps): every thread's own copy of the embeddings, block 0's input (see
@@ -129,18 +128,14 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
   // Fewer rows asked for than computed (prefill: each sequence's last): the last block computes
-  // past its attention only those (Subset), and the head reads them in order.
+  // past its attention only those (Subset), and the head reads its compact output in order.
   const bool subset = layers > 0 && n < M;
   Subset sub{};
-  const int64_t* hr = r;  // the head's rows of the last block's output
   if (subset) {
     char* need = grow(t_stack.need, size_t(M));
     std::fill(need, need + M, char(0));
     for (int64_t i = 0; i < n; ++i) need[r[i]] = 1;
-    int64_t* order = grow(t_stack.order, size_t(n));
-    for (int64_t i = 0; i < n; ++i) order[i] = i;
     sub = Subset{r, n, need, grow(t_stack.sub_ctx, size_t(n * inner)), grow(t_stack.sub_x, size_t(n * C))};
-    hr = order;
   }
   auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, ids.place());
   auto tokens = ctl ? paddle::empty({n, steps}, paddle::DataType::INT64, ids.place())
@@ -149,7 +144,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   int64_t* tok = ctl ? step_tok.data() : tokens.data<int64_t>();
   std::vector<char> fin(ctl ? B : 0);
   for (int64_t b = 0; ctl && b < B; ++b) fin[b] = ctl[4 + b] != 0;
-  const int64_t eos = ctl ? ctl[1] : -1, suppress = ctl ? ctl[3] : 0;
+  const int64_t eos = ctl ? ctl[1] : -1, pad = ctl ? ctl[2] : 0, suppress = ctl ? ctl[3] : 0;
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
   const float* ln_f_w = ws[kLnfW].f();
@@ -187,7 +182,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       for (int64_t i = 0; i < layers; ++i)
         layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead,
                    subset && i == layers - 1 ? &sub : nullptr);
-      const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, hr, n, ln_f_w, ln_f_b);
+      const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, subset ? nullptr : r, n, ln_f_w, ln_f_b);
       if (lead) lp.lap(kHeadLn);
       if (n) linear_for(head, hin, n, logits, nullptr, -1);
       const bool no_eos = j < suppress && eos >= 0 && eos < head.n;
@@ -212,13 +207,13 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     step_ids.resize(size_t(B));
     for (int64_t b = 0; b < B; ++b) {
       int64_t t = tok[b];
-      if (fin[b]) t = ctl[2];
-      else if (t == ctl[1]) fin[b] = 1;
+      if (fin[b]) t = pad;
+      else if (t == eos) fin[b] = 1;
       all[b * steps + j] = step_ids[b] = t;
       done = done && fin[b];
     }
     if (done) {  // every row finished: the remaining steps are padding
-      for (int64_t b = 0; b < B; ++b) std::fill(all + b * steps + j + 1, all + (b + 1) * steps, ctl[2]);
+      for (int64_t b = 0; b < B; ++b) std::fill(all + b * steps + j + 1, all + (b + 1) * steps, pad);
       break;
     }
   }
@@ -262,13 +257,18 @@ std::vector<paddle::DataType> DecoderDtype(const paddle::DataType&, const paddle
   return {paddle::DataType::FLOAT32, paddle::DataType::INT64};
 }
 
+// The attributes of gptc_decoder and gptc_generate (stack_forward's, in order).
+std::vector<std::string> stack_attrs() {
+  return {"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
+          "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
+          "head_act: float"};
+}
+
 PD_BUILD_OP(gptc_decoder)
     .Inputs({"Ids", "Mask", "Rows", paddle::Vec("Caches"), paddle::Vec("Weights")})
     .Outputs({"Out", "Tokens", paddle::Vec("CachesOut")})
     .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
-    .Attrs({"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
-            "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
-            "head_act: float"})
+    .Attrs(stack_attrs())
     .SetKernelFn(PD_KERNEL(DecoderForward))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderDtype));
@@ -291,9 +291,7 @@ PD_BUILD_OP(gptc_generate)
     .Inputs({"Ids", "Mask", "Rows", "Control", paddle::Vec("Caches"), paddle::Vec("Weights")})
     .Outputs({"Out", "Tokens", paddle::Vec("CachesOut")})
     .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
-    .Attrs({"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
-            "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
-            "head_act: float"})
+    .Attrs(stack_attrs())
     .SetKernelFn(PD_KERNEL(GenerateForward))
     .SetInferShapeFn(PD_INFER_SHAPE(GenerateShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(GenerateDtype));

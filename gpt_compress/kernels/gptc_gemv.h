@@ -41,7 +41,7 @@ inline bool gemv_ok(const Lin& L, const In& in) {
 }
 
 #if defined(__AVX2__)
-// NR float weight rows (K apart) against x: y[n] = x . w_n + bias[n]. Every 64 bytes of each row
+// NR float weight rows (K apart) against x: y[n] = x . w_n + bias[n]. Every 64 bytes of the rows,
 // NR lines GEMV_PREFETCH bytes ahead of the pass (in address order; see GEMV_PREFETCH).
 template <int NR>
 inline void fgemv_tile(const float* x, const float* w, int64_t K, float* y, const float* bias) {
