@@ -9,28 +9,29 @@
 namespace {
 
 // ------------------------------------------------------------------ M = 1: GEMV (batch-1 decode)
-// One input row has kernels of its own. They walk GEMV_ROWS weight rows at a time straight from
-// the weights (no per-block row tables or tile copies), NR rows per pass (independent
-// accumulator chains: the fma latency is hidden, the loads stream), step the block index
-// without a division and form each pass's scale products sx[b] * sw[n][b] once. An output's
-// arithmetic is the contract above (the same operations in the same order as ftile/itile), so
-// its value is bitwise the tiles' (tests/test_fused.py: token by token vs one prefill).
+// One input row has kernels of its own. They walk the weight rows straight from the weights (no
+// per-block row tables or tile copies), NR rows per pass (independent accumulator chains: the
+// fma latency is hidden, the loads stream), step the block index without a division and form
+// each pass's scale products sx[b] * sw[n][b] once. An output's arithmetic is the contract above
+// (the same operations in the same order as ftile/itile), so its value is bitwise the tiles'
+// (tests/test_fused.py: token by token vs one prefill), whichever rows share a pass.
+//
+// The rows of a pass are NR far apart, not adjacent: a thread's range of rows is cut into NR
+// equal parts, and pass i takes row i of each part, so the thread reads NR sequential streams
+// (each part's rows follow each other in memory), which the hardware prefetchers follow on their
+// own, with NR times the requests in flight of one stream. Adjacent rows (one span of NR rows a
+// pass) are NR streams that end after one row each: the prefetchers never lock on, and software
+// prefetches (which the kernels no longer issue) made up only part of it. Standalone copy
+// (/tmp scratch, 2 threads, the weights evicted by a 64 MB read before each run, means of 10,
+// AMD EPYC here, outputs bitwise the same): the float32 head (50304 x 384) 4.8-4.9 -> 2.9-3.2 ms,
+// a plain read of the same bytes 3.9-4.4 ms in one stream a thread and 2.8-3.4 ms in eight;
+// float32 1152 x 384 102 -> 69 us, 384 x 1536 102 -> 77 us.
 // AVX2 only; other layers (float-input int weights, K or blocks not in steps of 32) keep the
-// blocks above. Standalone copies of the loops on the AMD EPYC here (best of 60-200 runs,
-// contended): the 50304 x 384 int8 head on one core 15-22 GB/s with the blocks, 25-29 GB/s
-// with these; the float32 head (77 MB) on 2 threads 24-26 -> 35-36 GB/s (bench/results.md).
-constexpr int64_t GEMV_ROWS = 64;  // rows per work item (and per epilogue pass)
-constexpr int GEMV_NR_F = 8;       // float weight rows per pass
+// blocks above.
+constexpr int64_t GEMV_ROWS = 64;  // a grab of gemv_for is a multiple of this many rows
+constexpr int GEMV_NR_F = 8;       // float weight rows per pass (streams)
 constexpr int GEMV_NR_I = 4;       // int weight rows per pass
 constexpr int GEMV_NR_I32 = 8;     // int weight rows per pass, blocks of 32 (igemv32_tile)
-// Prefetch distance, bytes ahead of a pass's weights. A pass's NR rows are one contiguous span
-// (rows K apart), and fgemv_tile / igemv32_tile prefetch it in address order, NR lines at a
-// time, as fast as the pass consumes it: one sequential stream, where a prefetch per row
-// (NR interleaved streams 384 B apart at gpt-bench's K) left the int8 head at 60% of a plain read's
-// speed from DRAM. Standalone copy (/tmp scratch, the 50304 x 384 head on 2 threads after a 64 MB
-// read evicts it, means of 10, AMD EPYC here): int8 1755-2027 -> 1312-1446 us, float32 (3072 x
-// 1024) 566-656 -> 469-522 us; outputs bitwise the same.
-constexpr int GEMV_PREFETCH = 6144;
 
 inline bool gemv_ok(const Lin& L, const In& in) {
 #if defined(__AVX2__)
@@ -40,40 +41,45 @@ inline bool gemv_ok(const Lin& L, const In& in) {
 #endif
 }
 
+// Passes of NR rows over nr rows: tile(i, R) computes rows i, i + R, ..., i + (NR - 1) * R (NR
+// streams of R = nr / NR rows); one(n) the rows left over, alone.
+template <int NR, class Tile, class One>
+inline void gemv_streams(int64_t nr, Tile tile, One one) {
+  const int64_t R = nr / NR;
+  for (int64_t i = 0; i < R; ++i) tile(i, R);
+  for (int64_t n = R * NR; n < nr; ++n) one(n);
+}
+
 #if defined(__AVX2__)
-// NR float weight rows (K apart) against x: y[n] = x . w_n + bias[n]. Every 64 bytes of the rows,
-// NR lines GEMV_PREFETCH bytes ahead of the pass (in address order; see GEMV_PREFETCH).
+// NR float weight rows (ldw apart) against x: y[n * ldy] = x . w_n + bias[n * ldy].
 template <int NR>
-inline void fgemv_tile(const float* x, const float* w, int64_t K, float* y, const float* bias) {
+inline void fgemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+                       const float* bias) {
   __m256 acc[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
-    if (!(k & 15)) {  // the pass's k-th 64 bytes of its NR rows: NR lines, in address order
-      const char* p = reinterpret_cast<const char*>(w) + (k / 16) * NR * 64 + GEMV_PREFETCH;
-      GPTC_UNROLL for (int n = 0; n < NR; ++n) _mm_prefetch(p + n * 64, _MM_HINT_T0);
-    }
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + n * K + k), acc[n]);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + n * ldw + k), acc[n]);
   }
   GPTC_UNROLL for (int n = 0; n < NR; ++n) {
     float s = hsum(acc[n]);
-    for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[kk], w[n * K + kk], s);
-    y[n] = s + (bias ? bias[n] : 0.f);
+    for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[kk], w[n * ldw + kk], s);
+    y[n * ldy] = s + (bias ? bias[n * ldy] : 0.f);
   }
 }
 
 // NR int weight rows (codes ldq bytes apart; I4: packed int4) against the int8 input: xq its
-// codes, ax their magnitudes, prod the rows' scale products (row n at n * nb). The NR rows'
-// codes are loaded before the dots; a prefetch GEMV_PREFETCH bytes ahead every 64 bytes.
+// codes, ax their magnitudes, prod the rows' scale products (row n's at n * ldp); y and bias
+// ldy apart. The NR rows' codes are loaded before the dots.
 template <int NR, bool I4>
 inline void igemv_tile(const int8_t* xq, const int8_t* ax, int64_t nb, int64_t blk, const int8_t* q,
-                       int64_t ldq, const float* prod, float* y, const float* bias) {
+                       int64_t ldq, const float* prod, int64_t ldp, float* y, int64_t ldy, const float* bias) {
   __m256 acc[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256 sc[NR];
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) sc[n] = _mm256_broadcast_ss(prod + n * nb + b);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) sc[n] = _mm256_broadcast_ss(prod + n * ldp + b);
     for (int64_t c = b * blk; c < (b + 1) * blk; c += 32) {
       const int64_t off = I4 ? c / 2 : c;  // byte offset of the 32 codes in a row
       __m256i wv[NR];
@@ -86,27 +92,22 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, int64_t nb, int64_t b
           wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + off));
         }
       }
-      if (!(off & 63)) {
-        GPTC_UNROLL for (int n = 0; n < NR; ++n)
-          _mm_prefetch(reinterpret_cast<const char*>(q + n * ldq + off) + GEMV_PREFETCH, _MM_HINT_T0);
-      }
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax + c));
       GPTC_UNROLL for (int n = 0; n < NR; ++n)
         acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(av, xv, wv[n])), sc[n], acc[n]);
     }
   }
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n] = hsum(acc[n]) + (bias ? bias[n] : 0.f);
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n * ldy] = hsum(acc[n]) + (bias ? bias[n * ldy] : 0.f);
 }
 
 // igemv_tile for blocks of 32 inputs (the default format: one 32-code step per block): the block
-// loop flat (no inner step loop, no per-step prefetch test), two blocks a pass, GEMV_NR_I32 rows.
-// The same operations in the same order per output as igemv_tile (bitwise equal). Standalone copy
-// on the AMD EPYC here (one core, 1024 x 384 int8 weights in L2, best of 400): 21.9 -> 14.5 us;
-// the 50304 x 384 head on 2 threads 608 -> 453-477 us.
+// loop flat (no inner step loop), two blocks a pass, GEMV_NR_I32 rows. The same operations in the
+// same order per output as igemv_tile (bitwise equal). Standalone copy on the AMD EPYC here (one
+// core, 1024 x 384 int8 weights in L2, best of 400): 21.9 -> 14.5 us.
 template <int NR, bool I4>
 inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const int8_t* q, int64_t ldq,
-                         const float* prod, float* y, const float* bias) {
+                         const float* prod, int64_t ldp, float* y, int64_t ldy, const float* bias) {
   __m256 acc[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
@@ -122,24 +123,20 @@ inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const i
       } else {
         wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + off));
       }
-      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(av, xv, wv)), _mm256_broadcast_ss(prod + n * nb + b),
+      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(av, xv, wv)), _mm256_broadcast_ss(prod + n * ldp + b),
                                acc[n]);
     }
   };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    if (!I4 || !(b & 3)) {  // NR lines (the pass's codes of 64 bytes a row), in address order
-      const char* p = reinterpret_cast<const char*>(q) + (I4 ? b * 16 : b * 32) * NR + GEMV_PREFETCH;
-      GPTC_UNROLL for (int n = 0; n < NR; ++n) _mm_prefetch(p + n * 64, _MM_HINT_T0);
-    }
     block(b);
     block(b + 1);
   }
   if (b < nb) block(b);
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n] = hsum(acc[n]) + (bias ? bias[n] : 0.f);
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n * ldy] = hsum(acc[n]) + (bias ? bias[n * ldy] : 0.f);
 }
 
-// Rows [n0, n0 + nr) of an int layer into t.
+// Rows [n0, n0 + nr) of an int layer into t, NR streams (see above).
 template <bool I4>
 void igemv(const Lin& L, const In& in, const int8_t* ax, int64_t n0, int64_t nr, float* t, Scratch& sc) {
   const int64_t K = L.k, nb = K / L.blk, ldq = I4 ? K / 2 : K;
@@ -153,27 +150,32 @@ void igemv(const Lin& L, const In& in, const int8_t* ax, int64_t n0, int64_t nr,
   }
   const int8_t* q = L.wq + n0 * ldq;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
-  int64_t n = 0;
+  auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
   if (L.blk == 32) {
-    for (; n + GEMV_NR_I32 <= nr; n += GEMV_NR_I32)
-      igemv32_tile<GEMV_NR_I32, I4>(in.xq, ax, nb, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
-    for (; n < nr; ++n)
-      igemv32_tile<1, I4>(in.xq, ax, nb, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
+    gemv_streams<GEMV_NR_I32>(
+        nr,
+        [&](int64_t i, int64_t R) {
+          igemv32_tile<GEMV_NR_I32, I4>(in.xq, ax, nb, q + i * ldq, R * ldq, prod + i * nb, R * nb, t + i, R, at(i));
+        },
+        [&](int64_t n) { igemv32_tile<1, I4>(in.xq, ax, nb, q + n * ldq, ldq, prod + n * nb, nb, t + n, 1, at(n)); });
     return;
   }
-  for (; n + GEMV_NR_I <= nr; n += GEMV_NR_I)
-    igemv_tile<GEMV_NR_I, I4>(in.xq, ax, nb, L.blk, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
-  for (; n < nr; ++n)
-    igemv_tile<1, I4>(in.xq, ax, nb, L.blk, q + n * ldq, ldq, prod + n * nb, t + n, bias ? bias + n : nullptr);
+  gemv_streams<GEMV_NR_I>(
+      nr,
+      [&](int64_t i, int64_t R) {
+        igemv_tile<GEMV_NR_I, I4>(in.xq, ax, nb, L.blk, q + i * ldq, R * ldq, prod + i * nb, R * nb, t + i, R, at(i));
+      },
+      [&](int64_t n) { igemv_tile<1, I4>(in.xq, ax, nb, L.blk, q + n * ldq, ldq, prod + n * nb, nb, t + n, 1, at(n)); });
 }
 #endif
 
 // Rows [r0, r1) of y (one input row) = epilogue(x @ W^T + bias): linear_block's epilogue (`act`,
-// + res, res may be y), GEMV_ROWS rows at a time. Only where gemv_ok.
+// + res, res may be y), the range's rows in NR streams. Only where gemv_ok.
 void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, const float* res, int act,
                Scratch& sc) {
 #if defined(__AVX2__)
-  const int64_t K = L.k;
+  const int64_t K = L.k, nr = r1 - r0;
+  if (nr <= 0) return;
   const int8_t* ax = nullptr;
   if (L.bits != 32) {  // |x| codes, shared by every row
     thread_local std::vector<int8_t> t_abs;
@@ -184,63 +186,37 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
     }
     ax = a;
   }
-  float t[GEMV_ROWS];
-  for (int64_t n0 = r0; n0 < r1; n0 += GEMV_ROWS) {
-    const int64_t nr = std::min(GEMV_ROWS, r1 - n0);
-    if (L.bits == 32) {
-      const float* w = L.wf + n0 * K;
-      const float* bias = L.bias ? L.bias + n0 : nullptr;
-      int64_t n = 0;
-      for (; n + GEMV_NR_F <= nr; n += GEMV_NR_F)
-        fgemv_tile<GEMV_NR_F>(in.x, w + n * K, K, t + n, bias ? bias + n : nullptr);
-      for (; n < nr; ++n) fgemv_tile<1>(in.x, w + n * K, K, t + n, bias ? bias + n : nullptr);
-    } else if (L.bits == 4) {
-      igemv<true>(L, in, ax, n0, nr, t, sc);
-    } else {
-      igemv<false>(L, in, ax, n0, nr, t, sc);
-    }
-    if (act >= 0) activate(t, nr, act);
-    for (int64_t n = 0; n < nr; ++n) y[n0 + n] = res != nullptr ? res[n0 + n] + t[n] : t[n];
+  float* t = grow(sc.gemv, size_t(nr));  // the range's x @ W^T + bias, in row order
+  if (L.bits == 32) {
+    constexpr int NR = GEMV_NR_F;
+    const float* w = L.wf + r0 * K;
+    const float* bias = L.bias ? L.bias + r0 : nullptr;
+    auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
+    gemv_streams<NR>(
+        nr, [&](int64_t i, int64_t R) { fgemv_tile<NR>(in.x, w + i * K, R * K, K, t + i, R, at(i)); },
+        [&](int64_t n) { fgemv_tile<1>(in.x, w + n * K, K, K, t + n, 1, at(n)); });
+  } else if (L.bits == 4) {
+    igemv<true>(L, in, ax, r0, nr, t, sc);
+  } else {
+    igemv<false>(L, in, ax, r0, nr, t, sc);
   }
+  if (act >= 0) activate(t, nr, act);
+  for (int64_t n = 0; n < nr; ++n) y[r0 + n] = res != nullptr ? res[r0 + n] + t[n] : t[n];
 #endif
 }
 
-// A stream's start (a grab of gemv_for's schedule, the first rows of a weight): the first
-// GEMV_PREFETCH bytes of the weights from row r0 on, which the passes' own prefetches (always
-// GEMV_PREFETCH ahead) never ask for, and the scales of the chunk, all requested at once instead
-// of missing one line after another.
-inline void gemv_prefetch_start(const Lin& L, int64_t r0) {
-#if defined(__AVX2__)
-  const int64_t rows = std::min(GEMV_ROWS, L.n - r0);
-  const int64_t row_bytes = L.bits == 32 ? L.k * 4 : L.k * L.bits / 8;
-  const char* w = L.bits == 32 ? reinterpret_cast<const char*>(L.wf) : reinterpret_cast<const char*>(L.wq);
-  const int64_t wb = std::min<int64_t>(GEMV_PREFETCH, rows * row_bytes);
-  for (int64_t o = 0; o < wb; o += 64) _mm_prefetch(w + r0 * row_bytes + o, _MM_HINT_T0);
-  if (L.bits != 32) {
-    const int64_t nb = L.k / L.blk;
-    const char* s = reinterpret_cast<const char*>(L.scale + r0 * nb);
-    for (int64_t o = 0; o < rows * nb * 4; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
-  }
-#endif
-}
-
-// y (1, N) = epilogue(x @ W^T + bias), the GEMV_ROWS chunks shared out among the threads of the
-// enclosing region as they come for them, `grain` at a time (about 16 grabs per thread): a
-// thread that a busy machine delays, or that joins the region late (woken from its sleep
-// between ops), leaves its share to the others instead of making them wait at the barrier.
-// Consecutive chunks of a grab keep the rows' streams (and prefetches) running on one core.
-// Which thread computes an output never changes its value.
+// y (1, N) = epilogue(x @ W^T + bias), grabs of `grain` GEMV_ROWS rows shared out among the
+// threads of the enclosing region as they come for them (about 16 grabs per thread): a thread
+// that a busy machine delays, or that joins the region late (woken from its sleep between ops),
+// leaves its share to the others instead of making them wait at the barrier. Each grab is read
+// as NR streams (gemv_rows). Which thread computes an output never changes its value.
 void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
-  const int64_t grain = std::max<int64_t>(1, chunks / (16 * omp_get_num_threads()));
+  const int64_t rows = GEMV_ROWS * std::max<int64_t>(1, chunks / (16 * omp_get_num_threads()));
+  const int64_t grabs = (L.n + rows - 1) / rows;
   Scratch& sc = t_scratch;
-  int64_t next = -1;  // the chunk after this thread's previous one: its stream is already running
-#pragma omp for schedule(dynamic, grain)
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (c != next) gemv_prefetch_start(L, c * GEMV_ROWS);
-    gemv_rows(L, in, c * GEMV_ROWS, std::min(L.n, (c + 1) * GEMV_ROWS), y, res, act, sc);
-    next = c + 1;
-  }
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t g = 0; g < grabs; ++g) gemv_rows(L, in, g * rows, std::min(L.n, (g + 1) * rows), y, res, act, sc);
 }
 
 // Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.

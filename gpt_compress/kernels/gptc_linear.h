@@ -14,7 +14,7 @@ void activate(float* h, int64_t n, int act);
 // Scratch of one thread, kept across calls (libgomp's threads persist): no allocation per call
 // once grown. The op's calling thread also keeps the buffers its threads share (Shared).
 struct Scratch {
-  std::vector<float> h, sx, wbuf, tile, p;
+  std::vector<float> h, sx, wbuf, tile, p, gemv;
   std::vector<int8_t> xq, ibuf;
 };
 struct Shared {
@@ -40,7 +40,7 @@ inline void trim(std::vector<T>& v) {
   if (v.capacity() * sizeof(T) > (size_t(8) << 20)) std::vector<T>().swap(v);
 }
 inline void trim(Scratch& s) {
-  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.xq), trim(s.ibuf);
+  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
