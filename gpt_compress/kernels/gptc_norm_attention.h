@@ -62,17 +62,24 @@ void activate(float* h, int64_t n, int act) {
 // into o. Keys are the query's unmasked cache columns in order, so every reduction runs over
 // the same values in the same order whatever the padding, batch or prefill/decode split.
 // p: scratch of n + 8 floats.
+// AVX2: the keys are cut into 8 equal segments (m = ceil(n / 8) keys each) and pass t takes key
+// t of each, so the keys and then the values are read as 8 sequential streams (as the GEMV reads
+// its weights; one stream a core left attention at a few GB/s, so a decode step at 900 cached
+// tokens cost 1.8x one at 100 in int8): p holds pass t's 8 scores at p[8t..8t+8), a lane per
+// segment; the softmax sum runs lane-wise over the passes, the values in pass order.
 void attend(const float* qv, const float* kb, const float* vb, const int32_t* idx, int64_t n, int64_t D,
             float scale, float* p, float* o) {
   for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
   if (n == 0) return;  // a padding query: attends to nothing real
 #if defined(__AVX2__)
   if (D % 8 == 0) {
-    for (int64_t i = 0; i < n; i += 8) {  // 8 keys per pass, one fixed reduction tree per key
+    const int64_t m = (n + 7) / 8;  // keys per segment = passes; key of pass t, lane j: j * m + t
+    auto key = [&](int64_t t, int j) { return std::min<int64_t>(j * m + t, n - 1); };  // past n: a valid row, masked
+    for (int64_t t = 0; t < m; ++t) {  // one fixed reduction tree per key
       __m256 a[8];
       const float* kr[8];
       for (int j = 0; j < 8; ++j) {
-        kr[j] = kb + int64_t(idx[std::min<int64_t>(i + j, n - 1)]) * D;
+        kr[j] = kb + int64_t(idx[key(t, j)]) * D;
         a[j] = _mm256_setzero_ps();
       }
       for (int64_t d = 0; d < D; d += 8) {
@@ -82,31 +89,36 @@ void attend(const float* qv, const float* kb, const float* vb, const int32_t* id
       const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
       const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
       const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-      _mm256_storeu_ps(p + i, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(p + 8 * t, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
     }
+    // Lanes of pass t holding a key (j * m + t < n): the first lanes(t); the others are masked.
+    auto lanes = [&](int64_t t) { return int(std::min<int64_t>(8, (n - 1 - t) / m + 1)); };
     float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+    for (int64_t t = 0; t < m; ++t)
+      for (int j = 0, l = lanes(t); j < l; ++j) mx = std::max(mx, p[8 * t + j]);
     __m256 sum = _mm256_setzero_ps();
     const __m256 vmx = _mm256_set1_ps(mx);
-    for (int64_t i = 0; i < n; i += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vmx));
-      if (i + 8 > n) {  // zero the lanes past the last key
+    for (int64_t t = 0; t < m; ++t) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + 8 * t), vmx));
+      if (const int l = lanes(t); l < 8) {  // zero the lanes past the last key
         alignas(32) float keep[8];
-        for (int j = 0; j < 8; ++j) keep[j] = i + j < n ? 1.f : 0.f;
+        for (int j = 0; j < 8; ++j) keep[j] = j < l ? 1.f : 0.f;
         e = _mm256_mul_ps(e, _mm256_load_ps(keep));
       }
-      _mm256_storeu_ps(p + i, e);
+      _mm256_storeu_ps(p + 8 * t, e);
       sum = _mm256_add_ps(sum, e);
     }
     const float inv = 1.f / hsum(sum);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // sum_i p_i v_i, 8 accumulators of 8 dims
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // sum p v in pass order, 8 accumulators of 8 dims
       const int nd = int(std::min<int64_t>(64, D - d0) / 8);
       __m256 acc[8];
       for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        const __m256 w = _mm256_set1_ps(p[i]);
-        const float* vr = vb + int64_t(idx[i]) * D + d0;
-        for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      for (int64_t t = 0; t < m; ++t) {
+        for (int j = 0, l = lanes(t); j < l; ++j) {
+          const __m256 w = _mm256_set1_ps(p[8 * t + j]);
+          const float* vr = vb + int64_t(idx[j * m + t]) * D + d0;
+          for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        }
       }
       for (int c = 0; c < nd; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
     }
