@@ -10,7 +10,7 @@ Every row reports the peak RSS of its worker process (``peak_rss_mb``, /proc VmH
 whole memory, weights included (``weights_mb``: the weight files its backend loads).
 
 Exported backends also report a batch-1 decode step with 100 and with 900 tokens in the cache
-(``step_ms_at_100/900``).
+(``step_ms_at_100/900``; the two caches' steps alternate, so the host's drift weighs on both).
 
 Each backend (and the peer) runs in its own subprocess, one after another, so no two thread
 pools compete for the cores. Rounds alternate the order of the backends. Within a round a
@@ -101,19 +101,27 @@ def weight_bytes_per_token(cfg) -> int:
 # --------------------------------------------------------------------------------------
 # Worker: one backend in this process
 # --------------------------------------------------------------------------------------
-def step_ms_at(gen, position: int, steps: int = 16) -> float:
-    """Median batch-1 decode step time (ms) with ``position`` tokens already in the cache."""
+def step_ms_at(gen, positions: tuple = (100, 900), steps: int = 16) -> dict:
+    """Median batch-1 decode step time (ms) with each of ``positions`` tokens already in the
+    cache, {position: ms}. The positions' steps alternate (one cache each), so a host that
+    drifts between the first and the last step weighs on every position alike: the ratio of
+    two positions is the figure to read."""
     rng = np.random.default_rng(1)
-    ids = rng.integers(0, gen.vocab_size, (1, position)).astype(np.int64)
-    mask = np.ones_like(ids)
-    _, cache = gen.backend.prefill(ids, mask)
-    times = []
+    state = {}
+    for p in positions:
+        ids = rng.integers(0, gen.vocab_size, (1, p)).astype(np.int64)
+        mask = np.ones_like(ids)
+        _, cache = gen.backend.prefill(ids, mask)
+        state[p] = [mask, cache, []]
     for _ in range(steps):
-        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
-        t = time.perf_counter()
-        _, cache = gen.backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 2)
+        for p in positions:
+            mask, cache, times = state[p]
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            t = time.perf_counter()
+            _, cache = gen.backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
+            times.append((time.perf_counter() - t) * 1e3)
+            state[p][:2] = mask, cache
+    return {p: round(statistics.median(state[p][2]), 2) for p in positions}
 
 
 def peak_rss_mb() -> float:
@@ -175,7 +183,8 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
     if bn:
         out[f"batch{batch}_decode_tokens_per_s"] = round(statistics.median(bn), 1)
     if positions and backend != "dygraph" and gen.max_positions >= 920:  # a step's cost vs the cache length
-        out["step_ms_at_100"], out["step_ms_at_900"] = step_ms_at(gen, 100), step_ms_at(gen, 900)
+        at = step_ms_at(gen)
+        out["step_ms_at_100"], out["step_ms_at_900"] = at[100], at[900]
     out["threads"] = getattr(gen.backend, "threads", None)
     out["weights_mb"] = weights_mb(path, out["backend_class"])
     out["peak_rss_mb"] = peak_rss_mb()
