@@ -16,8 +16,9 @@ namespace {
 // (the same operations in the same order as ftile/itile), so its value is bitwise the tiles'
 // (tests/test_fused.py: token by token vs one prefill), whichever rows share a pass.
 //
-// The rows of a pass are NR far apart, not adjacent: a thread's range of rows is cut into NR
-// equal parts, and pass i takes row i of each part, so the thread reads NR sequential streams
+// The rows of a pass are far apart, not adjacent: the rows a thread takes at once (a grab of
+// gemv_for) are cut into NR equal parts, and pass i takes row i of each part, so the thread
+// reads NR sequential streams
 // (each part's rows follow each other in memory), which the hardware prefetchers follow on their
 // own, with NR times the requests in flight of one stream. Adjacent rows (one span of NR rows a
 // pass) are NR streams that end after one row each: the prefetchers never lock on, and software
