@@ -3,8 +3,8 @@
 
 One predictor runs prefill, decode and scoring (one copy of the weights; ``clone()`` shares
 it). The KV cache is ours: per layer a key and a value tensor (B, H_i, capacity, D), allocated
-at prefill with room for ``reserve`` more positions and grown (one copy) only when a decode
-passes the capacity; the ops write each step's keys/values into it in place. The operator
+at prefill with room for ``reserve`` more positions and grown (one copy, to at least twice the
+capacity up to the model's positions) only when a decode passes the capacity; the ops write each step's keys/values into it in place. The operator
 library is loaded before the predictor is created (``kernels.load_ops``); the ops use OpenMP
 threads (``threads``; ``DEFAULT_THREADS`` = 0: $OMP_NUM_THREADS or all cores; one setting
 per process, passed as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
@@ -36,7 +36,7 @@ from ..kernels import control as make_control
 from ..runtime import GOMP_SPINCOUNT, openmp_spin
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
-RESERVE = 128  # cache positions allocated beyond the prompt (decode grows it in steps of this)
+RESERVE = 128  # cache positions allocated beyond the prompt (a growth adds at least this many)
 # Greedy tokens per program run (``decode_greedy_steps``, used by ``generation.stream_tokens``):
 # a run's fixed cost outside the op (Paddle Inference's run, the Python loop; 0.3-0.7 ms a step
 # at gpt-bench, run cache-cold after the weights stream through) is paid once per this many
@@ -143,6 +143,12 @@ class FusedBackend:
     def _capacity(self, needed: int) -> int:
         return min(max(needed, self.manifest.max_positions), needed + self.reserve)
 
+    def _grown(self, capacity: int, needed: int) -> int:
+        """A full cache's new capacity: doubled (up to the model's positions), at least
+        ``_capacity(needed)``, so a long generation copies its cache a few times, not once
+        per ``reserve`` positions (each copy moves every position cached so far)."""
+        return max(self._capacity(needed), min(2 * capacity, max(needed, self.manifest.max_positions)))
+
     # ------------------------------------------------------------------ runs
     def _run(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, caches: list,
              tokens: bool = False, control: Optional[np.ndarray] = None) -> np.ndarray:
@@ -220,8 +226,8 @@ class FusedBackend:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns; the cache holds "
                              f"{cache.length} positions + {t} new")
         need = cache.length + steps
-        if need > cache.capacity:  # grow once per ``reserve`` positions: one copy
-            grown = self._alloc(b, self._capacity(need))
+        if need > cache.capacity:  # grow (``_grown``): one copy
+            grown = self._alloc(b, self._grown(cache.capacity, need))
             for new, old in zip(grown, cache.tensors):
                 new[:, :, :cache.length] = old[:, :, :cache.length]
             cache = FusedCache(grown, cache.length)
