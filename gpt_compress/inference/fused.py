@@ -3,11 +3,12 @@
 
 One predictor runs prefill, decode and scoring (one copy of the weights; ``clone()`` shares
 it). The KV cache is ours: per layer a key and a value tensor (B, H_i, capacity, D), allocated
-at prefill with room for ``reserve`` more positions and grown (one copy, to at least twice the
-capacity up to the model's positions) only when a decode passes the capacity; the ops write each step's keys/values into it in place. The operator
-library is loaded before the predictor is created (``kernels.load_ops``); the ops use OpenMP
-threads (``threads``; ``DEFAULT_THREADS`` = 0: $OMP_NUM_THREADS or all cores; one setting
-per process, passed as $GPTC_THREADS), so none of ``predictor.py``'s per-role thread settings apply.
+at prefill with room for ``reserve`` more positions and grown (one copy, to twice the capacity
+up to the model's positions) only when a decode passes the capacity; the ops write each step's
+keys/values into it in place. The operator library is loaded before the predictor is created
+(``kernels.load_ops``); the ops use OpenMP threads (``threads``; ``DEFAULT_THREADS`` = 0:
+$OMP_NUM_THREADS or all cores; one setting per process, passed as $GPTC_THREADS), so none of
+``predictor.py``'s per-role thread settings apply.
 
 Threads: unlike the unfused ``PaddleBackend`` (whose oneDNN/MKL kernels keep per-thread
 state, so its calls go to one worker thread), a fused predictor runs from any thread with

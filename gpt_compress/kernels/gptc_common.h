@@ -169,19 +169,22 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 32 int8 x 32 int8 -> 8 int32 partial sums: |x| as unsigned times w with x's sign, exact
-// (maddubs pairs stay below 2 * 128 * 127 < 2^15). VNNI does it in one instruction (compiled in
-// by -march=native where the CPU has it; unverified on the AVX2-only machines of this repo).
-inline __m256i dot32_i8(__m256i ax, __m256i x, __m256i w) {
-  const __m256i sw = _mm256_sign_epi8(w, x);
+// 32 uint8 x 32 int8 -> 8 int32 partial sums (lane l: bytes 4l..4l+3), exact while maddubs's
+// pairs stay below 2^15. VNNI does it in one instruction (compiled in by -march=native where the
+// CPU has it; unverified on the AVX2-only machines of this repo).
+inline __m256i dot32_u8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sw);
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
+
+// 32 int8 x 32 int8 -> 8 int32 partial sums: |x| as unsigned times w with x's sign, exact
+// (maddubs pairs stay below 2 * 128 * 127 < 2^15).
+inline __m256i dot32_i8(__m256i ax, __m256i x, __m256i w) { return dot32_u8(ax, _mm256_sign_epi8(w, x)); }
 
 // exp of 8 lanes (Cephes' polynomial, ~1 ulp); every lane independent of the others, so a
 // value's exp never depends on where it sits in a buffer.

@@ -18,9 +18,8 @@ namespace {
 //
 // The rows of a pass are far apart, not adjacent: the rows a thread takes at once (a grab of
 // gemv_for) are cut into NR equal parts, and pass i takes row i of each part, so the thread
-// reads NR sequential streams
-// (each part's rows follow each other in memory), which the hardware prefetchers follow on their
-// own, with NR times the requests in flight of one stream. Adjacent rows (one span of NR rows a
+// reads NR sequential streams (each part's rows follow each other in memory), which the
+// hardware prefetchers follow on their own, with NR times the requests in flight of one stream. Adjacent rows (one span of NR rows a
 // pass) are NR streams that end after one row each: the prefetchers never lock on, and software
 // prefetches (which the kernels no longer issue) made up only part of it. Standalone copy
 // (/tmp scratch, 2 threads, the weights evicted by a 64 MB read before each run, means of 10,
@@ -110,16 +109,19 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, int64_t nb, int64_t b
 // same order per output as igemv_tile (bitwise equal). Standalone copy on the AMD EPYC here (one
 // core, 1024 x 384 int8 weights in L2, best of 400): 21.9 -> 14.5 us.
 // int4 (I4, corr given): a pass's two blocks are one 32-byte load a row, and the codes stay
-// unsigned (c = w + 8, 0..15): maddubs(c, x) needs neither |x| nor sign(w, x), and each 32-bit lane
-// less corr[b]'s (maddubs(8, x)'s, the same for every row) is exactly the lane of the signed form
-// (|sums| < 2^15 either way), so the outputs are bitwise the same with 2 fewer operations a block.
+// unsigned (c = w + 8, 0..15): dot32_u8(c, x) needs neither |x| nor sign(w, x), and each 32-bit
+// lane less corr[b]'s (dot32_u8(8, x), the same for every row) is exactly the lane of the signed
+// form (maddubs pairs < 2^15 either way), so the outputs are bitwise the same with 2 fewer
+// operations a block.
 template <int NR, bool I4>
 inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const int8_t* q, int64_t ldq,
                          const float* prod, int64_t ldp, float* y, int64_t ldy, const float* bias,
-                         const __m256i* corr = nullptr) {
+                         const int32_t* corr = nullptr) {
   __m256 acc[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  // corr's lanes of block b
+  auto lanes = [&](int64_t b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + 8 * b)); };
   auto block = [&](int64_t b) {
     const int64_t c = b * 32, off = I4 ? c / 2 : c;
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
@@ -127,7 +129,7 @@ inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const i
       GPTC_UNROLL for (int n = 0; n < NR; ++n) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * ldq + off));
         const __m256i cv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
-        const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(cv, xv), _mm256_set1_epi16(1)), corr[b]);
+        const __m256i d = _mm256_sub_epi32(dot32_u8(cv, xv), lanes(b));
         acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(prod + n * ldp + b), acc[n]);
       }
       return;
@@ -147,7 +149,6 @@ inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const i
   };
   int64_t b = 0;
   if (I4 && corr != nullptr) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (; b + 2 <= nb; b += 2) {
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32 + 32));
@@ -155,8 +156,8 @@ inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const i
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + b * 16));
         const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         const __m256i c0 = _mm256_permute2x128_si256(lo, hi, 0x20), c1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-        const __m256i d0 = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c0, x0), ones), corr[b]);
-        const __m256i d1 = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c1, x1), ones), corr[b + 1]);
+        const __m256i d0 = _mm256_sub_epi32(dot32_u8(c0, x0), lanes(b));
+        const __m256i d1 = _mm256_sub_epi32(dot32_u8(c1, x1), lanes(b + 1));
         acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_broadcast_ss(prod + n * ldp + b), acc[n]);
         acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_broadcast_ss(prod + n * ldp + b + 1), acc[n]);
       }
@@ -172,7 +173,7 @@ inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const i
 
 // Rows [n0, n0 + nr) of an int layer into t, NR streams (see above).
 template <bool I4>
-void igemv(const Lin& L, const In& in, const int8_t* ax, const __m256i* corr, int64_t n0, int64_t nr, float* t,
+void igemv(const Lin& L, const In& in, const int8_t* ax, const int32_t* corr, int64_t n0, int64_t nr, float* t,
            Scratch& sc) {
   const int64_t K = L.k, nb = K / L.blk, ldq = I4 ? K / 2 : K;
   float* prod = grow(sc.tile, size_t(nr * nb));  // the scale products of the nr rows
@@ -215,17 +216,16 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
   const int64_t K = L.k, nr = r1 - r0;
   if (nr <= 0) return;
   const int8_t* ax = nullptr;
-  const __m256i* corr = nullptr;
-  thread_local std::vector<int8_t> t_abs;  // shared by every row: |x| codes, or int4's corr lanes
-  if (L.bits == 4 && L.blk == 32) {  // maddubs(8, x) as 32-bit lanes, a block each (igemv32_tile)
-    __m256i* cr = reinterpret_cast<__m256i*>(grow(t_abs, size_t(K + 32)));
-    cr = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(cr) + 31) & ~uintptr_t(31));
+  const int32_t* corr = nullptr;
+  if (L.bits == 4 && L.blk == 32) {  // dot32_u8(8, x), a block each (igemv32_tile), shared by every row
+    thread_local std::vector<int32_t> t_corr;  // 8 lanes a block
+    int32_t* cr = grow(t_corr, size_t(K / 4));
     for (int64_t c = 0; c < K; c += 32)
-      cr[c / 32] = _mm256_madd_epi16(
-          _mm256_maddubs_epi16(_mm256_set1_epi8(8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c))),
-          _mm256_set1_epi16(1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + c / 4),
+                          dot32_u8(_mm256_set1_epi8(8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c))));
     corr = cr;
-  } else if (L.bits != 32) {
+  } else if (L.bits != 32) {  // |x| codes, shared by every row
+    thread_local std::vector<int8_t> t_abs;
     int8_t* a = grow(t_abs, size_t(K));
     for (int64_t c = 0; c < K; c += 32) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c));
