@@ -182,9 +182,32 @@ inline __m256i dot32_u8(__m256i u, __m256i s) {
 #endif
 }
 
+// Two 32-byte dots of unsigned 4-bit codes (u0, u1 < 16) with int8 s0, s1, summed: 8 int32 lanes
+// (lane l: bytes 4l..4l+3 of both), exact: without VNNI the two maddubs' int16 pairs are added
+// before one madd (|pair| <= 2 * 15 * 128, so the sum stays below 2^15).
+inline __m256i dot2_u4(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return _mm256_add_epi32(dot32_u8(u0, s0), dot32_u8(u1, s1));
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
 // 32 int8 x 32 int8 -> 8 int32 partial sums: |x| as unsigned times w with x's sign, exact
 // (maddubs pairs stay below 2 * 128 * 127 < 2^15).
 inline __m256i dot32_i8(__m256i ax, __m256i x, __m256i w) { return dot32_u8(ax, _mm256_sign_epi8(w, x)); }
+
+// The total of a dot's 8 int32 lanes, and of four dots (lane j: d_j's), exact in any order.
+inline int32_t total(__m256i d) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+inline __m128i totals4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
 
 // exp of 8 lanes (Cephes' polynomial, ~1 ulp); every lane independent of the others, so a
 // value's exp never depends on where it sits in a buffer.

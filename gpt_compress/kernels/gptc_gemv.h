@@ -14,7 +14,8 @@ namespace {
 // fma latency is hidden, the loads stream), step the block index without a division and form
 // each pass's scale products sx[b] * sw[n][b] once. An output's arithmetic is the contract above
 // (the same operations in the same order as ftile/itile), so its value is bitwise the tiles'
-// (tests/test_fused.py: token by token vs one prefill), whichever rows share a pass.
+// (tests/test_fused.py, test_kernel_tiles.py: token by token vs one prefill, one head row vs
+// many), whichever rows share a pass.
 //
 // The rows of a pass are far apart, not adjacent: the rows a thread takes at once (a grab of
 // gemv_for) are cut into NR equal parts, and pass i takes row i of each part, so the thread
@@ -30,11 +31,7 @@ namespace {
 // blocks above.
 constexpr int64_t GEMV_ROWS = 64;  // a grab of gemv_for is a multiple of this many rows
 constexpr int GEMV_NR_F = 8;       // float weight rows per pass (streams)
-constexpr int GEMV_NR_I = 4;       // int weight rows per pass
-// Int weight rows per pass, blocks of 32 (igemv32_tile): 4 streams. In the decode loop (gpt-bench
-// int8, GPTC_PROFILE, builds of 4 and 8 alternating, 8 pairs) 4 rows ran the head faster in 6
-// pairs (mean 831 vs 954 us) and the blocks' linears too; the int4 head the same either way.
-constexpr int GEMV_NR_I32 = 4;
+constexpr int GEMV_NR_I = 4;       // int weight rows per pass (igemv_tile: 4 or 1)
 
 inline bool gemv_ok(const Lin& L, const In& in) {
 #if defined(__AVX2__)
@@ -72,139 +69,130 @@ inline void fgemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, f
   }
 }
 
-// NR int weight rows (codes ldq bytes apart; I4: packed int4) against the int8 input: xq its
-// codes, ax their magnitudes, prod the rows' scale products (row n's at n * ldp); y and bias
-// ldy apart. The NR rows' codes are loaded before the dots.
+// NR int weight rows (NR = 4 or 1; codes ldq bytes apart, scales lds apart; I4: packed int4)
+// against the int8 input (xq its codes, ax their magnitudes, sx its block scales): the contract's
+// arithmetic (gptc_tiles.h): per row, each block's exact int32 dot, one fma of it times the
+// block's scale product into the row's float sum, in block order. Four rows' 32-code dots are
+// reduced to their totals together (totals4: three hadds for the four rows, then one 4-lane
+// convert and fma), not a convert and an fma of 8 lanes per row and block: on the AMD EPYC (Zen
+// 1) here, where 256-bit integer multiplies are two uops on one pipe, that is what the GEMV is
+// bound by. The four rows' scale products are formed once (prod: 4 per block, interleaved).
+// int4 (I4) codes stay unsigned (c = w + 8, 0..15): their dot with x needs neither |x| nor
+// sign(w, x), and its total less corr[step] (the total of 8 * x over the step, the same for every
+// row) is exactly the signed dot.
 template <int NR, bool I4>
-inline void igemv_tile(const int8_t* xq, const int8_t* ax, int64_t nb, int64_t blk, const int8_t* q,
-                       int64_t ldq, const float* prod, int64_t ldp, float* y, int64_t ldy, const float* bias) {
-  __m256 acc[NR];
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256 sc[NR];
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) sc[n] = _mm256_broadcast_ss(prod + n * ldp + b);
-    for (int64_t c = b * blk; c < (b + 1) * blk; c += 32) {
-      const int64_t off = I4 ? c / 2 : c;  // byte offset of the 32 codes in a row
-      __m256i wv[NR];
+inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, const float* sx, int64_t nb,
+                       int64_t blk, const int8_t* q, int64_t ldq, const float* sw, int64_t lds, float* y, int64_t ldy,
+                       const float* bias, float* prod) {
+  static_assert(NR == 4 || NR == 1, "igemv_tile: 4 rows (totals4) or 1");
+  const int64_t K = nb * blk, spb = blk / 32;  // 32-code steps per block
+  if (NR == 4) {  // prod[4 b + j] = sx[b] * sw[j][b]: 8 blocks at a time, a 4 x 8 transpose
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      const __m256 s8 = _mm256_loadu_ps(sx + b);
+      __m256 v[4];
+      GPTC_UNROLL for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(s8, _mm256_loadu_ps(sw + j * lds + b));
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      _mm256_storeu_ps(prod + 4 * b, _mm256_permute2f128_ps(u0, u1, 0x20));
+      _mm256_storeu_ps(prod + 4 * b + 8, _mm256_permute2f128_ps(u2, u3, 0x20));
+      _mm256_storeu_ps(prod + 4 * b + 16, _mm256_permute2f128_ps(u0, u1, 0x31));
+      _mm256_storeu_ps(prod + 4 * b + 24, _mm256_permute2f128_ps(u2, u3, 0x31));
+    }
+    for (; b < nb; ++b)
+      for (int j = 0; j < 4; ++j) prod[4 * b + j] = sx[b] * sw[j * lds + b];
+  }
+  __m128 acc = _mm_setzero_ps();
+  __m128i sb = _mm_setzero_si128();  // the block's totals so far (blocks of more than 32 codes)
+  int64_t b = 0, left = spb;
+  // One 32-code step's totals (lane j: row j's; I4: less the step's correction) into the block's,
+  // and at a block's end its fma.
+  auto add = [&](__m128i s) {
+    if (spb > 1) {
+      sb = _mm_add_epi32(sb, s);
+      if (--left) return;
+      s = sb, sb = _mm_setzero_si128(), left = spb;
+    }
+    const __m128 p = NR == 4 ? _mm_loadu_ps(prod + 4 * b) : _mm_set_ss(sx[b] * sw[b]);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), p, acc);
+    ++b;
+  };
+  // The rows' totals of one step's dots (NR == 4: lane j row j's; else lane 0).
+  auto totals = [&](__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+    if constexpr (NR == 4) return totals4(d0, d1, d2, d3);
+    else return _mm_cvtsi32_si128(total(d0));
+  };
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  auto row = [&](int n) { return q + n * ldq; };
+  int64_t c = 0;
+  if constexpr (I4) {
+    // Two steps a 32-byte load: its low nibbles are inputs 0..15 of both steps, its high ones
+    // 16..31, so x is rearranged to match (once for every row) instead of the codes in each row;
+    // a row's dot has step c's sums in lanes 0-3 and step c + 1's in lanes 4-7 (dot2_u4).
+    for (; c + 64 <= K; c += 64) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c + 32));
+      const __m256i xa = _mm256_permute2x128_si256(x0, x1, 0x20), xb = _mm256_permute2x128_si256(x0, x1, 0x31);
+      __m256i d[4];
       GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-        if (I4) {
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * ldq + off)), m4 = _mm_set1_epi8(0x0F);
-          wv[n] = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
-                                  _mm256_set1_epi8(8));
-        } else {
-          wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + off));
-        }
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(n) + c / 2));
+        d[n] = dot2_u4(_mm256_and_si256(v, m4), xa, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xb);
       }
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
+      __m128i s0, s1;  // the two steps' totals
+      if constexpr (NR == 4) {
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        s0 = _mm256_castsi256_si128(h), s1 = _mm256_extracti128_si256(h, 1);
+      } else {
+        s0 = _mm_cvtsi32_si128(total(_mm256_blend_epi32(d[0], _mm256_setzero_si256(), 0xF0)));
+        s1 = _mm_cvtsi32_si128(total(_mm256_blend_epi32(d[0], _mm256_setzero_si256(), 0x0F)));
+      }
+      add(_mm_sub_epi32(s0, _mm_set1_epi32(corr[c / 32])));
+      add(_mm_sub_epi32(s1, _mm_set1_epi32(corr[c / 32 + 1])));
+    }
+  }
+  for (; c < K; c += 32) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
+    __m256i d[4];
+    if constexpr (I4) {
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(n) + c / 2));
+        d[n] = dot32_u8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4), xv);
+      }
+      add(_mm_sub_epi32(totals(d[0], d[NR > 1 ? 1 : 0], d[NR > 1 ? 2 : 0], d[NR > 1 ? 3 : 0]),
+                        _mm_set1_epi32(corr[c / 32])));
+    } else {
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax + c));
       GPTC_UNROLL for (int n = 0; n < NR; ++n)
-        acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(av, xv, wv[n])), sc[n], acc[n]);
+        d[n] = dot32_i8(av, xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(n) + c)));
+      add(totals(d[0], d[NR > 1 ? 1 : 0], d[NR > 1 ? 2 : 0], d[NR > 1 ? 3 : 0]));
     }
   }
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n * ldy] = hsum(acc[n]) + (bias ? bias[n * ldy] : 0.f);
+  alignas(16) float out[4];
+  _mm_store_ps(out, acc);
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n * ldy] = out[n] + (bias ? bias[n * ldy] : 0.f);
 }
 
-// igemv_tile for blocks of 32 inputs (the default format: one 32-code step per block): the block
-// loop flat (no inner step loop), two blocks a pass, GEMV_NR_I32 rows. The same operations in the
-// same order per output as igemv_tile (bitwise equal). Standalone copy on the AMD EPYC here (one
-// core, 1024 x 384 int8 weights in L2, best of 400): 21.9 -> 14.5 us.
-// int4 (I4, corr given): a pass's two blocks are one 32-byte load a row, and the codes stay
-// unsigned (c = w + 8, 0..15): dot32_u8(c, x) needs neither |x| nor sign(w, x), and each 32-bit
-// lane less corr[b]'s (dot32_u8(8, x), the same for every row) is exactly the lane of the signed
-// form (maddubs pairs < 2^15 either way), so the outputs are bitwise the same with 2 fewer
-// operations a block.
-template <int NR, bool I4>
-inline void igemv32_tile(const int8_t* xq, const int8_t* ax, int64_t nb, const int8_t* q, int64_t ldq,
-                         const float* prod, int64_t ldp, float* y, int64_t ldy, const float* bias,
-                         const int32_t* corr = nullptr) {
-  __m256 acc[NR];
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-  // corr's lanes of block b
-  auto lanes = [&](int64_t b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + 8 * b)); };
-  auto block = [&](int64_t b) {
-    const int64_t c = b * 32, off = I4 ? c / 2 : c;
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
-    if (I4 && corr != nullptr) {  // the unsigned form (below), one block
-      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * ldq + off));
-        const __m256i cv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
-        const __m256i d = _mm256_sub_epi32(dot32_u8(cv, xv), lanes(b));
-        acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(prod + n * ldp + b), acc[n]);
-      }
-      return;
-    }
-    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax + c));
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-      __m256i wv;
-      if (I4) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * ldq + off));
-        wv = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4), eight);
-      } else {
-        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + off));
-      }
-      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(av, xv, wv)), _mm256_broadcast_ss(prod + n * ldp + b),
-                               acc[n]);
-    }
-  };
-  int64_t b = 0;
-  if (I4 && corr != nullptr) {
-    for (; b + 2 <= nb; b += 2) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32 + 32));
-      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * ldq + b * 16));
-        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        const __m256i c0 = _mm256_permute2x128_si256(lo, hi, 0x20), c1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-        const __m256i d0 = _mm256_sub_epi32(dot32_u8(c0, x0), lanes(b));
-        const __m256i d1 = _mm256_sub_epi32(dot32_u8(c1, x1), lanes(b + 1));
-        acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_broadcast_ss(prod + n * ldp + b), acc[n]);
-        acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_broadcast_ss(prod + n * ldp + b + 1), acc[n]);
-      }
-    }
-  }
-  for (; b + 2 <= nb; b += 2) {
-    block(b);
-    block(b + 1);
-  }
-  if (b < nb) block(b);
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) y[n * ldy] = hsum(acc[n]) + (bias ? bias[n * ldy] : 0.f);
-}
-
-// Rows [n0, n0 + nr) of an int layer into t, NR streams (see above).
+// Rows [n0, n0 + nr) of an int layer into t, 4 streams (see above); prod: 4 per block.
 template <bool I4>
 void igemv(const Lin& L, const In& in, const int8_t* ax, const int32_t* corr, int64_t n0, int64_t nr, float* t,
            Scratch& sc) {
   const int64_t K = L.k, nb = K / L.blk, ldq = I4 ? K / 2 : K;
-  float* prod = grow(sc.tile, size_t(nr * nb));  // the scale products of the nr rows
-  for (int64_t n = 0; n < nr; ++n) {
-    const float* sw = L.scale + (n0 + n) * nb;
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8)
-      _mm256_storeu_ps(prod + n * nb + b, _mm256_mul_ps(_mm256_loadu_ps(in.sx + b), _mm256_loadu_ps(sw + b)));
-    for (; b < nb; ++b) prod[n * nb + b] = in.sx[b] * sw[b];
-  }
+  float* prod = grow(sc.tile, size_t(4 * nb));
   const int8_t* q = L.wq + n0 * ldq;
+  const float* sw = L.scale + n0 * nb;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
-  if (L.blk == 32) {
-    gemv_streams<GEMV_NR_I32>(
-        nr,
-        [&](int64_t i, int64_t R) {
-          igemv32_tile<GEMV_NR_I32, I4>(in.xq, ax, nb, q + i * ldq, R * ldq, prod + i * nb, R * nb, t + i, R, at(i),
-                                        corr);
-        },
-        [&](int64_t n) {
-          igemv32_tile<1, I4>(in.xq, ax, nb, q + n * ldq, ldq, prod + n * nb, nb, t + n, 1, at(n), corr);
-        });
-    return;
-  }
   gemv_streams<GEMV_NR_I>(
       nr,
       [&](int64_t i, int64_t R) {
-        igemv_tile<GEMV_NR_I, I4>(in.xq, ax, nb, L.blk, q + i * ldq, R * ldq, prod + i * nb, R * nb, t + i, R, at(i));
+        igemv_tile<GEMV_NR_I, I4>(in.xq, ax, corr, in.sx, nb, L.blk, q + i * ldq, R * ldq, sw + i * nb, R * nb, t + i,
+                                  R, at(i), prod);
       },
-      [&](int64_t n) { igemv_tile<1, I4>(in.xq, ax, nb, L.blk, q + n * ldq, ldq, prod + n * nb, nb, t + n, 1, at(n)); });
+      [&](int64_t n) {
+        igemv_tile<1, I4>(in.xq, ax, corr, in.sx, nb, L.blk, q + n * ldq, ldq, sw + n * nb, nb, t + n, 1, at(n), prod);
+      });
 }
 #endif
 
@@ -217,12 +205,11 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
   if (nr <= 0) return;
   const int8_t* ax = nullptr;
   const int32_t* corr = nullptr;
-  if (L.bits == 4 && L.blk == 32) {  // dot32_u8(8, x), a block each (igemv32_tile), shared by every row
-    thread_local std::vector<int32_t> t_corr;  // 8 lanes a block
-    int32_t* cr = grow(t_corr, size_t(K / 4));
+  if (L.bits == 4) {  // each 32-code step's total of dot32_u8(8, x) (igemv_tile), shared by every row
+    thread_local std::vector<int32_t> t_corr;
+    int32_t* cr = grow(t_corr, size_t(K / 32));
     for (int64_t c = 0; c < K; c += 32)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + c / 4),
-                          dot32_u8(_mm256_set1_epi8(8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c))));
+      cr[c / 32] = total(dot32_u8(_mm256_set1_epi8(8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c))));
     corr = cr;
   } else if (L.bits != 32) {  // |x| codes, shared by every row
     thread_local std::vector<int8_t> t_abs;

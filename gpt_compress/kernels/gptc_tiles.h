@@ -10,10 +10,12 @@ namespace {
 
 // ------------------------------------------------------------------ matrix kernels
 // Batch invariance (the serving engine relies on it): every output y[m][n] is computed by the
-// same sequence of operations whatever M, the tile it falls in or the other rows: one 8-lane
-// accumulator over k in steps of 8 (float) or of 32 (int8, one fma of the block's int32 dot
-// times its scale), then hsum, then the k tail with scalar fmas in order. Tiles only decide
-// which outputs share a pass over the weights.
+// same sequence of operations whatever M, the tile it falls in or the other rows. Float: one
+// 8-lane accumulator over k in steps of 8, then hsum, then the k tail with scalar fmas in order.
+// Int: per block, the exact int32 dot of its codes (integers: any order, any instructions, the
+// same total), then one scalar-valued fma into the output's float sum, float(dot) times the scale
+// product sx * sw (one float multiply), in block order from 0; then + bias. Tiles only decide
+// which outputs share a pass over the weights (and, int, which four share a vector lane-wise).
 
 #if defined(__AVX2__)
 // Every loop over the MR x NR accumulators fully unrolled: otherwise GCC 12 keeps the array
@@ -81,47 +83,95 @@ inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
 
 // MR int8 input rows (K apart, scales sx nb apart) x NR int8 weight rows (pointers q, scales sw).
 // I4: the rows are packed int4 (the layout above), unpacked in registers (the same codes).
+// The int contract (above): each 32-code step's dots are reduced to their exact totals four
+// outputs at a time (totals4), grouped by weight row when MR is 4 (lanes: the input rows), else
+// by input row when NR is 4 (lanes: the weight rows), else one output at a time; at a block's
+// end one convert and one fma a group, with the group's scale products.
 template <int MR, int NR, bool I4 = false>
 inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
                   const float* const* sw, float* y, int64_t ldy, const float* bias, const char* pf = nullptr,
                   int64_t npf = 0) {
-  __m256 acc[MR][NR];
-  GPTC_UNROLL for (int r = 0; r < MR; ++r)
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  constexpr bool by_n = MR == 4, by_r = !by_n && NR == 4;
+  constexpr int G = by_n ? NR : by_r ? MR : MR * NR;  // groups (accumulators)
+  __m128 acc[G];
+  __m128i sb[G];  // the block's totals so far (blocks of more than 32 codes)
+  GPTC_UNROLL for (int g = 0; g < G; ++g) acc[g] = _mm_setzero_ps(), sb[g] = _mm_setzero_si128();
   Prefetch ahead(pf, npf, K / 32);
-  // The scale block of step c is c / blk, counted (a 64-bit division per step cost more than
-  // the step's 12 dot products with a run-time blk); blk is a multiple of 32 here.
-  const int64_t steps_per_blk = blk / 32;
-  int64_t b = 0, left = steps_per_blk;
+  const int64_t spb = blk / 32;  // 32-code steps per block; blk is a multiple of 32 here
+  int64_t b = 0, left = spb;
+  // Group g's totals of a step; the block's fma when the step ends it (every group's, below).
+  auto add = [&](int g, __m128i s) {
+    if (spb > 1) sb[g] = _mm_add_epi32(sb[g], s);
+    else sb[g] = s;
+  };
+  auto finish_block = [&]() {
+    if (spb > 1 && --left) return;
+    left = spb;
+    if constexpr (by_n) {
+      const __m128 xs = _mm_set_ps(sx[3 * nb + b], sx[2 * nb + b], sx[nb + b], sx[b]);
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)
+        acc[n] = _mm_fmadd_ps(_mm_cvtepi32_ps(sb[n]), _mm_mul_ps(xs, _mm_set1_ps(sw[n][b])), acc[n]);
+    } else if constexpr (by_r) {
+      const __m128 ws = _mm_set_ps(sw[3][b], sw[2][b], sw[1][b], sw[0][b]);
+      GPTC_UNROLL for (int r = 0; r < MR; ++r)
+        acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sb[r]), _mm_mul_ps(_mm_set1_ps(sx[r * nb + b]), ws), acc[r]);
+    } else {
+      GPTC_UNROLL for (int r = 0; r < MR; ++r)
+        GPTC_UNROLL for (int n = 0; n < NR; ++n)
+          acc[r * NR + n] = _mm_fmadd_ps(_mm_cvtepi32_ps(sb[r * NR + n]), _mm_set_ss(sx[r * nb + b] * sw[n][b]),
+                                         acc[r * NR + n]);
+    }
+    if (spb > 1) GPTC_UNROLL for (int g = 0; g < G; ++g) sb[g] = _mm_setzero_si128();
+    ++b;
+  };
+  auto weights = [&](int n, int64_t c) {
+    if (I4) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + c / 2)), m4 = _mm_set1_epi8(0x0F);
+      return _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
+                             _mm256_set1_epi8(8));
+    }
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
+  };
   for (int64_t c = 0; c < K; c += 32) {
     if (pf) ahead.step();
-    __m256i wv[NR];
-    float swb[NR];
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-      if (I4) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + c / 2)), m4 = _mm_set1_epi8(0x0F);
-        wv[n] = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
-                                _mm256_set1_epi8(8));
-      } else {
-        wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
-      }
-      if (MR > 1) GPTC_PIN(wv[n]);
-      swb[n] = sw[n][b];
-    }
+    __m256i xv[MR], ax[MR];
     GPTC_UNROLL for (int r = 0; r < MR; ++r) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
-      if (NR > 1) GPTC_PIN(xv);
-      const __m256i ax = _mm256_sign_epi8(xv, xv);
-      const float sxb = sx[r * nb + b];
-      GPTC_UNROLL for (int n = 0; n < NR; ++n)  // the scale product: one float multiply, as before
-        acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(ax, xv, wv[n])), _mm256_set1_ps(sxb * swb[n]),
-                                    acc[r][n]);
+      xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c));
+      ax[r] = _mm256_sign_epi8(xv[r], xv[r]);
     }
-    if (--left == 0) ++b, left = steps_per_blk;
+    if constexpr (by_n) {  // per weight row: the 4 input rows' dots, one group
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+        __m256i wv = weights(n, c);
+        GPTC_PIN(wv);
+        add(n, totals4(dot32_i8(ax[0], xv[0], wv), dot32_i8(ax[1], xv[1], wv), dot32_i8(ax[2], xv[2], wv),
+                       dot32_i8(ax[3], xv[3], wv)));
+      }
+    } else {
+      __m256i wv[NR];
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+        wv[n] = weights(n, c);
+        if (MR > 1) GPTC_PIN(wv[n]);
+      }
+      GPTC_UNROLL for (int r = 0; r < MR; ++r) {
+        if constexpr (by_r) {
+          add(r, totals4(dot32_i8(ax[r], xv[r], wv[0]), dot32_i8(ax[r], xv[r], wv[1]), dot32_i8(ax[r], xv[r], wv[2]),
+                         dot32_i8(ax[r], xv[r], wv[3])));
+        } else {
+          GPTC_UNROLL for (int n = 0; n < NR; ++n)
+            add(r * NR + n, _mm_cvtsi32_si128(total(dot32_i8(ax[r], xv[r], wv[n]))));
+        }
+      }
+    }
+    finish_block();
   }
   if (pf) ahead.rest();
+  alignas(16) float out[G][4];
+  GPTC_UNROLL for (int g = 0; g < G; ++g) _mm_store_ps(out[g], acc[g]);
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) y[r * ldy + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.f);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      const float v = by_n ? out[n][r] : by_r ? out[r][n] : out[r * NR + n][0];
+      y[r * ldy + n] = v + (bias ? bias[n] : 0.f);
+    }
 }
 #endif
 
@@ -145,7 +195,7 @@ inline void itile_scalar(const int8_t* xq, const float* sx, int MR, int64_t K, i
       for (int64_t b = 0; b < nb; ++b) {
         int32_t s = 0;
         for (int64_t j = b * blk; j < (b + 1) * blk; ++j) s += int32_t(xq[r * K + j]) * int32_t(q[n][j]);
-        acc += float(s) * (sx[r * nb + b] * sw[n][b]);
+        acc = std::fma(float(s), sx[r * nb + b] * sw[n][b], acc);
       }
       y[r * ldy + n] = acc + (bias ? bias[n] : 0.f);
     }
