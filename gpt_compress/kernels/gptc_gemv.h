@@ -172,7 +172,8 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, 
     } else {
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax + c));
       if ((c & 63) == 0)  // a line a row every other step, GEMV_AHEAD_I8 ahead
-        GPTC_UNROLL for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(row(n) + c + GEMV_AHEAD_I8), _MM_HINT_T0);
+        GPTC_UNROLL for (int n = 0; n < NR; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(row(n) + c + GEMV_AHEAD_I8), _MM_HINT_T0);
       GPTC_UNROLL for (int n = 0; n < NR; ++n)
         d[n] = dot32_i8(av, xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(n) + c)));
       add(totals(d[0], d[NR > 1 ? 1 : 0], d[NR > 1 ? 2 : 0], d[NR > 1 ? 3 : 0]));
@@ -218,7 +219,8 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
     thread_local std::vector<int32_t> t_corr;
     int32_t* cr = grow(t_corr, size_t(K / 32));
     for (int64_t c = 0; c < K; c += 32)
-      cr[c / 32] = total(dot32_u8(_mm256_set1_epi8(8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c))));
+      cr[c / 32] =
+          total(dot32_u8(_mm256_set1_epi8(8), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq + c))));
     corr = cr;
   } else if (L.bits != 32) {  // |x| codes, shared by every row
     thread_local std::vector<int8_t> t_abs;
