@@ -198,6 +198,13 @@ inline __m256i dot2_u4(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
 // (maddubs pairs stay below 2 * 128 * 127 < 2^15).
 inline __m256i dot32_i8(__m256i ax, __m256i x, __m256i w) { return dot32_u8(ax, _mm256_sign_epi8(w, x)); }
 
+// The 32 packed int4 codes of one 32-input run at p (16 bytes: byte j holds input j in its low
+// nibble, input j + 16 in its high one) as unsigned bytes c = w + 8 (0..15), in input order.
+inline __m256i unpack_u4(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
 // The total of a dot's 8 int32 lanes, and of four dots (lane j: d_j's), exact in any order.
 inline int32_t total(__m256i d) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));

@@ -20,8 +20,8 @@ namespace {
 // The rows of a pass are far apart, not adjacent: the rows a thread takes at once (a grab of
 // gemv_for) are cut into NR equal parts, and pass i takes row i of each part, so the thread
 // reads NR sequential streams (each part's rows follow each other in memory), which the
-// hardware prefetchers follow on their own, with NR times the requests in flight of one stream. Adjacent rows (one span of NR rows a
-// pass) are NR streams that end after one row each: the prefetchers never lock on, and software
+// hardware prefetchers follow on their own, with NR times the requests in flight of one stream.
+// Adjacent rows (one span of NR rows a pass) are NR streams that end after one row each: the prefetchers never lock on, and software
 // prefetches (which the kernels no longer issue) made up only part of it. Standalone copy
 // (/tmp scratch, 2 threads, the weights evicted by a 64 MB read before each run, means of 10,
 // AMD EPYC here, outputs bitwise the same): the float32 head (50304 x 384) 4.8-4.9 -> 2.9-3.2 ms,
@@ -163,10 +163,7 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, 
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
     __m256i d[4];
     if constexpr (I4) {
-      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row(n) + c / 2));
-        d[n] = dot32_u8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4), xv);
-      }
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) d[n] = dot32_u8(unpack_u4(row(n) + c / 2), xv);
       add(_mm_sub_epi32(totals(d[0], d[NR > 1 ? 1 : 0], d[NR > 1 ? 2 : 0], d[NR > 1 ? 3 : 0]),
                         _mm_set1_epi32(corr[c / 32])));
     } else {
