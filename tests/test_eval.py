@@ -260,9 +260,13 @@ def test_exports_without_scoring_programs_still_evaluate(dirs, gens, tmp_path, s
         assert got.correct == ref.correct and _rel(got.target_ppl, ref.target_ppl) < 1e-6
 
 
-def test_trained_model_beats_untrained_on_real_data(gens, shared_data, dirs, tmp_path):
-    """Full WikiText-2 test and all 5,153 LAMBADA passages, trained vs untrained."""
+def test_trained_model_beats_untrained_on_real_data(shared_data, dirs, tmp_path):
+    """Full WikiText-2 test and all 5,153 LAMBADA passages, trained vs untrained, both through
+    the fused Paddle Inference programs (their scoring equals the unfused programs' and dygraph's:
+    the tests above and test_fused.py; dygraph took 100 of this test's 133 s)."""
     from gpt_compress.checkpoint import build_model, load_model, save_model
+    from gpt_compress.export import export
+    from gpt_compress.inference.fused import FusedBackend
     from gpt_compress.inference.runner import Generator
 
     cfg = load_model(dirs["ckpt"]).config
@@ -270,13 +274,16 @@ def test_trained_model_beats_untrained_on_real_data(gens, shared_data, dirs, tmp
 
     paddle.seed(0)
     untrained_dir = save_model(build_model(cfg), str(tmp_path / "untrained"))
-    untrained = Generator.from_dir(untrained_dir, backend="dygraph", tokenizer=gens["dygraph"].tokenizer)
-    tok = gens["dygraph"].tokenizer
+    trained = Generator.from_dir(dirs["export"], backend="paddle")
+    untrained = Generator.from_dir(export(untrained_dir, str(tmp_path / "untrained_export")), backend="paddle",
+                                   tokenizer=trained.tokenizer)
+    assert isinstance(trained.backend, FusedBackend) and isinstance(untrained.backend, FusedBackend)
+    tok = trained.tokenizer
     wiki = str(shared_data / "wikitext-2" / "wiki.test.raw")
-    w_t = evaluate_wikitext(gens["paddle"], tok, wiki, "raw", seq_len=SEQ, batch_size=32, progress=False)
+    w_t = evaluate_wikitext(trained, tok, wiki, "raw", seq_len=SEQ, batch_size=32, progress=False)
     w_u = evaluate_wikitext(untrained, tok, wiki, "raw", seq_len=SEQ, batch_size=32, progress=False)
     lam = str(shared_data / "lambada_test.jsonl")
-    l_t = evaluate_lambada(gens["paddle"], tok, lam, seq_len=SEQ, batch_size=64, progress=False)
+    l_t = evaluate_lambada(trained, tok, lam, seq_len=SEQ, batch_size=64, progress=False)
     l_u = evaluate_lambada(untrained, tok, lam, seq_len=SEQ, batch_size=64, progress=False)
     assert w_t.num_tokenized_tokens > 300_000 and l_t.num_examples == 5153
     # Stated margins: an untrained model is near uniform (ppl ~ vocab 1024); a Shakespeare model
