@@ -204,6 +204,8 @@ inline __m256i unpack_u4(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
+// The same 32 codes signed (w = c - 8, -8..7).
+inline __m256i unpack_i4(const int8_t* p) { return _mm256_sub_epi8(unpack_u4(p), _mm256_set1_epi8(8)); }
 
 // The total of a dot's 8 int32 lanes, and of four dots (lane j: d_j's), exact in any order.
 inline int32_t total(__m256i d) {
@@ -211,8 +213,12 @@ inline int32_t total(__m256i d) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
+// hadd4: lane j of each 128-bit half holds that half's total of d_j (totals4 adds the halves).
+inline __m256i hadd4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+}
 inline __m128i totals4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
-  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+  const __m256i h = hadd4(d0, d1, d2, d3);
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 

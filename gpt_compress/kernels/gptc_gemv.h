@@ -96,7 +96,7 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, 
   // prod[4 b + j] = sx[b] * sw[j][b]: 4 blocks at a time, a 128-bit 4 x 4 transpose. On the Zen 1
   // here (256-bit ops are two uops) 8-block 256-bit transposes with a scalar tail made a 512 x 384
   // int8 GEMV 17.6 us instead of 16.2 (int4 16.0 vs 14.6; one thread, in L2, medians of 400).
-  if (NR == 4) {
+  if constexpr (NR == 4) {
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
       const __m128 s4 = _mm_loadu_ps(sx + b);
@@ -147,7 +147,7 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, 
       }
       __m128i s0, s1;  // the two steps' totals
       if constexpr (NR == 4) {
-        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        const __m256i h = hadd4(d[0], d[1], d[2], d[3]);  // lanes 0-3 step c's, 4-7 step c + 1's
         s0 = _mm256_castsi256_si128(h), s1 = _mm256_extracti128_si256(h, 1);
       } else {
         s0 = _mm_cvtsi32_si128(total(_mm256_blend_epi32(d[0], _mm256_setzero_si256(), 0xF0)));

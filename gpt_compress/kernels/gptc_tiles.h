@@ -125,7 +125,7 @@ inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int6
     ++b;
   };
   auto weights = [&](int n, int64_t c) {
-    if (I4) return _mm256_sub_epi8(unpack_u4(q[n] + c / 2), _mm256_set1_epi8(8));
+    if (I4) return unpack_i4(q[n] + c / 2);
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[n] + c));
   };
   for (int64_t c = 0; c < K; c += 32) {
@@ -203,8 +203,7 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
   const uint8_t* p = reinterpret_cast<const uint8_t*>(L.wq) + n * (L.k / 2);
   for (int64_t c = 0; c < L.k; c += 32, p += 16) {
 #if defined(__AVX2__)
-    const __m256i u = unpack_u4(reinterpret_cast<const int8_t*>(p));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + c), _mm256_sub_epi8(u, _mm256_set1_epi8(8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + c), unpack_i4(reinterpret_cast<const int8_t*>(p)));
 #else
     for (int j = 0; j < 16; ++j) {
       buf[c + j] = int8_t(int(p[j] & 0xF) - 8);
