@@ -40,6 +40,8 @@ LAYOUTS = {
     "sharding2_stage2": (2, ["Parallel.sharding_degree=2", "Parallel.sharding_stage=2"], 2),
     "sharding2_stage3": (2, ["Parallel.sharding_degree=2", "Parallel.sharding_stage=3"], 2),
     "dp2_mp2": (4, ["Parallel.dp_degree=2", "Parallel.mp_degree=2"], 2),
+    "pp2_mp2": (4, ["Parallel.pp_degree=2", "Parallel.mp_degree=2"], 4),
+    "pp2_dp2": (4, ["Parallel.pp_degree=2", "Parallel.dp_degree=2"], 2),
     "mp2_sequence_parallel": (2, ["Parallel.mp_degree=2", "Parallel.sequence_parallel=true"], 4),
 }
 

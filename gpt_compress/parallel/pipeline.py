@@ -180,11 +180,16 @@ class Pipeline:
         labels = paddle.to_tensor(np.concatenate([b["labels"] for b in parts]).astype(np.int64))
         loss = self.pipe.forward_backward_pipeline((ids, labels), None)  # no loss scaler (fp32)
         if self.cfg.parallel.dp_degree > 1:
+            import paddle.distributed as dist
             from paddle.distributed import fleet
             from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
-            fused_allreduce_gradients([p for p in self._layers.parameters() if not p.stop_gradient],
-                                      fleet.get_hybrid_communicate_group())
+            hcg = fleet.get_hybrid_communicate_group()
+            fused_allreduce_gradients([p for p in self._layers.parameters() if not p.stop_gradient], hcg)
+            # The schedule's loss is this replica's; the step's loss is the mean over the replicas.
+            loss = loss.clone()
+            dist.all_reduce(loss, group=hcg.get_data_parallel_group())
+            loss = loss / self.cfg.parallel.dp_degree
         return float(loss.numpy().reshape(-1)[0])
 
     def _eval(self, ids: np.ndarray, labels: np.ndarray, compute_loss: bool):

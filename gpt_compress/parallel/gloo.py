@@ -1,0 +1,76 @@
+"""gloo subgroups that rendezvous on a store of their own (Paddle 3.3.1 CPU workaround).
+
+``paddle.distributed.new_group`` with the gloo backend calls
+``ProcessGroupGloo::CreateProcessGroupGloo(store, rank, size, gid)``, which connects the group's
+processes twice on the launch's global TCP store: once for its ``GlooCommContext`` under the
+key prefix ``<gid>/`` (the context every collective uses), then again in the
+``ProcessGroupGloo`` constructor (``_context->connectFullMesh(*_store, device)``) with no
+prefix at all. gloo's full-mesh rendezvous stores each member's listening addresses under the
+key ``str(rank in the group)``, so that second rendezvous reads whatever group last wrote
+``"0"``, ``"1"``, ...: the global group's keys, or those of a group created at the same moment
+by other processes (fleet's hybrid topology creates ``[0, 2]`` and ``[1, 3]`` together under
+pp2 x mp2). A process then connects to another group's (or a closed) address and
+``new_group`` fails with "Connection refused" or a gloo TIMEOUT. The store binding has no
+delete and no prefix store, so no creation order avoids the stale keys; the failure is a race
+whenever more than one subgroup exists (``docs/upstream/paddle-gloo-subgroups.md``).
+
+``isolate_gloo_groups()`` routes every gloo ``new_group`` through a TCP store that belongs to
+that group alone: its lowest rank serves it on a free port of its own host and publishes
+``host:port`` in the global store under ``gptc/gloo/<gid>``; the other members connect to it.
+Both rendezvous of the group then see only the group's own keys. The global group
+(``init_parallel_env``) and every collective are Paddle's own, unchanged.
+"""
+from __future__ import annotations
+
+import socket
+
+_STORES: list = []  # the per-group stores live as long as the process (their groups do too)
+_KEY = "gptc/gloo/{gid}"
+_installed = False
+
+
+def _free_port(host: str) -> int:
+    """A TCP port nobody listens on at ``host`` (bound once and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _group_store(default_store, rank: int, world_size: int, gid: int):
+    """A TCP store of the group ``gid`` (this process is its rank ``rank`` of ``world_size``)."""
+    from paddle.base import core
+    from paddle.distributed.collective import _get_global_env
+
+    key = _KEY.format(gid=gid)
+    if rank == 0:
+        host = _get_global_env().current_endpoint.rsplit(":", 1)[0]
+        port = _free_port(host)
+        default_store.set(key, f"{host}:{port}".encode())
+        # Blocks until the group's world_size members have connected.
+        store = core.TCPStore(host, port, True, world_size)
+    else:
+        default_store.wait(key)
+        host, port = bytes(default_store.get(key)).decode().rsplit(":", 1)
+        store = core.TCPStore(host, int(port), False, world_size)
+    _STORES.append(store)
+    return store
+
+
+def isolate_gloo_groups() -> None:
+    """Make each later gloo ``paddle.distributed.new_group`` rendezvous on its own TCP store
+    (module docstring). Idempotent; call before ``fleet.init`` or the first ``new_group``."""
+    global _installed
+    if _installed:
+        return
+    import paddle.distributed.collective as collective
+
+    impl = collective._new_process_group_impl
+
+    def new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, **kwargs):
+        if backend != "gloo" or group_id == 0:
+            return impl(backend, store, rank, world_size, group_name, pg_options, group_id=group_id, **kwargs)
+        own = _group_store(store, rank, world_size, group_id)
+        return impl(backend, own, rank, world_size, group_name, pg_options, group_id=group_id, **kwargs)
+
+    collective._new_process_group_impl = new_process_group_impl
+    _installed = True
