@@ -30,7 +30,7 @@ import paddle.nn as nn
 
 from ..checkpoint import assign_weights, state_dict_numpy
 from ..config import Config
-from .gloo import isolate_gloo_groups
+from .gloo import isolate_gloo_groups, pair_groups
 from .plan import TP_PLAN, rank_config, shard_weights
 
 
@@ -47,6 +47,8 @@ def _init(hybrid: dict, strategy_extra: dict, rng_seed: int, mp: int, route: boo
         if not hasattr(dist.ParallelEnv, "_device_id"):
             dist.ParallelEnv._device_id = 0  # PipelineLayer reads it; a CPU process has no device id
     fleet.init(is_collective=True, strategy=strategy)
+    if not paddle.is_compiled_with_cuda() and hybrid["pp_degree"] > 2:
+        pair_groups(fleet.get_hybrid_communicate_group().topology().get_comm_list("pipe"))
     if mp > 1:
         tracker = fleet.meta_parallel.get_rng_state_tracker()
         if "model_parallel_rng" not in tracker.states_:

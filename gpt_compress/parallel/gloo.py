@@ -74,3 +74,55 @@ def isolate_gloo_groups() -> None:
 
     collective._new_process_group_impl = new_process_group_impl
     _installed = True
+
+
+# ----------------------------------------------------------------- point-to-point on pairs
+# A gloo process group tags every operation with its own running count (``next_tag()``), and a
+# send meets only the receive with the same tag. In a group of more than two processes whose
+# members exchange with different peers (pipeline stages 0-1, 1-2, 2-3: each stage's count runs
+# over both of its neighbours) the counts of two peers drift apart and the send and its
+# receive never meet (a gloo TIMEOUT). Routed through a group of just the two peers, every
+# operation of that group is between them and the counts agree, as they do for pp2 today.
+_PAIRS: dict = {}  # frozenset({rank a, rank b}) -> the two-process group
+_routed = False
+
+
+def pair_groups(rings: list[list[int]]) -> None:
+    """Create a two-process group for each pair of neighbours of each ring in ``rings`` (the
+    pipeline's stage lists, last to first included) and route point-to-point operations
+    between them on any larger group through it. Every process calls it with the same
+    ``rings`` (group ids are handed out in creation order)."""
+    import importlib
+
+    import paddle.distributed as dist
+
+    # The modules (the package's ``send`` / ``recv`` names are the functions).
+    stream_send = importlib.import_module("paddle.distributed.communication.stream.send")
+    stream_recv = importlib.import_module("paddle.distributed.communication.stream.recv")
+
+    for ring in rings:
+        for i, a in enumerate(ring):
+            key = frozenset((a, ring[(i + 1) % len(ring)]))
+            if len(key) == 2 and key not in _PAIRS:
+                _PAIRS[key] = dist.new_group(sorted(key))
+    global _routed
+    if not _routed:
+        stream_send._send_in_dygraph = _on_pair(stream_send._send_in_dygraph)
+        stream_recv._recv_in_dygraph = _on_pair(stream_recv._recv_in_dygraph)
+        _routed = True
+
+
+def _on_pair(p2p):
+    """``p2p(tensor, peer_rank_in_group, group, ...)`` on the pair group of this process and the
+    peer when ``group`` has more than two processes and that pair group exists."""
+    import paddle.distributed as dist
+
+    def routed(tensor, peer_in_group, group, *args):
+        if group is not None and group.nranks > 2:
+            peer = group.ranks[peer_in_group]
+            pair = _PAIRS.get(frozenset((dist.get_rank(), peer)))
+            if pair is not None:
+                return p2p(tensor, pair.ranks.index(peer), pair, *args)
+        return p2p(tensor, peer_in_group, group, *args)
+
+    return routed
