@@ -15,8 +15,9 @@ by ``inference/tensor_parallel.py``). Both use this module:
 
 gloo workarounds (checked with Paddle 3.3.1): every subgroup rendezvous on a TCP store of its own
 (``gloo.isolate_gloo_groups``: Paddle's second, unprefixed rendezvous of a gloo group reads other
-groups' addresses, so fleet's hybrid groups on four processes fail to connect),
-``pp_configs.use_batch_p2p_comm=False`` (gloo
+groups' addresses, so fleet's hybrid groups on four processes fail to connect), with pp > 2 the
+pipeline's point-to-point operations on two-process groups (``gloo.pair_groups``: gloo's
+per-group operation tags drift apart between neighbours), ``pp_configs.use_batch_p2p_comm=False`` (gloo
 refuses "send with sync_op and use_calc_stream"), ``ParallelEnv._device_id`` (``PipelineLayer``
 reads it even on CPU), and fleet's ``_mp_allreduce`` / ``_c_identity`` routed through ordinary
 ``paddle.distributed.all_reduce`` (gloo refuses "all_reduce with ... use_calc_stream").

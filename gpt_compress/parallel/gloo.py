@@ -1,5 +1,7 @@
-"""gloo subgroups that rendezvous on a store of their own (Paddle 3.3.1 CPU workaround).
+"""Two workarounds for Paddle 3.3.1's gloo process groups (CPU), so that fleet's hybrid
+layouts with more than two processes start and train (``docs/upstream/paddle-gloo-subgroups.md``).
 
+**Subgroups rendezvous on a store of their own** (``isolate_gloo_groups``).
 ``paddle.distributed.new_group`` with the gloo backend calls
 ``ProcessGroupGloo::CreateProcessGroupGloo(store, rank, size, gid)``, which connects the group's
 processes twice on the launch's global TCP store: once for its ``GlooCommContext`` under the
@@ -11,14 +13,23 @@ key ``str(rank in the group)``, so that second rendezvous reads whatever group l
 by other processes (fleet's hybrid topology creates ``[0, 2]`` and ``[1, 3]`` together under
 pp2 x mp2). A process then connects to another group's (or a closed) address and
 ``new_group`` fails with "Connection refused" or a gloo TIMEOUT. The store binding has no
-delete and no prefix store, so no creation order avoids the stale keys; the failure is a race
-whenever more than one subgroup exists (``docs/upstream/paddle-gloo-subgroups.md``).
+delete and no prefix store, so no creation order avoids the stale keys. Here every gloo
+``new_group`` gets a TCP store that belongs to that group alone: its lowest rank serves it on
+a free port of its own host and publishes ``host:port`` in the global store under
+``gptc/gloo/<gid>``; the other members connect to it. Both rendezvous of the group then see
+only the group's own keys. ``CreateGlooCommContext`` also records the store it is given as the
+comm-context manager's store; the binding exposes no manager instance to set it back, and the
+group stores stay alive, so that record points at a live store.
 
-``isolate_gloo_groups()`` routes every gloo ``new_group`` through a TCP store that belongs to
-that group alone: its lowest rank serves it on a free port of its own host and publishes
-``host:port`` in the global store under ``gptc/gloo/<gid>``; the other members connect to it.
-Both rendezvous of the group then see only the group's own keys. The global group
-(``init_parallel_env``) and every collective are Paddle's own, unchanged.
+**Point-to-point on two-process groups** (``pair_groups``). A gloo process group tags every
+operation with its own running count (``next_tag()``) and a send meets only the receive with
+the same tag. Where the members of a group of more than two exchange with different peers
+(pipeline stages 0-1, 1-2, 2-3) the counts of two neighbours drift apart and the send and its
+receive never meet (gloo TIMEOUT): pp > 2, and so the interleaved schedule (vpp), never ran on
+gloo. Routed through a group of just the two peers, every operation of that group is between
+them and the counts agree, as they do for pp2.
+
+The global group (``init_parallel_env``), the collectives and fleet's schedules are Paddle's own.
 """
 from __future__ import annotations
 
@@ -77,12 +88,6 @@ def isolate_gloo_groups() -> None:
 
 
 # ----------------------------------------------------------------- point-to-point on pairs
-# A gloo process group tags every operation with its own running count (``next_tag()``), and a
-# send meets only the receive with the same tag. In a group of more than two processes whose
-# members exchange with different peers (pipeline stages 0-1, 1-2, 2-3: each stage's count runs
-# over both of its neighbours) the counts of two peers drift apart and the send and its
-# receive never meet (a gloo TIMEOUT). Routed through a group of just the two peers, every
-# operation of that group is between them and the counts agree, as they do for pp2 today.
 _PAIRS: dict = {}  # frozenset({rank a, rank b}) -> the two-process group
 _routed = False
 
