@@ -149,7 +149,7 @@ def test_layout_matches_single_process(layout, references, parallel_runs):
     _assert_close(_losses(out), reference["losses"], load_weights(_final_checkpoint(out)), reference["weights"])
 
 
-@pytest.mark.parametrize("layout", ["mp2", "pp2", "sharding2_stage2"])
+@pytest.mark.parametrize("layout", ["mp2", "pp2", "sharding2_stage2", "pp2_mp2"])
 def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, tmp_path):
     """Resume the layout's step-5 checkpoint (single-process layout) in the same layout: every
     rank takes its blocks of the weights and (sharded) optimizer moments; steps 6-10 and the final
