@@ -31,5 +31,5 @@ if args.pp > 1:
 else:
     with paddle.no_grad():
         logits = par.gather_numpy(model(par.to_dist(ids)))
-if logits is not None and (args.pp > 1 or dims.is_main):
+if logits is not None and (dims.mp_rank == 0 if args.pp > 1 else dims.is_main):  # one writer
     np.save(args.out, logits)

@@ -13,7 +13,11 @@ by ``inference/tensor_parallel.py``). Both use this module:
   communication, and fleet's ``ColumnParallelLinear`` puts a ``c_identity`` op in exported
   programs, which has no CPU kernel.
 
-gloo workarounds (checked with Paddle 3.3.1): ``pp_configs.use_batch_p2p_comm=False`` (gloo
+gloo workarounds (checked with Paddle 3.3.1): every subgroup rendezvous on a TCP store of its own
+(``gloo.isolate_gloo_groups``: Paddle's second, unprefixed rendezvous of a gloo group reads other
+groups' addresses, so fleet's hybrid groups on four processes fail to connect), with pp > 2 the
+pipeline's point-to-point operations on two-process groups (``gloo.pair_groups``: gloo's
+per-group operation tags drift apart between neighbours), ``pp_configs.use_batch_p2p_comm=False`` (gloo
 refuses "send with sync_op and use_calc_stream"), ``ParallelEnv._device_id`` (``PipelineLayer``
 reads it even on CPU), and fleet's ``_mp_allreduce`` / ``_c_identity`` routed through ordinary
 ``paddle.distributed.all_reduce`` (gloo refuses "all_reduce with ... use_calc_stream").
@@ -27,6 +31,7 @@ import paddle.nn as nn
 
 from ..checkpoint import assign_weights, state_dict_numpy
 from ..config import Config
+from .gloo import isolate_gloo_groups, pair_groups
 from .plan import TP_PLAN, rank_config, shard_weights
 
 
@@ -38,9 +43,13 @@ def _init(hybrid: dict, strategy_extra: dict, rng_seed: int, mp: int, route: boo
     strategy.hybrid_configs = hybrid
     for key, value in strategy_extra.items():
         setattr(strategy, key, value)
-    if not paddle.is_compiled_with_cuda() and not hasattr(dist.ParallelEnv, "_device_id"):
-        dist.ParallelEnv._device_id = 0  # PipelineLayer reads it; a CPU process has no device id
+    if not paddle.is_compiled_with_cuda():
+        isolate_gloo_groups()
+        if not hasattr(dist.ParallelEnv, "_device_id"):
+            dist.ParallelEnv._device_id = 0  # PipelineLayer reads it; a CPU process has no device id
     fleet.init(is_collective=True, strategy=strategy)
+    if not paddle.is_compiled_with_cuda() and hybrid["pp_degree"] > 2:
+        pair_groups(fleet.get_hybrid_communicate_group().topology().get_comm_list("pipe"))
     if mp > 1:
         tracker = fleet.meta_parallel.get_rng_state_tracker()
         if "model_parallel_rng" not in tracker.states_:

@@ -82,6 +82,10 @@ def init_distributed(config: Config) -> ParallelDims:
 
         init_fleet(config)
     else:
+        if device != "gpu":
+            from .gloo import isolate_gloo_groups
+
+            isolate_gloo_groups()  # the auto-parallel engine's mp / dp subgroups
         dist.init_parallel_env()
     return dims
 

@@ -180,20 +180,29 @@ class Pipeline:
         labels = paddle.to_tensor(np.concatenate([b["labels"] for b in parts]).astype(np.int64))
         loss = self.pipe.forward_backward_pipeline((ids, labels), None)  # no loss scaler (fp32)
         if self.cfg.parallel.dp_degree > 1:
+            import paddle.distributed as dist
             from paddle.distributed import fleet
             from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
-            fused_allreduce_gradients([p for p in self._layers.parameters() if not p.stop_gradient],
-                                      fleet.get_hybrid_communicate_group())
+            hcg = fleet.get_hybrid_communicate_group()
+            fused_allreduce_gradients([p for p in self._layers.parameters() if not p.stop_gradient], hcg)
+            # The schedule's loss is this replica's; the step's loss is the mean over the replicas.
+            loss = loss.clone()
+            dist.all_reduce(loss, group=hcg.get_data_parallel_group())
+            loss = loss / self.cfg.parallel.dp_degree
         return float(loss.numpy().reshape(-1)[0])
 
     def _eval(self, ids: np.ndarray, labels: np.ndarray, compute_loss: bool):
-        # The whole batch as one pipeline micro-batch (training sets its own micro-batching).
+        # The whole batch as one pipeline micro-batch (training sets its own micro-batching). The
+        # interleaved schedule (vpp) runs only with >= 2 x pp micro-batches: the batch repeated,
+        # so the mean loss is the batch's and the first micro-batch's outputs are its logits.
+        par = self.cfg.parallel
+        reps = 2 * par.pp_degree if par.virtual_pp_degree > 1 else 1
         saved = self.pipe.accumulate_steps, self.pipe.micro_batch_size
-        self.pipe.accumulate_steps, self.pipe.micro_batch_size = 1, int(ids.shape[0])
+        self.pipe.accumulate_steps, self.pipe.micro_batch_size = reps, int(ids.shape[0])
+        ids, labels = np.concatenate([ids] * reps), np.concatenate([labels] * reps).astype(np.int64)
         try:
-            return self.pipe.eval_batch((paddle.to_tensor(ids), paddle.to_tensor(labels.astype(np.int64))),
-                                        compute_loss=compute_loss)
+            return self.pipe.eval_batch((paddle.to_tensor(ids), paddle.to_tensor(labels)), compute_loss=compute_loss)
         finally:
             self.pipe.accumulate_steps, self.pipe.micro_batch_size = saved
 
@@ -205,13 +214,20 @@ class Pipeline:
 
     @paddle.no_grad()
     def logits(self, input_ids: np.ndarray):
-        """Logits (B, T, V) of the last stage as numpy (None on the other stages)."""
+        """Logits (B, T, V) of the last stage as numpy (None on the other stages); under mp the
+        last stage's ranks join their vocabulary slices (a collective among them)."""
         out = self._eval(input_ids, np.zeros_like(input_ids), compute_loss=False)
         if self.dims.pp_rank != self.cfg.parallel.pp_degree - 1:
             return None
         first = out[0]
-        first = first[0] if isinstance(first, (tuple, list)) else first
-        return first.numpy()
+        first = first[0] if isinstance(first, (tuple, list)) else first  # (B, T, V [/ mp])
+        if self.cfg.parallel.mp_degree == 1:
+            return first.numpy()
+        import paddle.distributed as dist
+
+        parts: list = []
+        dist.all_gather(parts, first, group=mp_group())
+        return np.concatenate([p.numpy() for p in parts], axis=-1)
 
     @paddle.no_grad()
     def clip_grad_norm_(self, parameters, max_norm: float) -> float:
