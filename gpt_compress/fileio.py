@@ -170,6 +170,8 @@ def is_own_output(path: str) -> bool:
 def is_disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` says the device (or the file size limit) ran out: ENOSPC, EDQUOT, EFBIG, or
     a library's error carrying the same text (Paddle reports C++ stream failures that way)."""
+    if isinstance(exc, DiskFullError):  # a file inside the output (its message names the inner path)
+        return True
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return True
     text = str(exc)
@@ -200,8 +202,8 @@ def disk_full(path: str, exc: BaseException, written: int, needed: int = 0) -> D
         free = _mb(shutil.disk_usage(parent).free)
     except OSError:
         free = "unknown"
-    why = "the file size limit was reached" if getattr(exc, "errno", None) == errno.EFBIG else \
-        "no space left on the device"
+    efbig = getattr(exc, "errno", None) == errno.EFBIG or "file size limit" in str(exc) or "File too large" in str(exc)
+    why = "the file size limit was reached" if efbig else "no space left on the device"
     need = f"it needs about {_mb(needed)}" if needed > written else f"it needs more than the {_mb(written)} written"
     kept = "its previous content is intact" if os.path.lexists(path) else "nothing was left there"
     return DiskFullError(f"writing {path} failed, {why}: {need} ({free} free); the partial output was "

@@ -30,6 +30,7 @@ class Terminated(KeyboardInterrupt):
 
 _enabled = False
 _previous = None
+_deferrals: list = []  # the handlers of the active ``deferred()`` blocks, innermost last
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -60,9 +61,10 @@ def disable() -> None:
 
 
 def reassert() -> None:
-    """Install ``Terminated`` for SIGTERM again (after ``import paddle`` replaced it) if enabled."""
+    """Install our SIGTERM handler again (after ``import paddle`` replaced it) if enabled: the
+    innermost ``deferred()`` block's, else ``Terminated``."""
     if _enabled and _main_thread():
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        signal.signal(signal.SIGTERM, _deferrals[-1] if _deferrals else _raise_terminated)
 
 
 def interrupt_signum(exc: BaseException) -> int:
@@ -93,8 +95,10 @@ def deferred() -> Iterator[Deferral]:
     old = {s: signal.getsignal(s) for s in sigs}
     for s in sigs:
         signal.signal(s, d._handle)
+    _deferrals.append(d._handle)
     try:
         yield d
     finally:
+        _deferrals.remove(d._handle)
         for s, h in old.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)

@@ -329,7 +329,7 @@ def test_token_ids_need_no_tokenizer(ws, stream):
     """`gptc init` writes a checkpoint without a tokenizer: token-id prompts still generate, on the
     checkpoint (dygraph) and on its export, streamed or not, greedy and sampled."""
     for cmd, flag, model in (("generate", "--model", ws / "notok"), ("infer", "--model-dir", ws / "export_notok")):
-        for strategy in ("greedy_search", "sampling"):
+        for strategy in ("greedy", "sampling"):
             out = ok(cmd, flag, model, "--prompt-ids", "5,6", *([stream] if stream else []),
                      "-o", "Generation.max_new_tokens=3", "-o", f"Generation.decode_strategy={strategy}")
             result = json.loads(out.strip().splitlines()[-1])["results"][0]
@@ -414,7 +414,8 @@ def test_ctrl_c_during_pretrain_says_what_was_saved_and_how_to_resume(ws, tmp_pa
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("{")]
     assert proc.returncode == 130, err
     assert len(lines) == 1 and "Traceback" not in err, err
-    m = re.match(r"gptc pretrain: error: interrupted at step (\d+) of 100000: the last checkpoint is .*step_\d+; "
+    m = re.match(r"gptc pretrain: error: interrupted \(Ctrl-C\) at step (\d+) of 100000: the last checkpoint is "
+                 r".*step_0*\1; "
                  r"continue with --resume auto", lines[0])
     assert m, lines[0]
     # Resuming with a smaller global batch than the run used cannot continue its data order (max_steps
