@@ -65,6 +65,12 @@ def _host_array(t) -> np.ndarray:
         return t.numpy()
 
 
+def tensor_bytes(tensors: dict) -> int:
+    """Bytes the values of Paddle tensors (or arrays) ``tensors`` take in a safetensors file."""
+    return sum(int(np.prod([int(d) for d in t.shape], dtype=np.int64)) * t.element_size()
+               if not isinstance(t, np.ndarray) else int(t.nbytes) for t in tensors.values())
+
+
 def write_weights(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
     """Write Paddle tensors (or arrays) ``tensors`` to safetensors file ``path`` one tensor at a
     time (``safetensors.numpy.save_file`` needs them all as numpy at once: a second copy of the
@@ -107,7 +113,7 @@ def save_model(model, path: str, tokenizer=None, extra: Optional[dict] = None, o
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    return write_dir_atomic(path, write, overwrite=overwrite)
+    return write_dir_atomic(path, write, overwrite=overwrite, needed=tensor_bytes(model.state_dict()))
 
 
 def load_weights(path: str) -> dict[str, np.ndarray]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # name -> (module under gpt_compress.commands, one-line help)
@@ -89,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if runtime.enabled():  # before any matmul: see runtime.py (GPTC_TUNE_CPU=0 turns it off)
         runtime.tune_cpu()
+    from . import locks, signals
     from .errors import ConfigError, GptcError
 
+    signals.enable()  # SIGTERM (a scheduler stopping the job) is handled as Ctrl-C
     try:
         code = module.run(args)
     except GptcError as e:
@@ -98,10 +101,15 @@ def main(argv: list[str] | None = None) -> None:
         message = " ".join(str(e).split())  # one line, whatever the message holds
         print(f"gptc {name}: {kind}: {message}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print(f"gptc {name}: interrupted (Ctrl-C); outputs are written atomically, so nothing "
+    except KeyboardInterrupt as e:
+        signum = signals.interrupt_signum(e)
+        how = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"gptc {name}: interrupted ({how}); outputs are written atomically, so nothing "
               "half-written was left", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + signum)
+    finally:
+        locks.release_all()
+        signals.disable()
     sys.exit(code or 0)
 
 

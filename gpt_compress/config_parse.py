@@ -126,6 +126,10 @@ def load_yaml(path: str) -> dict:
             raw = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not a YAML text file (byte {e.start} is not UTF-8)") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -40,6 +40,15 @@ class OutputError(GptcError, ValueError):
     or one of its own outputs without ``--overwrite``. Nothing is touched."""
 
 
+class DiskFullError(OutputError):
+    """The device filled while an output was being written; the partial output was removed and
+    whatever the path held before is intact."""
+
+
+class OutputLocked(OutputError):
+    """Another gpt-compress process is writing the same output (its lock file names the pid)."""
+
+
 class ModelDirError(GptcError, RuntimeError):
     """An exported model directory is missing, incomplete, corrupt or from a newer exporter."""
 
@@ -53,9 +62,14 @@ class PipelineError(GptcError, RuntimeError):
 
 
 class Interrupted(GptcError):
-    """Ctrl-C: the message says what was saved and how to resume."""
+    """Ctrl-C or SIGTERM: the message says what was saved and how to resume. The exit code is
+    128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell reports it."""
 
     exit_code = 130
+
+    def __init__(self, message: str, signum: int = 2):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 class TrainingDiverged(GptcError, RuntimeError):

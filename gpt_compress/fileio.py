@@ -10,6 +10,12 @@ a reader sees the old file or the new one, never half of one.
 * ``write_text_atomic`` / ``write_json_atomic``: one-call forms of it.
 * ``write_dir_atomic(path, fill)``: ``fill(tmpdir)`` writes the files, ``checksums.json``
   (sha256 of every file, ``CHECKSUMS``) is added, then the directory is renamed into place.
+* ``check_output_path(path, kind, ...)``: the same for every kind of output a command names: a
+  directory it writes whole (``check_output``), a run directory (checkpoints and logs collect in
+  it), a file; no path below an existing file.
+* A device that fills while ``write_dir_atomic`` or ``atomic_file`` writes raises
+  ``DiskFullError`` (one line: the path, the space needed, the space free); the temporary is
+  removed and the previous content of the path is intact.
 * ``check_output(path, overwrite)``: the output guard. An existing ``path`` is replaced only if
   it is a directory gpt-compress wrote (``is_own_output``: its ``checksums.json`` lists every
   file in it) and ``overwrite`` is set; a file, a symlink, the current directory or a foreign
@@ -22,6 +28,7 @@ Written files and directories get the modes the umask gives (not mkstemp's 0600/
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -31,7 +38,7 @@ import tempfile
 import time
 from typing import Callable, Iterator, Optional
 
-from .errors import CheckpointError, OutputError
+from .errors import CheckpointError, DiskFullError, OutputError
 
 CHECKSUMS = "checksums.json"
 CHUNK = 1 << 22  # 4 MiB reads: hashing a 500 MB weight file stays in bounded memory
@@ -62,9 +69,12 @@ def atomic_file(path: str, mode: str = "w", encoding: Optional[str] = "utf-8",
             os.fsync(f.fileno())
         normal_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if is_disk_full(e):
+            raise disk_full(path, e, written) from None
         raise
 
 
@@ -157,6 +167,85 @@ def is_own_output(path: str) -> bool:
     return True
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device (or the file size limit) ran out: ENOSPC, EDQUOT, EFBIG, or
+    a library's error carrying the same text (Paddle reports C++ stream failures that way)."""
+    if isinstance(exc, DiskFullError):  # a file inside the output (its message names the inner path)
+        return True
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "File too large" in text or "Disk quota exceeded" in text
+
+
+def _size(path: str) -> int:
+    """Bytes in file or directory ``path`` (0 if it is gone)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _, files in os.walk(path):
+        for n in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(root, n))
+    return total
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def disk_full(path: str, exc: BaseException, written: int, needed: int = 0) -> DiskFullError:
+    """The one-line ``DiskFullError`` for output ``path``: what it needs (``needed`` bytes when
+    known, else more than the ``written`` bytes that fit), what is free, what was kept."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        free = _mb(shutil.disk_usage(parent).free)
+    except OSError:
+        free = "unknown"
+    efbig = getattr(exc, "errno", None) == errno.EFBIG or "file size limit" in str(exc) or "File too large" in str(exc)
+    why = "the file size limit was reached" if efbig else "no space left on the device"
+    need = f"it needs about {_mb(needed)}" if needed > written else f"it needs more than the {_mb(written)} written"
+    kept = "its previous content is intact" if os.path.lexists(path) else "nothing was left there"
+    return DiskFullError(f"writing {path} failed, {why}: {need} ({free} free); the partial output was "
+                         f"removed and {kept}. Free space (or choose another directory) and run again")
+
+
+def nearest_existing(path: str) -> str:
+    """``path`` or its closest ancestor that exists."""
+    path = os.path.abspath(os.fspath(path))
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def check_output_path(path: str, kind: str, flag: str, overwrite: bool = False) -> None:
+    """Raise ``OutputError`` unless output ``path`` of ``kind`` may be written; ``flag`` names it
+    for the user. Kinds: ``"dir"`` (a directory written whole: ``check_output``), ``"run"`` (a
+    run directory, which may exist and fill up: not a file), ``"file"`` (not a directory; an
+    existing file only with ``overwrite``). No kind may lie below an existing file."""
+    path = os.path.abspath(os.fspath(path))
+    above = nearest_existing(os.path.dirname(path))
+    if not os.path.isdir(above):
+        raise OutputError(f"{flag} {path}: {above} is a file, not a directory; choose another path")
+    if kind == "dir":
+        check_output(path, overwrite, flag)
+    elif kind == "run":
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise OutputError(f"{flag} {path} is an existing file; it must name a directory (a new one, or "
+                              "this run's earlier output)")
+    elif kind == "file":
+        if os.path.isdir(path):
+            raise OutputError(f"{flag} {path} is an existing directory; it must name a file")
+        if os.path.lexists(path) and not overwrite:
+            raise OutputError(f"{flag} {path} already exists; refusing to replace it (pass --overwrite, or "
+                              "choose a new name)")
+    else:
+        raise ValueError(f"unknown output kind {kind!r}")
+
+
 def check_output(path: str, overwrite: bool = False, flag: str = "--output") -> None:
     """Raise ``OutputError`` unless directory ``path`` may be written: it does not exist, is an
     empty directory, or is a gpt-compress output (``is_own_output``) and ``overwrite`` is set."""
@@ -217,11 +306,17 @@ def clean_stale_temps(path: str, max_age: float = 3600.0) -> list[str]:
     return removed
 
 
-def write_dir_atomic(path: str, fill: Callable[[str], None], checksums: bool = True, overwrite: bool = False) -> str:
+def write_dir_atomic(path: str, fill: Callable[[str], None], checksums: bool = True, overwrite: bool = False,
+                     needed: int = 0) -> str:
     """Create directory ``path`` atomically: ``fill(tmpdir)`` writes its files in a temporary
     sibling, ``CHECKSUMS`` is added (unless ``checksums=False``), then the sibling is renamed into
     place. An existing ``path`` is replaced only as ``check_output`` allows (checked before
-    ``fill`` and again before the rename). Returns the absolute path."""
+    ``fill`` and again before the rename). A full device raises ``DiskFullError`` (``needed``:
+    the bytes ``fill`` writes, when the caller knows them). SIGTERM while writing stops it like
+    Ctrl-C (``signals``). Returns the absolute path."""
+    from . import signals
+
+    signals.reassert()
     path = os.path.abspath(os.fspath(path))
     check_output(path, overwrite)
     parent = os.path.dirname(path)
@@ -244,7 +339,10 @@ def write_dir_atomic(path: str, fill: Callable[[str], None], checksums: bool = T
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full(path, e, written, needed) from None
         raise
     return path

@@ -57,6 +57,23 @@ class FinetuneConfig:
         for key in ("epochs", "eval_holdout", "max_train_examples", "eval_generate", "log_generations", "prompt_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"Finetune.{key} must be >= 0, got {getattr(self, key)}")
+        _check_template(self.prompt_template)
+
+
+def _check_template(template: str) -> None:
+    """Refuse a ``Finetune.prompt_template`` that ``str.format(**row)`` cannot apply: a brace left
+    open or unmatched (``{title``), or a field without a name (``{}``, ``{0}``)."""
+    import string
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ConfigError(f"Finetune.prompt_template {template!r} is not a valid template ({e}); write fields "
+                          "as {name} and a literal brace as {{ or }}") from None
+    for f in fields:
+        if not f or f.isdigit():
+            raise ConfigError(f"Finetune.prompt_template {template!r}: every field needs the name of a row "
+                              f"field, like {{title}}, not {{{f}}}")
 
 
 @dataclass

@@ -25,7 +25,7 @@ FINETUNE_STEPS="${FINETUNE_STEPS:-600}"
 TITLE="${TITLE:-《春望》杜甫}"
 CONF=configs/finetune_poetry.yaml
 "$PY" -m gpt_compress train-tokenizer --input "$DATA/chinese_fortunes.jsonl" --vocab-size 8192 --split-cjk \
-    --output-dir "$OUT/tokenizer"
+    --output-dir "$OUT/tokenizer" --overwrite
 "$PY" -m gpt_compress preprocess --input "$DATA/chinese_fortunes.jsonl" --output-prefix "$OUT/fortunes" \
     --tokenizer-dir "$OUT/tokenizer"
 "$PY" -m gpt_compress pretrain -c "$CONF" -o "Global.output_dir=$OUT/pretrain" -o Engine.resume=auto \

@@ -159,6 +159,8 @@ def ws(tmp_path_factory) -> Path:
     ok("init", *tiny, "--head", "cls", "--output", ws / "cls")
     ok("init", "-o", "Model.preset=gpt-tiny", "--output", ws / "notok")
     ok("export", "--model", ws / "ckpt", "--output", ws / "export", "--format", "paddle", "--no-validate")
+    ok("export", "--model", ws / "notok", "--output", ws / "export_notok", "--format", "paddle", "--no-validate",
+       "--no-fused")
     ok("convert", "--to-hf", ws / "ckpt", "--output", ws / "hf")
     paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
     (ws / "austen.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs), encoding="utf-8")
@@ -166,6 +168,13 @@ def ws(tmp_path_factory) -> Path:
        "--tokenizer-dir", ws / "tok")
     (ws / "notes").mkdir()
     (ws / "notes" / "notes.txt").write_text("precious\n")
+    # Run directories holding earlier (or foreign) outputs of finetune and ptq.
+    (ws / "ftdone").mkdir()
+    (ws / "ftdone" / "finetune_eval.json").write_text("{}\n")
+    (ws / "ftmodel").mkdir()
+    shutil.copytree(ws / "notok", ws / "ftmodel" / "model")
+    shutil.copytree(ws / "notes", ws / "ftforeign" / "model")
+    shutil.copytree(ws / "notes", ws / "ptqforeign" / "int8")
     (ws / "bin.dat").write_bytes(bytes(range(256)) * 64)
     (ws / "empty.txt").write_text("")
     (ws / "bad.yaml").write_text("Model: [unclosed\n")
@@ -206,8 +215,14 @@ def ws(tmp_path_factory) -> Path:
 
 # The cases: tests/bad_inputs.tsv (id, argv with "{ws}" for the workspace, a regex the one error
 # line must match), one a line, grouped by what they try.
-CASES = [tuple(line.split("\t")) for line in (Path(__file__).parent / "bad_inputs.tsv").read_text("utf-8").splitlines()
-         if line.strip() and not line.startswith("#")]
+ROWS = [tuple(line.split("\t")) for line in (Path(__file__).parent / "bad_inputs.tsv").read_text("utf-8").splitlines()
+        if line.strip() and not line.startswith("#")]
+# A command that takes token ids takes them from a model without a tokenizer too (`gptc init`
+# writes one): every such row runs again on the checkpoint and the export that have none.
+TWINS = {"{ws}/ckpt ": "{ws}/notok ", "{ws}/export ": "{ws}/export_notok "}
+CASES = ROWS + [(f"{name}[no-tokenizer]", (template + " ").replace(a, b).strip(), needle)
+                for name, template, needle in ROWS if "--prompt-ids" in template
+                for a, b in TWINS.items() if a in template + " "]
 
 
 def _argv(template: str, ws: Path) -> list[str]:
@@ -237,6 +252,7 @@ def test_table_covers_every_command():
     # demo runs an embedded default (no user input to get wrong); infer-tp needs a partition.
     assert set(COMMANDS) - tried <= {"demo", "infer-tp", "quant-sensitivity"}, set(COMMANDS) - tried
     assert len(CASES) >= 60
+    assert sum(c[0].endswith("[no-tokenizer]") for c in CASES) >= 20  # every token-id row, on both kinds
 
 
 # --------------------------------------------------------------------------------------
@@ -306,6 +322,18 @@ def test_generate_streams_a_token_id_prompt(ws):
     out = ok("generate", "--model", ws / "ckpt", "--prompt-ids", "5,6", "-o", "Generation.max_new_tokens=3")
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["results"][0]["prompt_tokens"] == 2 and len(summary["results"][0]["new_tokens"]) == 3
+
+
+@pytest.mark.parametrize("stream", ["--no-stream", None])
+def test_token_ids_need_no_tokenizer(ws, stream):
+    """`gptc init` writes a checkpoint without a tokenizer: token-id prompts still generate, on the
+    checkpoint (dygraph) and on its export, streamed or not, greedy and sampled."""
+    for cmd, flag, model in (("generate", "--model", ws / "notok"), ("infer", "--model-dir", ws / "export_notok")):
+        for strategy in ("greedy", "sampling"):
+            out = ok(cmd, flag, model, "--prompt-ids", "5,6", *([stream] if stream else []),
+                     "-o", "Generation.max_new_tokens=3", "-o", f"Generation.decode_strategy={strategy}")
+            result = json.loads(out.strip().splitlines()[-1])["results"][0]
+            assert result["prompt_tokens"] == 2 and len(result["new_tokens"]) == 3 and "text" not in result
 
 
 # --------------------------------------------------------------------------------------
@@ -386,7 +414,8 @@ def test_ctrl_c_during_pretrain_says_what_was_saved_and_how_to_resume(ws, tmp_pa
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("{")]
     assert proc.returncode == 130, err
     assert len(lines) == 1 and "Traceback" not in err, err
-    m = re.match(r"gptc pretrain: error: interrupted at step (\d+) of 100000: the last checkpoint is .*step_\d+; "
+    m = re.match(r"gptc pretrain: error: interrupted \(Ctrl-C\) at step (\d+) of 100000: the last checkpoint is "
+                 r".*step_0*\1; "
                  r"continue with --resume auto", lines[0])
     assert m, lines[0]
     # Resuming with a smaller global batch than the run used cannot continue its data order (max_steps

@@ -1,6 +1,7 @@
 """Helpers shared by command modules: config loading, seeding, tokenizer lookup."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -11,7 +12,8 @@ from ..cli import add_config_arguments
 from ..config import SECTIONS, Config, ConfigError, load_config
 
 __all__ = ["add_config_arguments", "add_training_arguments", "config_from_args", "seed_everything",
-           "find_tokenizer", "print_json", "lm_batches", "add_overwrite_argument", "check_output_arg"]
+           "find_tokenizer", "print_json", "lm_batches", "add_overwrite_argument", "check_output_arg", "Output",
+           "claim_outputs"]
 
 
 def add_training_arguments(parser) -> None:
@@ -80,17 +82,57 @@ def add_overwrite_argument(parser) -> None:
                              "directories are never replaced)")
 
 
-def check_output_arg(args, *inputs: str) -> None:
-    """Refuse ``args.output`` before any work: it may not be one of ``inputs``, a file, a foreign
-    directory, or an earlier output without --overwrite (``checkpoint.check_output``)."""
-    from ..fileio import check_output
-    from ..errors import OutputError
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """An output path a command writes, as the user named it (``flag``: "--output",
+    "Global.output_dir", ...). ``kind`` (``fileio.check_output_path``): "dir" (a directory
+    written whole: a new one, or an earlier gpt-compress output with ``overwrite``), "run" (a run
+    directory: checkpoints and logs collect in it, a rerun continues it), "file". ``lock``: no
+    other gpt-compress process may write it at the same time (``locks``)."""
 
-    out = os.path.abspath(args.output)
-    for src in inputs:
-        if src and os.path.abspath(src) == out:
-            raise OutputError(f"--output {args.output} is the input {src}; choose a different directory")
-    check_output(out, getattr(args, "overwrite", False))
+    flag: str
+    path: str
+    kind: str = "dir"
+    overwrite: bool = False
+    lock: bool = True
+
+
+def claim_outputs(*outputs: Output, inputs: tuple = ()) -> None:
+    """Check every output of a command before any work starts, then lock those with ``lock``:
+    refused (``OutputError``, nothing touched) when one is an input, lies below a file, is a file
+    where a directory is meant (or the reverse), is a foreign or earlier output without
+    --overwrite, or another gpt-compress run is writing it (``OutputLocked``, naming its pid).
+    The locks last until the command ends (``cli.main``)."""
+    from .. import locks
+    from ..errors import OutputError
+    from ..fileio import check_output_path
+
+    for o in outputs:
+        out = os.path.abspath(o.path)
+        for src in inputs:
+            if src and os.path.abspath(src) == out:
+                raise OutputError(f"{o.flag} {o.path} is the input {src}; choose a different directory")
+        check_output_path(out, o.kind, o.flag, o.overwrite)
+    for o in outputs:
+        if o.lock:
+            locks.hold(o.path, o.flag)
+
+
+def check_output_arg(args, *inputs: str) -> None:
+    """``claim_outputs`` for the ``--output`` directory of ``args`` (with its ``--overwrite``):
+    not one of ``inputs``, a file, a foreign directory, or an earlier output without --overwrite."""
+    claim_outputs(Output("--output", args.output, "dir", getattr(args, "overwrite", False)), inputs=inputs)
+
+
+def claim_run_dir(cfg: Config, *more: Output) -> None:
+    """``claim_outputs`` for a training command: ``Global.output_dir`` (a run directory, locked)
+    and ``more``. A rank of a launched multi-process job other than 0 checks and locks nothing
+    (rank 0 does, for the whole job)."""
+    from ..parallel.launch import launched_world
+
+    rank, _ = launched_world()
+    if rank == 0:
+        claim_outputs(Output("Global.output_dir", cfg.global_.output_dir, "run"), *more)
 
 
 def fail(message: str, code: int = 1) -> int:

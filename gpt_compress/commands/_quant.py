@@ -13,7 +13,8 @@ from typing import Optional
 import numpy as np
 
 from ..fileio import write_json_atomic
-from ._common import add_config_arguments, config_from_args, find_tokenizer, lm_batches, print_json, seed_everything
+from ._common import (Output, add_config_arguments, claim_run_dir, config_from_args, find_tokenizer, lm_batches,
+                      print_json, seed_everything)
 
 
 def add_quant_arguments(parser, export: bool = True) -> None:
@@ -55,6 +56,9 @@ def prepare(args, cfg):
     if sized is not None:
         check_fits("ptq", sized, what=src)
     model = load_model(src)
+    from ..qat.quantize import checked_plan
+
+    checked_plan(model, cfg.quant)  # a selection that quantizes nothing is refused before any work
     cfg.model = model.config
     tokenizer = find_tokenizer(cfg.data.tokenizer_dir, src)
     train, valid = lm_batches(cfg, cfg.engine.max_steps * cfg.engine.global_batch_size, [model.config])
@@ -78,6 +82,12 @@ class QuantRun:
 def start(args, command: str, dropout_off: bool = False) -> QuantRun:
     """Load config, checkpoint and data, and evaluate the input model (the baseline of every delta)."""
     cfg = config_from_args(args)
+    out = cfg.global_.output_dir
+    # This run's own earlier outputs are replaced; a file or a foreign directory there is refused
+    # now, not after calibration or training.
+    claim_run_dir(cfg, Output("Global.output_dir", os.path.join(out, "quantized"), "dir", True, lock=False),
+                  Output("Global.output_dir", os.path.join(out, "int8"), "dir", True, lock=False),
+                  Output("Global.output_dir", os.path.join(out, "quant_report.json"), "file", True, lock=False))
     seed_everything(cfg.global_.seed)
     src, model, tokenizer, train, valid = prepare(args, cfg)
     if dropout_off:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from ._common import (add_config_arguments, add_training_arguments, config_from_args, fail,
+from ._common import (add_config_arguments, add_training_arguments, claim_run_dir, config_from_args, fail,
                       find_tokenizer, lm_batches, print_json, seed_everything)
 
 
@@ -30,6 +30,7 @@ def run(args) -> int:
     dc, eng = cfg.distill, cfg.engine
     if not dc.teacher:
         raise ConfigError("Distill.teacher is empty: pass the teacher checkpoint, -o Distill.teacher=DIR")
+    claim_run_dir(cfg)
     seed_everything(cfg.global_.seed)
     teacher = load_model(dc.teacher)
     student = load_model(dc.student) if dc.student else build_model(cfg.model, "lm")

@@ -6,7 +6,7 @@ import os
 import time
 
 from ..fileio import write_json_atomic
-from ._common import check_text_file, fail, print_json
+from ._common import Output, check_text_file, claim_outputs, fail, print_json
 
 
 def add_arguments(parser) -> None:
@@ -35,6 +35,8 @@ def run(args) -> int:
     from ..inference.runner import Generator
 
     check_text_file(args.data, "--data")
+    if args.output:  # checked now, not after the whole evaluation; a result file there is replaced
+        claim_outputs(Output("--output", args.output, "file", overwrite=True))
     for flag, value, low in (("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 0),
                              ("--stride", args.stride, 0), ("--limit", args.limit, 0)):
         if value < low:
@@ -82,7 +84,7 @@ def run(args) -> int:
     out.update(task=args.task, data=os.path.abspath(args.data), model=os.path.abspath(args.model),
                backend=backend, seconds=round(time.perf_counter() - t0, 2))
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # claim_outputs: no file above
         write_json_atomic(args.output, out, sort_keys=False)
     print_json(out)
     return 0

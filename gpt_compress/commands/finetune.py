@@ -17,7 +17,8 @@ import math
 import os
 import sys
 
-from ._common import add_config_arguments, add_training_arguments, print_json, seed_everything, training_config
+from ._common import (Output, add_config_arguments, add_overwrite_argument, add_training_arguments, claim_run_dir,
+                      print_json, seed_everything, training_config)
 
 
 def add_arguments(parser) -> None:
@@ -25,6 +26,7 @@ def add_arguments(parser) -> None:
     add_training_arguments(parser)
     parser.add_argument("--model", required=True,
                         help="pretrained gpt-compress checkpoint or Hugging Face GPT-2 directory")
+    add_overwrite_argument(parser)  # model/, lora_adapter/ and finetune_eval.json of an earlier run
 
 
 def load_base(path: str):
@@ -53,6 +55,9 @@ def run(args) -> int:
 
     cfg = training_config(args, "Finetune.train_file", "point it at a JSONL file of prompt/response (src/tgt) or text rows")
     fc, eng = cfg.finetune, cfg.engine
+    out = cfg.global_.output_dir
+    claim_run_dir(cfg, *(Output("Global.output_dir", os.path.join(out, name), kind, args.overwrite, lock=False)
+                         for name, kind in (("model", "dir"), ("lora_adapter", "dir"), ("finetune_eval.json", "file"))))
     seed = cfg.global_.seed
     seed_everything(seed)
     model = load_base(args.model)
@@ -103,15 +108,16 @@ def run(args) -> int:
                  eval_batches=(lambda: itertools.islice(eval_all(), eng.eval_iters)) if eval_plan else None,
                  tokenizer=tok, samples_per_micro_batch=micro, tokens_per_sample=seq,
                  show_progress=not args.no_progress)
-    out = cfg.global_.output_dir
     summary.update(steps=result.steps, last_loss=result.last_loss, checkpoint=result.checkpoint,
                    tokens_per_s=round(result.tokens_per_s, 1))
     if fc.lora.enabled:
-        summary["adapter"] = save_adapters(model, os.path.join(out, "lora_adapter"), base=os.path.abspath(args.model))
+        summary["adapter"] = save_adapters(model, os.path.join(out, "lora_adapter"), base=os.path.abspath(args.model),
+                                           overwrite=args.overwrite)
         merge_lora(model)
     # The prompt formatting travels with the model: text prompts get it at generation (finetune/data.py).
     summary["model"] = save_model(model, os.path.join(out, "model"), tokenizer=tok,
-                                  extra={"prompt_tokens": fc.prompt_tokens} if fc.prompt_tokens else None)
+                                  extra={"prompt_tokens": fc.prompt_tokens} if fc.prompt_tokens else None,
+                                  overwrite=args.overwrite)
     if eval_plan is not None:
         summary["eval_after"] = response_perplexity(model, eval_all())
         summary["generation"] = _generation_eval(model, tok, cfg, eval_rows, result.steps, out,

@@ -1,12 +1,12 @@
 """`gptc finetune-glue`: finetune a pretrained GPT's classification head on a GLUE task."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
-from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, print_json, seed_everything
+from ..fileio import write_json_atomic
+from ._common import Output, add_config_arguments, claim_run_dir, config_from_args, fail, find_tokenizer, print_json, seed_everything
 
 
 def add_arguments(parser) -> None:
@@ -31,6 +31,8 @@ def run(args) -> int:
     cfg = config_from_args(args)
     spec = task_spec(args.task)
     regression = spec.labels is None
+    claim_run_dir(cfg, Output("Global.output_dir", os.path.join(cfg.global_.output_dir, f"glue_{spec.name}.json"),
+                              "file", overwrite=True, lock=False))
     seed_everything(cfg.global_.seed)
     if not os.path.isdir(args.model):
         from ..checkpoint import CheckpointError
@@ -83,7 +85,6 @@ def run(args) -> int:
         results.append(GlueResult(spec.name, dev_file, len(dev), metrics, result.steps, result.checkpoint).__dict__)
     out = os.path.join(cfg.global_.output_dir, f"glue_{spec.name}.json")
     os.makedirs(cfg.global_.output_dir, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
+    write_json_atomic(out, results, sort_keys=False)
     print_json({"results": results, "output": out})
     return 0

@@ -47,11 +47,13 @@ def read_prompts_jsonl(path: str) -> list[str]:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
-    """``"464,3290"`` -> ``[464, 3290]``; the error names the bad item."""
+    """``"464,3290"`` -> ``[464, 3290]``; the error names the bad item (an empty one too: ``1,,2``
+    is a typo, not the prompt ``1,2``)."""
     ids = []
-    for item in text.split(","):
+    for n, item in enumerate(text.split(","), 1):
         if not item.strip():
-            continue
+            raise InputError(f"--prompt-ids {text!r}: item {n} is empty; give comma-separated token ids "
+                             "like 464,3290")
         try:
             ids.append(int(item))
         except ValueError:
@@ -81,7 +83,9 @@ def run(args) -> int:
     if fixed:
         print(f"generate: text prompts fixed to {fixed} tokens as in finetuning (config.json prompt_tokens)",
               file=sys.stderr)
-    prompts = encode_prompts(tok, texts, fixed) + [parse_prompt_ids(p) for p in args.prompt_ids]
+    prompts = [parse_prompt_ids(p) for p in args.prompt_ids]  # checked before the text is encoded
+    if texts:  # a checkpoint without a tokenizer (`gptc init` writes one) still takes token ids
+        prompts = encode_prompts(tok, texts, fixed) + prompts
     if not prompts:
         return fail("give --prompt, --prompt-ids or --input-file")
     limit = model.config.max_position_embeddings

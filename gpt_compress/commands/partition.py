@@ -1,7 +1,7 @@
 """`gptc partition`: export a checkpoint as tensor-parallel rank programs (one directory per rank)."""
 from __future__ import annotations
 
-from ._common import add_overwrite_argument, check_output_arg, print_json
+from ._common import Output, add_overwrite_argument, claim_outputs, print_json
 
 
 def add_arguments(parser) -> None:
@@ -20,7 +20,9 @@ def run(args) -> int:
 
     _, world = launched_world()
     if world == 1:  # started by the user: launch one process per rank, which land in the branch below
-        check_output_arg(args, args.model)
+        claim_outputs(Output("--output", args.output, "dir", args.overwrite),
+                      Output("--log-dir", args.log_dir or args.output.rstrip("/") + ".logs", "run", lock=False),
+                      inputs=(args.model,))
         out = partition(args.model, args.output, args.mp_degree, validate=not args.no_validate, log_dir=args.log_dir,
                         overwrite=args.overwrite)
         print_json({"output": out, "mp_degree": args.mp_degree, "validated": not args.no_validate})

@@ -2,7 +2,7 @@
 export -> evaluate -> report. Finished stages are skipped; `--stage NAME` runs one alone."""
 from __future__ import annotations
 
-from ._common import add_config_arguments, config_from_args, fail, print_json
+from ._common import Output, add_config_arguments, claim_outputs, config_from_args, fail, print_json
 
 
 def add_arguments(parser) -> None:
@@ -19,6 +19,8 @@ def run(args) -> int:
     from ..pipeline import Pipeline, PipelineError
 
     cfg = config_from_args(args)
+    # --status only reads; a run locks the directory (its stages lock their own outputs in it).
+    claim_outputs(Output("Global.output_dir", cfg.global_.output_dir, "run", lock=not args.status))
     pipe = Pipeline(cfg, progress=args.progress)
     try:
         if args.status:

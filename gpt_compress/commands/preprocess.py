@@ -58,9 +58,11 @@ def run(args: argparse.Namespace) -> int:
                              append_eod=args.append_eod, workers=args.workers,
                              skip_bad_lines=args.skip_bad_lines, log_every=args.log_every,
                              split_paragraphs=args.split_paragraphs)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (signals.Terminated)
+        from ..signals import interrupt_signum
+
         print("gptc preprocess: interrupted; no output was written", file=sys.stderr)
-        return 130
+        return 128 + interrupt_signum(e)
     if summary["skipped_lines"]:
         print(f"gptc preprocess: skipped {summary['skipped_lines']} bad line(s), e.g. "
               f"{summary['skipped_examples'][0]}", file=sys.stderr)

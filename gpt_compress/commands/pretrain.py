@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from ._common import (add_config_arguments, add_training_arguments, fail, find_tokenizer, print_json,
+from ._common import (add_config_arguments, add_training_arguments, claim_run_dir, fail, find_tokenizer, print_json,
                       seed_everything, training_config)
 
 
@@ -23,6 +23,7 @@ def run(args) -> int:
 
     cfg = training_config(args, "Data.data_prefix", "point it at a preprocessed dataset prefix (see `gptc preprocess`)")
     eng, data = cfg.engine, cfg.data
+    claim_run_dir(cfg)
     from ..memory import check_fits, model_config_of
 
     sized = (eng.init_from and model_config_of(eng.init_from)) or cfg.model

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 
-from ._common import config_from_args, fail, print_json, seed_everything
+from ._common import claim_run_dir, config_from_args, fail, print_json, seed_everything
 from ._quant import add_quant_arguments, calibration_batches, prepare
 
 
@@ -36,6 +36,7 @@ def run(args) -> int:
     from ..train.trainer import evaluate
 
     cfg = config_from_args(args)
+    claim_run_dir(cfg)
     seed_everything(cfg.global_.seed)
     src, model, _, train_batches, eval_batches = prepare(args, cfg)
     if eval_batches is None:

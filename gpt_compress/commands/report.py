@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import fail, print_json
+from ._common import Output, claim_outputs, fail, print_json
 
 
 def add_arguments(parser) -> None:
@@ -31,8 +31,7 @@ def _pairs(items, what):
 def run(args) -> int:
     from ..eval.report import load_rows, write_report
 
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        fail(f"--output {args.output} is an existing file; the report needs a directory")
+    claim_outputs(Output("--output", args.output, "run"))  # report.md, results.json, *.png: replaced
     try:
         logs = _pairs(args.train_log, "--train-log")
         names = _pairs(args.name, "--name")

@@ -77,6 +77,12 @@ def run(args) -> int:
     cfg = config_from_args(args).serve
     changes = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
     cfg = dataclasses.replace(cfg, **changes)  # __post_init__ checks the result
+    if os.path.isfile(os.path.join(args.model_dir, "config.json")) and \
+            not os.path.isfile(os.path.join(args.model_dir, "manifest.json")):
+        from ..errors import ModelDirError
+
+        raise ModelDirError(f"--model-dir {args.model_dir} is a training checkpoint; `gptc serve` serves exported "
+                            f"models: make one with `gptc export --model {args.model_dir} --output DIR`")
     manifest = read_manifest(args.model_dir)  # a wrong directory fails now, with the usual message
     name = cfg.model_name or os.path.basename(manifest.path.rstrip(os.sep))
     api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""

@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..data.errors import DataError
-from ._common import check_text_file
+from ._common import Output, add_overwrite_argument, check_text_file, claim_outputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, required=True,
                         help="final vocabulary size, 256 byte tokens and <|endoftext|> included")
     parser.add_argument("--output-dir", required=True,
-                        help="writes tokenizer.json, vocab.json and merges.txt here")
+                        help="writes tokenizer.json, vocab.json and merges.txt here (a new directory; an earlier "
+                             "tokenizer of train-tokenizer only with --overwrite)")
+    add_overwrite_argument(parser)
     parser.add_argument("--min-frequency", type=int, default=2,
                         help="a pair must occur this often to be merged")
     parser.add_argument("--split-cjk", action="store_true",
@@ -48,13 +50,12 @@ def _texts(paths, key: str):
 
 def run(args: argparse.Namespace) -> int:
     """Train, save, and print a JSON summary."""
-    from ..fileio import check_output
     from ..data.tokenizer import Tokenizer
+    from ..fileio import CHECKSUMS, write_dir_atomic
 
     for p in args.input:
         check_text_file(p, "--input")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        check_output(args.output_dir, flag="--output-dir")
+    claim_outputs(Output("--output-dir", args.output_dir, "dir", args.overwrite))
     if args.vocab_size < 257:
         raise DataError(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 257 "
                         "tokens (256 bytes + <|endoftext|>)")
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     tok = Tokenizer.train(source, args.vocab_size,
                           min_frequency=args.min_frequency, show_progress=sys.stderr.isatty(),
                           split_cjk=args.split_cjk)
-    paths = tok.save(args.output_dir)
+    out = write_dir_atomic(args.output_dir, tok.save, overwrite=args.overwrite)
+    paths = sorted(os.path.join(out, n) for n in os.listdir(out) if n != CHECKSUMS)
     print(json.dumps({"vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                       "seconds": round(time.perf_counter() - start, 3),
                       "files": [str(p) for p in paths]}), flush=True)

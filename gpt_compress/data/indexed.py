@@ -127,7 +127,10 @@ class IndexedDatasetBuilder:
     def abort(self) -> None:
         """Close and delete the temporary files (the final names are never touched)."""
         if not self._bin.closed:
-            self._bin.close()
+            try:
+                self._bin.close()
+            except OSError:  # its buffer could not be flushed (a full device): the file goes anyway
+                pass
         for p in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(p):
                 os.unlink(p)

@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import DataError
+from ..fileio import disk_full, is_disk_full
 from .indexed import IndexedDatasetBuilder, best_dtype
 from .tokenizer import Tokenizer
 
@@ -214,6 +215,7 @@ def preprocess(inputs: Sequence[PathLike], output_prefix: PathLike, tokenizer: T
     next_log = log_every
     pool = None
     made = [d for d in Path(prefix).parents if not d.exists()]  # directories we create: removed on failure
+    builder = None
     try:
         with IndexedDatasetBuilder(prefix, dtype) as builder:
             if workers > 1:
@@ -255,12 +257,15 @@ def preprocess(inputs: Sequence[PathLike], output_prefix: PathLike, tokenizer: T
                                 f"({stats['skipped_lines']} bad lines skipped, "
                                 f"{stats['empty_documents']} empty documents); nothing was written")
             bin_path, idx_path = builder.finalize()
-    except BaseException:
+    except BaseException as e:
         for d in made:
             try:
                 d.rmdir()  # only while empty
             except OSError:
                 pass
+        if is_disk_full(e):  # the builder removed its temporary files; an earlier dataset is untouched
+            written = builder.num_tokens * dtype.itemsize if builder is not None else 0
+            raise disk_full(prefix + ".bin", e, written) from None
         raise
     finally:
         bar.close()

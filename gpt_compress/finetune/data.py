@@ -164,6 +164,9 @@ def _row(obj: dict, cfg: FinetuneConfig, where: str) -> Row:
         except KeyError as e:
             raise DataError(f"{where}: Finetune.prompt_template needs field {e.args[0]!r} "
                             f"(fields: {fields})") from None
+        except (AttributeError, IndexError, TypeError, ValueError) as e:
+            raise DataError(f"{where}: Finetune.prompt_template {cfg.prompt_template!r} does not apply to "
+                            f"this row ({e})") from None
     else:
         key = _pick(obj, cfg.prompt_field, PROMPT_FIELDS)
         if key is None:

@@ -134,8 +134,9 @@ def adapter_state(model) -> dict[str, np.ndarray]:
             if k.endswith(".lora_A") or k.endswith(".lora_B")}
 
 
-def save_adapters(model, path: str, base: str = "") -> str:
-    """Write ``adapter.safetensors`` + ``adapter_config.json`` (settings, base checkpoint) to ``path``."""
+def save_adapters(model, path: str, base: str = "", overwrite: bool = False) -> str:
+    """Write ``adapter.safetensors`` + ``adapter_config.json`` (settings, base checkpoint) to ``path``
+    (an earlier adapter directory there is replaced only with ``overwrite``)."""
     from safetensors.numpy import save_file
 
     from ..fileio import write_dir_atomic, write_json_atomic
@@ -149,7 +150,8 @@ def save_adapters(model, path: str, base: str = "") -> str:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS))
         write_json_atomic(os.path.join(tmp, ADAPTER_CONFIG), meta)
 
-    return write_dir_atomic(path, write)
+    needed = sum(int(t.nbytes) for t in tensors.values())
+    return write_dir_atomic(path, write, overwrite=overwrite, needed=needed)
 
 
 def load_adapters(model, path: str):

@@ -31,6 +31,7 @@ against both int8 runtimes value by value (tests/test_quant.py).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 from typing import Optional
@@ -294,11 +295,22 @@ def _is_head(model, name: str) -> bool:
 
 def quantize_model(model, qcfg: QuantConfig):
     """``model -> model``: fake-quantize the layers ``qcfg`` selects (in place; names unchanged)."""
+    return apply_plan(model, checked_plan(model, qcfg), qcfg)
+
+
+def checked_plan(model, qcfg: QuantConfig) -> dict[str, str]:
+    """``quant_plan``, refused (``ConfigError``) when it selects nothing or a ``weight_only``
+    pattern selects no layer; the quantization commands call it before any work."""
     plan = quant_plan(model, qcfg)
     if not plan:
         raise ConfigError("Quant.targets / Quant.weight_only select no layer of this model "
                           f"(targets={qcfg.targets}, skip={qcfg.all_skips()}, weight_only={qcfg.weight_only})")
-    return apply_plan(model, plan, qcfg)
+    for glob in qcfg.weight_only:  # a pattern that selects nothing is a typo, as for Finetune.lora.targets
+        if not any(mode == WEIGHT_ONLY and fnmatch.fnmatchcase(name, glob) for name, mode in plan.items()):
+            raise ConfigError(f"Quant.weight_only pattern {glob!r} selects no layer of this model (weight-only "
+                              "layers: block Linears not already W8A8 under Quant.targets, an untied lm_head, "
+                              "gpt.wte, gpt.wpe)")
+    return plan
 
 
 def quant_layers(model) -> dict[str, _FakeQuantWeight]:

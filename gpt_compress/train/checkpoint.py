@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 
 from ..checkpoint import (CheckpointError, FORMAT, FORMAT_VERSION, WEIGHTS, CONFIG, assign_weights,
-                          load_weights, verify_checksums, write_weights)
+                          load_weights, tensor_bytes, verify_checksums, write_weights)
 from ..fileio import write_dir_atomic, write_json_atomic
 
 OPTIMIZER = "optimizer.safetensors"
@@ -119,7 +119,8 @@ def save_training_checkpoint(output_dir: str, step: int, model, optimizer, sched
         if tokenizer is not None:
             tokenizer.save(tmp)
 
-    path = write_dir_atomic(os.path.join(root, f"step_{step:08d}"), write, overwrite=True)
+    path = write_dir_atomic(os.path.join(root, f"step_{step:08d}"), write, overwrite=True,
+                            needed=tensor_bytes(weights) + tensor_bytes(opt_tensors))
     for old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from ..errors import DataError, Interrupted, TrainingDiverged  # noqa: F401  (TrainingDiverged re-exported)
 
+import contextlib
 import json
 import math
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import numpy as np
 import paddle
 from tqdm import tqdm
 
+from .. import signals
 from ..config import Config, ConfigError, ModelConfig
 from ..fileio import atomic_file
 from .checkpoint import find_resume_checkpoint, load_training_checkpoint, save_training_checkpoint
@@ -140,6 +143,14 @@ def compile_body(model, parallel=None) -> None:
     paddle.jit.to_static(model.gpt, full_graph=True)
 
 
+class _Stopped(Exception):
+    """The loop stopped at a step boundary on a deferred signal (``signals.deferred``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _next_batch(batches, step: int, consumed: int):
     try:
         return next(batches)
@@ -198,59 +209,70 @@ def fit(model, loss_fn: LossFn, train_batches: Callable[[int], Iterator[Batch]],
     model.train()
     ema, last_loss, last_eval, ckpt, tps_hist = None, float("nan"), None, resume, []
     tokens_per_step = eng.global_batch_size * seq
+    signals.reassert()  # after `import paddle`, which installs its own SIGTERM handler
+    # Alone, a first Ctrl-C or SIGTERM stops the loop after the step in progress, which is then
+    # saved (a signal mid-step would leave the weights half-updated); a second stops at once.
+    # Ranks of a parallel job keep the immediate stop: they would have to agree on the step.
+    stop = signals.deferred() if parallel is None else contextlib.nullcontext(signals.Deferral())
     try:
-        while step < eng.max_steps:
-            t0 = time.perf_counter()
-            lr = scheduler.get_lr()
-            total = 0.0
-            if hasattr(parallel, "forward_backward"):  # pipeline: its schedule runs the micro-batches
-                total = parallel.forward_backward(batches, accumulate)
-            for _ in range(0 if hasattr(parallel, "forward_backward") else accumulate):
-                with paddle.amp.auto_cast(enable=amp_dtype is not None, dtype=amp_dtype or "float16", level="O1"):
-                    loss = loss_fn(model, _next_batch(batches, step, consumed)) / accumulate
-                (scaler.scale(loss) if scaler else loss).backward()
-                total += float(loss)
-            if scaler:
-                scaler.unscale_(optimizer)
-            grad_norm = clip(params, cfg.optimizer.grad_clip)
-            if not math.isfinite(total) or not math.isfinite(grad_norm):
-                raise TrainingDiverged(f"loss is {total} (grad norm {grad_norm}) at step {step + 1}; stopped "
-                                       f"before updating the weights. Last good checkpoint: {ckpt or 'none'}")
-            if eng.max_loss_spike > 0 and ema is not None and step > 10 and total > eng.max_loss_spike * ema:
-                raise TrainingDiverged(f"loss spiked to {total:.4f} (> {eng.max_loss_spike} x running mean "
-                                       f"{ema:.4f}) at step {step + 1}. Last good checkpoint: {ckpt or 'none'}")
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.clear_grad(set_to_zero=False)
-            scheduler.step()
-            step += 1
-            consumed += eng.global_batch_size
-            ema = total if ema is None else 0.9 * ema + 0.1 * total
-            last_loss = total
-            dt = time.perf_counter() - t0
-            tps = tokens_per_step / dt
-            tps_hist.append(tps)
-            record = {"step": step, "loss": round(total, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
-                      "tokens_per_s": round(tps, 1), "step_time_s": round(dt, 4), "consumed_samples": consumed,
-                      "mfu": round(fpt * tps / (eng.peak_tflops * 1e12), 5) if eng.peak_tflops > 0 else None}
-            logger.bar.update(1)
-            logger.bar.set_postfix(loss=f"{total:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-            logger.log(record, echo=eng.logging_freq > 0 and step % eng.logging_freq == 0)
-            if eval_batches is not None and eng.eval_freq > 0 and (step % eng.eval_freq == 0 or step == eng.max_steps):
-                last_eval = evaluate(model, loss_fn, eval_batches())
-                logger.log({"step": step, "eval_loss": round(last_eval, 6),
-                            "eval_ppl": round(math.exp(min(last_eval, 50.0)), 4)}, echo=True)
-            if (eng.save_steps > 0 and step % eng.save_steps == 0) or step == eng.max_steps:
-                ckpt = save_training_checkpoint(out, step, model, optimizer, scheduler, consumed, run_config,
-                                                tokenizer, keep=eng.keep_checkpoint_max, parallel=parallel)
-    except KeyboardInterrupt:
+        with stop as pending:
+            while step < eng.max_steps:
+                t0 = time.perf_counter()
+                lr = scheduler.get_lr()
+                total = 0.0
+                if hasattr(parallel, "forward_backward"):  # pipeline: its schedule runs the micro-batches
+                    total = parallel.forward_backward(batches, accumulate)
+                for _ in range(0 if hasattr(parallel, "forward_backward") else accumulate):
+                    with paddle.amp.auto_cast(enable=amp_dtype is not None, dtype=amp_dtype or "float16", level="O1"):
+                        loss = loss_fn(model, _next_batch(batches, step, consumed)) / accumulate
+                    (scaler.scale(loss) if scaler else loss).backward()
+                    total += float(loss)
+                if scaler:
+                    scaler.unscale_(optimizer)
+                grad_norm = clip(params, cfg.optimizer.grad_clip)
+                if not math.isfinite(total) or not math.isfinite(grad_norm):
+                    raise TrainingDiverged(f"loss is {total} (grad norm {grad_norm}) at step {step + 1}; stopped "
+                                           f"before updating the weights. Last good checkpoint: {ckpt or 'none'}")
+                if eng.max_loss_spike > 0 and ema is not None and step > 10 and total > eng.max_loss_spike * ema:
+                    raise TrainingDiverged(f"loss spiked to {total:.4f} (> {eng.max_loss_spike} x running mean "
+                                           f"{ema:.4f}) at step {step + 1}. Last good checkpoint: {ckpt or 'none'}")
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.clear_grad(set_to_zero=False)
+                scheduler.step()
+                step += 1
+                consumed += eng.global_batch_size
+                ema = total if ema is None else 0.9 * ema + 0.1 * total
+                last_loss = total
+                dt = time.perf_counter() - t0
+                tps = tokens_per_step / dt
+                tps_hist.append(tps)
+                record = {"step": step, "loss": round(total, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
+                          "tokens_per_s": round(tps, 1), "step_time_s": round(dt, 4), "consumed_samples": consumed,
+                          "mfu": round(fpt * tps / (eng.peak_tflops * 1e12), 5) if eng.peak_tflops > 0 else None}
+                logger.bar.update(1)
+                logger.bar.set_postfix(loss=f"{total:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+                logger.log(record, echo=eng.logging_freq > 0 and step % eng.logging_freq == 0)
+                if eval_batches is not None and eng.eval_freq > 0 and (step % eng.eval_freq == 0
+                                                                       or step == eng.max_steps):
+                    last_eval = evaluate(model, loss_fn, eval_batches())
+                    logger.log({"step": step, "eval_loss": round(last_eval, 6),
+                                "eval_ppl": round(math.exp(min(last_eval, 50.0)), 4)}, echo=True)
+                if (eng.save_steps > 0 and step % eng.save_steps == 0) or step == eng.max_steps or pending.signum:
+                    ckpt = save_training_checkpoint(out, step, model, optimizer, scheduler, consumed, run_config,
+                                                    tokenizer, keep=eng.keep_checkpoint_max, parallel=parallel)
+                if pending.signum:
+                    raise _Stopped(pending.signum)
+    except (KeyboardInterrupt, _Stopped) as e:
+        signum = e.signum if isinstance(e, _Stopped) else signals.interrupt_signum(e)
         saved = (f"the last checkpoint is {ckpt}; continue with --resume auto (-o Engine.resume=auto; "
                  "same config and output_dir)"
                  if ckpt else "no checkpoint was saved yet (Engine.save_steps sets how often)")
-        raise Interrupted(f"interrupted at step {step} of {eng.max_steps}: {saved}") from None
+        how = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        raise Interrupted(f"interrupted ({how}) at step {step} of {eng.max_steps}: {saved}", signum) from None
     finally:
         logger.close()
     skip = min(len(tps_hist) - 1, 2)  # the first steps include warm-up work
