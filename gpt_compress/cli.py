@@ -14,7 +14,7 @@ import sys
 
 # name -> (module under gpt_compress.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "run the main job on an embedded default (no downloads)"),
+    "demo": ("demo", "run the whole toolkit on a built-in corpus: train, compress, export, evaluate (no downloads)"),
     "init": ("init", "build a model from a config/preset and save a checkpoint"),
     "generate": ("generate", "generate text from a checkpoint"),
     "convert": ("convert", "convert between Hugging Face GPT-2 and gpt-compress checkpoints"),
