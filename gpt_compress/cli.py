@@ -99,6 +99,8 @@ def _quiet_paddle() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    # Raised while tracing exports to static programs, about a Tensor method gptc does not call.
+    warnings.filterwarnings("ignore", message="Tensor do not have 'place' interface", category=UserWarning)
     logging.getLogger("utils.cpp_extension").addFilter(lambda record: record.levelno >= logging.WARNING)
     if not isinstance(sys.stderr, _StderrFilter):
         sys.stderr = _StderrFilter(sys.stderr)
