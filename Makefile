@@ -1,8 +1,10 @@
-# Two commands set up a fresh machine: `make test` and `make demo`. Both create .venv.
+# Two commands set up a fresh machine: `make demo` (the runtime with the onnx and report extras)
+# and `make test` (the dev extras: every extra plus the test peers). Both create .venv.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 # Paddle forces OMP_NUM_THREADS=1 when it is unset; use the machine's cores.
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONDONTWRITEBYTECODE := 1
@@ -15,14 +17,24 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# What `gptc demo` needs: the runtime, ONNX export/runtime and the report's plots (the dev
+# environment above includes them).
+$(DEMO_STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[onnx,report]"
+	touch $(DEMO_STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20 tests
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/gptc demo
 
+# Adds bench/results/<host>/<date>_<bench>.json for each benchmark, then regenerates the
+# performance tables of README.md and docs/performance.md (bench/tables.py); deletes nothing.
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
 

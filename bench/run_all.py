@@ -1,18 +1,19 @@
 """Every benchmark in one go: training, decode, compression and parallel training, each with its
-peer and the machine's limits, written to ``bench/results.json`` and ``bench/results.md``.
+peer and the machine's limits; each result is added as ``bench/results/<host>/<date>_<bench>.json``
+and the performance tables (README.md, docs/performance.md) are regenerated from the newest ones.
 
     OMP_NUM_THREADS=2 python bench/run_all.py                 # all four
-    OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode   # ~12 min on 2 cores
+    OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode   # about 12 minutes on 2 cores
+    python bench/run_all.py --only ""                          # only regenerate the tables
 
 The compression benchmark pretrains and compresses its own model on first use (about an hour
 on 2 cores; ``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
 
 Each benchmark runs as its own subprocess, one after another (never two at once: they would
-share the cores), and prints one JSON object, kept whole under its name in results.json.
-results.md pulls out the headline figures: ours against the Hugging Face transformers peer
-(same run), against the machine's limits (GEMM ceiling for training, weight bytes / memory
-bandwidth for decode), int8 against fp32 on the same runtime, dp2 against one process.
-A benchmark that fails is recorded with its error and the others still run.
+share the cores), and prints one JSON object, written whole with a ``run`` record (host, CPU,
+date, command) in front. Nothing is overwritten: a second run on the same day gets the time in
+its name (``2026-11-24T1530_decode.json``). A benchmark that fails is reported with its error
+(and no file); the others still run. ``bench/results/README.md`` explains the naming.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
 
-from gpt_compress.fileio import write_text_atomic
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tables  # noqa: E402  (bench/tables.py, beside this script)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = {  # name -> script and arguments
@@ -55,102 +58,99 @@ def run_bench(name: str, extra: list[str]) -> dict:
     return {"error": "no JSON on stdout", "stdout_tail": text[-2000:], "seconds": seconds}
 
 
-def _get(d: dict, *keys, default=None):
-    for k in keys:
-        if not isinstance(d, dict) or k not in d:
-            return default
-        d = d[k]
-    return d
+# AMD family (and model range) -> microarchitecture, for the results directory's host name.
+AMD_ZEN = {23: ((0, 0x2F, "zen1"), (0x30, 0xFF, "zen2")), 25: ((0, 0x0F, "zen3"), (0x10, 0x1F, "zen4"),
+                                                         (0x20, 0x5F, "zen3"), (0x60, 0xFF, "zen4")),
+           26: ((0, 0xFF, "zen5"),)}
 
 
-def _fmt(v, spec="{:.3g}") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, list):
-        return ", ".join(_fmt(x, spec) for x in v)
-    return spec.format(v) if isinstance(v, (int, float)) else str(v)
+def _cpuinfo() -> dict:
+    info: dict = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for ln in f:
+                if ":" in ln:
+                    k, v = (x.strip() for x in ln.split(":", 1))
+                    info.setdefault(k, v)
+    except OSError:
+        pass
+    return info
 
 
-def markdown(results: dict) -> str:
-    """Headline figures of each benchmark as Markdown tables."""
-    out = [f"# Benchmarks ({results['machine']['date']}, {results['machine']['cpu']}, "
-           f"{results['machine']['threads']} threads)", ""]
-    tr = results.get("train")
-    if tr and "error" not in tr:
-        out += ["## Training (gpt-bench, batch 8 x 256, fp32 AdamW step)", "",
-                "| | tokens/s | GFLOP/s | of GEMM ceiling | vs HF peer (same run) |", "|---|---:|---:|---:|---:|"]
-        ceiling = _get(tr, "flops", "matmul_ceiling_gflops")
-        for k, v in tr.get("ours", {}).items():
-            out.append(f"| ours {k} | {_fmt(v.get('tokens_per_s'), '{:.1f}')} | {_fmt(v.get('gflops'), '{:.1f}')} | "
-                       f"{_fmt(v.get('fraction_of_ceiling'), '{:.2f}')} | "
-                       f"{_fmt(_get(tr, 'ratios_ours_over_peer', f'{k}_vs_peer_median_step'), '{:.2f}x')} |")
-        peer = _get(tr, "peer", "fwd_bwd", "train_tokens_per_s")
-        out += [f"| HF transformers (torch CPU) | {_fmt(peer, '{:.1f}')} | | | 1 |", "",
-                f"GEMM ceiling measured in the same process: {_fmt(ceiling, '{:.1f}')} GFLOP/s.", ""]
-    de = results.get("decode")
-    if de and "error" not in de:
-        out += [f"## Decode (gpt-bench, {de.get('prompt_tokens')}-token prompt, {de.get('new_tokens')} new tokens, greedy)",
-                "", f"Limit: {de.get('weight_bytes_per_token', 0) / 1e6:.0f} MB of weights per token at "
-                f"{de.get('copy_bandwidth_gbps')} GB/s copy bandwidth = {de.get('bandwidth_limit_tokens_per_s')} "
-                f"tokens/s at batch 1.", "",
-                f"| backend | batch 1 tok/s | vs peer | of limit | prefill ms | batch {de.get('batch')} tok/s | vs peer |",
-                "|---|---:|---:|---:|---:|---:|---:|"]
-        b = de.get("batch")
-        for name, r in de.get("results", {}).items():
-            out.append(f"| {name} | {_fmt(r.get('decode_tokens_per_s'), '{:.1f}')} | {_fmt(r.get('vs_peer_batch1'), '{:.2f}x')} | "
-                       f"{_fmt(r.get('fraction_of_bandwidth_limit'), '{:.2f}')} | {_fmt(r.get('prefill_ms'), '{:.1f}')} | "
-                       f"{_fmt(r.get(f'batch{b}_decode_tokens_per_s'), '{:.0f}')} | {_fmt(r.get('vs_peer_batch8'), '{:.2f}x')} |")
-        out.append("")
-    co = results.get("compress")
-    if co and "error" not in co:
-        out += ["## Compression (each runtime against its own fp32)", "", "```json",
-                json.dumps({k: v for k, v in co.items() if k not in ("model",)}, indent=1)[:6000], "```", ""]
-    pa = results.get("parallel")
-    if pa and "error" not in pa:
-        out += ["## Parallel training (gpt-bench, gloo on CPU)", "", "| layout | tokens/s |", "|---|---:|",
-                f"| 1 process x 2 threads | {_fmt(pa.get('single_2threads_tokens_per_s'), '{:.1f}')} |",
-                f"| dp2 (2 processes x 1 thread) | {_fmt(pa.get('dp2_1thread_each_tokens_per_s'), '{:.1f}')} "
-                f"({_fmt(pa.get('dp2_vs_single_2threads'), '{:.2f}x')}) |",
-                f"| mp2 (2 processes x 1 thread) | {_fmt(pa.get('mp2_1thread_each_tokens_per_s'), '{:.1f}')} |", "",
-                f"mp2 communication share of a step (per rank): {_fmt(pa.get('mp2_comm_share_of_step'), '{:.1%}')}", ""]
-    for name, r in results.items():
-        if isinstance(r, dict) and "error" in r:
-            out += [f"## {name}: FAILED ({r['error']})", "", "```", (r.get("stderr_tail") or r.get("stdout_tail", ""))[-1500:],
-                    "```", ""]
-    return "\n".join(out)
+def host_name() -> str:
+    """A short, stable name for this CPU: ``zen1``..``zen5`` for AMD, ``intel-f6m207`` style otherwise."""
+    info = _cpuinfo()
+    try:
+        family, model = int(info.get("cpu family", "-1")), int(info.get("model", "-1"))
+    except ValueError:
+        family, model = -1, -1
+    if info.get("vendor_id") == "AuthenticAMD":
+        for lo, hi, name in AMD_ZEN.get(family, ()):
+            if lo <= model <= hi:
+                return name
+        return f"amd-f{family}m{model}"
+    if info.get("vendor_id") == "GenuineIntel":
+        return f"intel-f{family}m{model}"
+    return re.sub(r"[^a-z0-9]+", "-", (platform.machine() or "unknown").lower())
 
 
 def machine() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": int(os.environ.get("OMP_NUM_THREADS", "2")),
-            "date": time.strftime("%Y-%m-%d"), "python": platform.python_version()}
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if "avx512_vnni" in flags or "avx_vnni" in flags:
+        isa += " + VNNI"
+    return {"host": host_name(), "cpu": f"{info.get('model name', platform.processor())}, {isa}, "
+                                         f"{os.cpu_count()} cores",
+            "threads": int(os.environ.get("OMP_NUM_THREADS", "2")), "python": platform.python_version()}
+
+
+def result_path(root: str, host: str, bench: str, when: time.struct_time) -> str:
+    """``bench/results/<host>/<date>_<bench>.json``, with the time in the name if the day's is taken."""
+    base = os.path.join(root, "bench", "results", host)
+    path = os.path.join(base, f"{time.strftime('%Y-%m-%d', when)}_{bench}.json")
+    if os.path.exists(path):
+        path = os.path.join(base, f"{time.strftime('%Y-%m-%dT%H%M', when)}_{bench}.json")
+    n = 2
+    while os.path.exists(path):  # two runs within one minute
+        path = os.path.join(base, f"{time.strftime('%Y-%m-%dT%H%M', when)}-{n}_{bench}.json")
+        n += 1
+    return path
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ", ".join(BENCHES))
-    p.add_argument("--output", default=os.path.join(ROOT, "bench", "results.json"))
+    p.add_argument("--host", default=None, help="results directory name (default: from /proc/cpuinfo)")
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    results: dict = {"machine": machine()}
+    info = machine()
+    if a.host:
+        info["host"] = a.host
     for name in names:
         print(f"[run_all] {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_bench(name, [])
-        print(f"[run_all] {name}: {results[name].get('error', 'ok')} in {results[name]['seconds']} s",
-              file=sys.stderr, flush=True)
-    md = markdown(results)
-    for path, text in ((a.output, json.dumps(results, indent=1)), (os.path.splitext(a.output)[0] + ".md", md)):
-        write_text_atomic(path, text + "\n")
-    print(md)
+        when = time.gmtime()
+        out = run_bench(name, [])
+        print(f"[run_all] {name}: {out.get('error', 'ok')} in {out['seconds']} s", file=sys.stderr, flush=True)
+        if "error" in out:
+            print(out.get("stderr_tail") or out.get("stdout_tail", ""), file=sys.stderr)
+            continue
+        cmd = " ".join(["OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"], "python", *BENCHES[name]])
+        record = {"run": {"host": info["host"], "cpu": info["cpu"], "date": time.strftime("%Y-%m-%d", when),
+                          "command": cmd, "threads": info["threads"], "python": info["python"]}, **out}
+        path = result_path(ROOT, info["host"], name, when)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+        print(f"[run_all] wrote {os.path.relpath(path, ROOT)}", file=sys.stderr, flush=True)
+    for page in tables.regenerate(ROOT):
+        print(f"[run_all] regenerated {page}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

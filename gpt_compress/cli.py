@@ -1,18 +1,21 @@
-"""`gptc <command>`: a table from command names to modules in ``gpt_compress.commands``.
+"""`gptc <command>`: run one gpt-compress command (`gptc <command> --help` for its options).
 
-Each command module defines ``add_arguments(parser)`` and ``run(args) -> int | None``; it is
-imported only when its command runs, so `gptc --help` stays fast.
+Each command module in ``gpt_compress.commands`` defines ``add_arguments(parser)`` and
+``run(args) -> int | None``; it is imported only when its command runs, so `gptc --help` stays
+fast.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import signal
 import sys
 
 # name -> (module under gpt_compress.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "run the main job on an embedded default (no downloads)"),
+    "demo": ("demo", "run the whole toolkit on a built-in corpus: train, compress, export, evaluate (no downloads)"),
     "init": ("init", "build a model from a config/preset and save a checkpoint"),
     "generate": ("generate", "generate text from a checkpoint"),
     "convert": ("convert", "convert between Hugging Face GPT-2 and gpt-compress checkpoints"),
@@ -47,20 +50,61 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="gptc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="gptc", description="gpt-compress: pretrain, finetune, compress, export, evaluate and serve GPT "
+        "models with PaddlePaddle.", epilog="`gptc <command> --help` shows a command's options.")
     parser.add_argument("-V", "--version", action="version", version=f"gptc (gpt-compress) {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the libraries' own messages (Paddle's import-time notices); also GPTC_VERBOSE=1")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
+# Lines Paddle prints to stderr at `import paddle` (paddle/base/__init__.py, unconditionally when
+# OMP_NUM_THREADS > 1, which gptc sets on purpose): advice for Paddle's own data parallelism
+# that does not apply to gptc's runs.
+_PADDLE_NOISE = ("WARNING: OMP_NUM_THREADS set to ", "PLEASE USE OMP_NUM_THREADS WISELY.")
+
+
+class _StderrFilter:
+    """sys.stderr without Paddle's import-time OMP_NUM_THREADS advice; every other write passes."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._dropped_line = False  # print() writes its newline separately
+
+    def write(self, text: str) -> int:
+        if text.startswith(_PADDLE_NOISE):
+            self._dropped_line = True
+            return len(text)
+        if self._dropped_line and text == "\n":
+            self._dropped_line = False
+            return len(text)
+        self._dropped_line = False
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def _quiet_paddle() -> None:
-    """Hide Paddle's import-time "No ccache found" UserWarning (about compiling C++ extensions,
-    which gptc never does) from users."""
+    """Keep a command's terminal output its own: hide Paddle's import-time "No ccache found"
+    UserWarning, its OMP_NUM_THREADS advice and the "using custom operator only" INFO line of its
+    C++ extension loader (logger ``utils.cpp_extension``, which sets its own level to INFO when
+    imported, hence a filter rather than a level). ``GPTC_VERBOSE=1`` or ``gptc --verbose
+    <command>`` shows them."""
+    if os.environ.get("GPTC_VERBOSE", "") not in ("", "0"):
+        return
     import warnings
 
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    # Raised while tracing exports to static programs, about a Tensor method gptc does not call.
+    warnings.filterwarnings("ignore", message="Tensor do not have 'place' interface", category=UserWarning)
+    logging.getLogger("utils.cpp_extension").addFilter(lambda record: record.levelno >= logging.WARNING)
+    if not isinstance(sys.stderr, _StderrFilter):
+        sys.stderr = _StderrFilter(sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"gptc (gpt-compress) {__version__}")
         sys.exit(0)
+    if argv and argv[0] in ("-v", "--verbose"):
+        os.environ["GPTC_VERBOSE"] = "1"  # child gptc processes (pipeline stages, ranks) inherit it
+        argv = argv[1:]
     _quiet_paddle()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = build_parser()

@@ -7,22 +7,22 @@ would otherwise depend on the tests before it). ``import gpt_compress`` applies 
 (the benchmarks' untuned baselines import it; code that trains through the Python API calls
 ``tune_cpu()`` first), only ``openmp_spin`` for the fused operators' OpenMP runtime.
 
-Measured on a 2-core AMD EPYC (Zen 4) VM, gpt-bench train step (batch 8 x seq 256, fp32, AdamW),
-one quiet window: none 7.7 s, +mkl_amd 4.0 s, +no strided views 3.4 s, +malloc 3.0 s
-(``bench/forward.py --tune ...``). All three leave the math unchanged; each can be turned off.
+Together they make a gpt-bench train step on AMD CPUs about 2.5x faster (``bench/forward.py
+--tune ...`` measures each; figures in docs/performance.md). All three leave the math unchanged;
+each can be turned off.
 
 * ``mkl_amd``: Paddle 3.3.1 ships an old MKL (``libmklml_intel.so``) that takes a slow generic
-  GEMM path on non-Intel CPUs; ``MKL_DEBUG_CPU_TYPE=5`` selects its AVX2 kernels (fp32 GEMMs
-  60-80 -> 150-210 GFLOP/s). MKL reads the variable at its first BLAS call: setting it after
+  GEMM path on non-Intel CPUs; ``MKL_DEBUG_CPU_TYPE=5`` selects its AVX2 kernels (about 2.5x the
+  fp32 GEMM rate). MKL reads the variable at its first BLAS call: setting it after
   ``import paddle`` works, after a matmul it does nothing. Set only on AuthenticAMD (on Intel it
   would trade AVX-512 for AVX2).
 * ``strided_views=False``: with ``FLAGS_use_stride_kernel`` on (Paddle's default) slices and
   transposes are strided views, and the kernels that consume them and their gradients fall back
-  to slow element-wise copies (the q/k/v slices' backward alone took 0.3 s per step). Off, views
+  to slow element-wise copies (the q/k/v slices' backward alone costs a tenth of a step). Off, views
   are materialised by the fast copy kernels. Code that writes in place into a slice to change its
   base tensor would stop doing so; the test suite passes with it off.
 * ``malloc``: glibc serves blocks above its mmap threshold (128 KB to 32 MB) with fresh pages
-  whose faults cost more than the op (an out-of-place ``exp`` of 26 MB: 16 ms; in place: 5 ms).
+  whose faults cost more than the op (an out-of-place ``exp`` of 26 MB takes 3x the in-place one).
   ``M_MMAP_MAX=0`` serves every block from the heap and a 1 GB trim threshold keeps freed memory
   for reuse. The price: memory freed by the process is not returned to the OS until it exits.
 """
@@ -79,10 +79,10 @@ def prefer_mkl_avx2() -> str:
 
 
 # libgomp's $GOMP_SPINCOUNT for the fused ops' OpenMP threads (kernels/): they spin this many
-# pause loops (~25 ns each on the AMD EPYC here: ~50 us) at a barrier or between regions, then
-# sleep. Waking a sleeping thread made an empty region cost 13-18 us instead of 3 us (libgomp
-# microbenchmark, load 8), ~32 times per decode step; libgomp's default (300,000 spins) made two
-# threads on a busy 2-core machine 10-30x slower than one (inference/fused.py DEFAULT_THREADS).
+# pause loops (tens of microseconds) at a barrier or between regions, then sleep. Waking a
+# sleeping thread costs several times an empty region, and a decode step crosses ~32 barriers;
+# libgomp's default (300,000 spins) makes two threads on a busy machine many times slower than
+# one, as a spinning thread waits out a descheduled one (inference/fused.py DEFAULT_THREADS).
 GOMP_SPINCOUNT = "2000"
 _gomp_spin_applies = None
 

@@ -15,9 +15,9 @@ and check the others were byte-identical). See ``inference/manifest.py`` for the
 Why the wrapper stores the tied embedding transposed, (hidden, vocab): the LM head is a
 ``(B, hidden) @ (hidden, vocab)`` GEMV that dominates decode (77 MB of the 121 MB of ``gpt-bench``
 weights). With the embedding's natural (vocab, hidden) layout the head is a ``transpose_y``
-matmul, which MKL runs at 8.3 ms for batch 1 on this machine instead of 3.4 ms (and the ONNX
+matmul, which MKL runs at less than half the speed of the plain one at batch 1 (and the ONNX
 export used to store the weight twice, once per orientation). The token lookup becomes a
-column gather, ``gather(W_t, ids, axis=1)``: free for decode, ~14 ms for 2048 tokens.
+column gather, ``gather(W_t, ids, axis=1)``: free for decode, a strided read for long prompts.
 """
 from __future__ import annotations
 

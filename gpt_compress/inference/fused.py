@@ -39,21 +39,17 @@ from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (a growth adds at least this many)
 # Greedy tokens per program run (``decode_greedy_steps``, used by ``generation.stream_tokens``):
-# a run's fixed cost outside the op (Paddle Inference's run, the Python loop; 0.3-0.7 ms a step
-# at gpt-bench, run cache-cold after the weights stream through) is paid once per this many
+# a run's fixed cost outside the op (Paddle Inference's run, the Python loop; a sizeable part of a
+# small model's step, run cache-cold after the weights stream through) is paid once per this many
 # tokens. A streaming consumer gets the tokens in bursts of this many.
 GREEDY_STEPS = 8
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
 # spin only briefly at each barrier (``import gpt_compress`` sets GOMP_SPINCOUNT=2000 unless the
-# user did: runtime.openmp_spin): with its default spinning, two threads on a loaded 2-core machine
-# made a step 10-30x slower than one (a spinning thread waits out a descheduled one). When libgomp
+# user did: runtime.openmp_spin): with its default spinning, two threads on a loaded machine make
+# a step many times slower than one (a spinning thread waits out a descheduled one). When libgomp
 # was loaded before gpt_compress was imported (``import paddle`` first), the setting cannot take
-# effect: the default then is one thread, with a warning (interleaved runs with another process
-# on one core, gpt-bench int8, 2 threads: 85-93 tok/s with the setting, 7-10 without).
-# bench/decode.py gpt-bench, --rounds 2 --reps 2, 2026-11-23 (AMD EPYC AVX2, 2 cores): quiet,
-# batch-1 tok/s 1 thread vs 2 threads: fp32 49-52 vs 92-114, int8 108-123 vs 244-269, prefill 56-61 vs 25-26 ms, batch 8 int8 372 vs 745; with two
-# busy loops beside it (load 2): fp32 31-40 vs 32-41, int8 108-112 vs 63-167, prefill 72-75 vs
-# 40-51 ms. Spinning (libgomp's default) under that load: 2.9 tok/s.
+# effect: the default then is one thread, with a warning. On a quiet machine all cores decode
+# about twice as fast as one (bench/decode.py --fused-threads N compares them).
 DEFAULT_THREADS = 0
 
 

@@ -148,16 +148,40 @@ def _snapshot_sources(directory: str, sources: Mapping[str, bytes]) -> str:
     return os.path.join(directory, SOURCES[0])
 
 
+@contextlib.contextmanager
+def _stderr_into(path: str):
+    """File descriptor 2 into ``path`` for the duration: Paddle's ``load`` runs its build in a child
+    process (even when the library is current) whose stderr is this process's, so its notices
+    (Paddle's import-time OMP_NUM_THREADS advice, setuptools' progress) would reach the user's
+    terminal. They are kept for the error message of a failed build; GPTC_VERBOSE=1 shows them."""
+    if os.environ.get("GPTC_VERBOSE", "") not in ("", "0"):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _build(directory: str, sources: Mapping[str, bytes]):
     from paddle.utils.cpp_extension import load
 
     log = io.StringIO()
     source = _snapshot_sources(directory, sources)
+    errors = os.path.join(directory, "build_stderr.log")
     try:
-        with contextlib.redirect_stdout(log):
+        with contextlib.redirect_stdout(log), _stderr_into(errors):
             return load(name=NAME, sources=[source], extra_cxx_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                         build_directory=directory, verbose=False)
     except Exception as e:  # noqa: BLE001  (setuptools/compiler errors of every kind)
+        with open(errors, encoding="utf-8", errors="replace") if os.path.exists(errors) else io.StringIO() as f:
+            log.write(f.read())
         tail = "\n".join((log.getvalue() + "\n" + str(e)).strip().splitlines()[-15:])
         raise KernelError(f"building gpt-compress's fused CPU operators ({SOURCE}) in {directory} failed: "
                           f"{type(e).__name__}. Compiler output (last lines):\n{tail}\nThe unfused programs "
