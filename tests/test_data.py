@@ -349,7 +349,7 @@ def test_build_datasets_single_and_blended(lambada, shakespeare):
     prefix = str(lambada[0])
     train, valid, test = build_datasets([prefix], "98,2,0", 64, (500, 40, 0), seed=11)
     assert (len(train), len(valid), test) == (500, 40, None)
-    ranges = split_documents(5153, "98,2,0")
+    ranges = split_documents(LAMBADA_PASSAGES, "98,2,0")
     assert set(train.documents.tolist()) == set(ranges[0]) and set(valid.documents.tolist()) == set(ranges[1])
     blended, _, _ = build_datasets(["0.3", prefix, 0.7, str(shakespeare)], "98,2,0", 64, (2000, 0, 0), seed=11)
     assert isinstance(blended, BlendedDataset) and len(blended) == 2000
