@@ -4,6 +4,7 @@ subprocess on the shared tiny model (tests/_export_helpers.py): `infer --truncat
 `eval --with-items / --stride / --batch-size`, and `Engine.mix_precision` on a CPU."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -90,7 +91,7 @@ def test_convert_to_hf_and_back_from_hf_is_exact(dirs, tmp_path):
     res = summary(gptc("convert", "--from-hf", tmp_path / "hf", "--output", tmp_path / "back"))
     assert res["output"] == str(tmp_path / "back")
     a, b = load_model(dirs["ckpt"]), load_model(str(tmp_path / "back"))
-    assert a.config == b.config
+    assert dataclasses.replace(b.config, name=a.config.name) == a.config  # the import names it "hf-gpt2"
     sa, sb = a.state_dict(), b.state_dict()
     assert sorted(sa) == sorted(sb)
     for k in sa:  # a float32 copy both ways: bitwise the same
@@ -114,26 +115,29 @@ def test_partition_then_infer_tp_generates_the_single_card_tokens(dirs, single, 
 
 
 def test_eval_with_items_stride_and_batch_size(dirs, shared_data, tmp_path):
+    from gpt_compress.eval.lambada import evaluate_lambada
     from gpt_compress.eval.wikitext import evaluate_wikitext
     from gpt_compress.inference.runner import Generator
 
+    gen = Generator.from_dir(dirs["export"], backend="onnx")
     lam = summary(gptc("eval", "--model", dirs["export"], "--backend", "onnx", "--task", "lambada", "--data",
                        shared_data / "lambada_test.jsonl", "--limit", "20", "--with-items", "--no-progress"))
-    items = lam["items"] if "items" in lam else lam["result"]["items"]
-    assert len(items) == 20
+    ref_lam = evaluate_lambada(gen, gen.tokenizer, str(shared_data / "lambada_test.jsonl"), seq_len=gen.max_positions,
+                               batch_size=8, limit=20, progress=False)  # the command's default batch
+    assert lam["correct"] == ref_lam.correct and len(lam["correct"]) == 20  # per-passage 0/1, in file order
+    assert lam["accuracy"] == pytest.approx(float(np.mean(lam["correct"])))
     wiki = tmp_path / "wiki.raw"
     with open(shared_data / "wikitext-2" / "wiki.test.raw", encoding="utf-8", newline="") as f:
         wiki.write_text("".join(f.readlines()[:60]), encoding="utf-8", newline="")
     res = summary(gptc("eval", "--model", dirs["export"], "--backend", "onnx", "--task", "wikitext", "--data", wiki,
                        "--seq-len", "64", "--stride", "32", "--batch-size", "3", "--no-progress"))
-    gen = Generator.from_dir(dirs["export"], backend="onnx")
     ref = evaluate_wikitext(gen, gen.tokenizer, str(wiki), "raw", seq_len=64, stride=32, batch_size=5,
                             progress=False)
-    got = res if "ppl" in res else res["result"]
-    # The same windows scored in batches of 3 and of 5: float32 logits of the same rows; a
-    # perplexity over ~10^3 tokens agrees to float32 accumulation (relative 1e-5 is ~100 ulps).
-    assert got["num_windows"] == ref.num_windows > 1
-    assert abs(got["ppl"] - ref.ppl) <= 1e-5 * ref.ppl, (got["ppl"], ref.ppl)
+    # The same windows scored in batches of 3 and of 5: a row's float32 logits may differ by a few
+    # ulps (~1e-7 relative) with the batch shape (GEMM blocking); the mean NLL over ~10^3 tokens
+    # averages them and exp keeps the relative error: 1e-5 is ~100x that.
+    assert res["num_windows"] == ref.num_windows > 1 and res["stride"] == 32
+    assert abs(res["ppl"] - ref.ppl) <= 1e-5 * ref.ppl, (res["ppl"], ref.ppl)
 
 
 def test_mix_precision_on_cpu_warns_and_trains_exactly_float32(shakespeare, tmp_path):
