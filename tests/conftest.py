@@ -1,4 +1,4 @@
-"""Shared test fixtures: the real data in ../shared/data and tokenizers built from it."""
+"""Shared test fixtures: the real data (../shared/data, else tests/data) and tokenizers built from it."""
 from __future__ import annotations
 
 import os
