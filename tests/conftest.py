@@ -1,4 +1,4 @@
-"""Shared test fixtures: the real data in ../shared/data and tokenizers built from it."""
+"""Shared test fixtures: the real data (../shared/data, else tests/data) and tokenizers built from it."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,17 @@ runtime.prefer_mkl_avx2()
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+TESTS_DATA = ROOT / "tests" / "data"
+# The full data sets beside the checkout when present, else the whole files and slices shipped in
+# tests/data (tests/data/README.md): every test runs either way. FULL_DATA names the figures that
+# depend on the sets' sizes.
+FULL_DATA = SHARED_DATA.is_dir()
+DATA = SHARED_DATA if FULL_DATA else TESTS_DATA
+LAMBADA_PASSAGES = 5153 if FULL_DATA else 500
+# WikiText-2 test (raw) in GPT-2 tokens: as Hugging Face rows joined with "\n\n", and the whole
+# file as one string (shared/data/README.md; the slice's counted the same way, checked with tiktoken).
+WIKITEXT_HF_TOKENS = 287_644 if FULL_DATA else 71_085
+WIKITEXT_FILE_TOKENS = 286_221 if FULL_DATA else 70_725
 
 # tiktoken looks its "gpt2" files up under these hashed names (see shared/data/README.md).
 TIKTOKEN_GPT2_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
@@ -30,10 +41,8 @@ def wikitext_hf_rows(path: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """Path of the shared real data; skips when the checkout has no ../shared/data beside it."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"real test data not found at {SHARED_DATA} (expected ../shared/data beside the repo)")
-    return SHARED_DATA
+    """Directory of the real data: ../shared/data beside the checkout, else tests/data."""
+    return DATA
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import LAMBADA_PASSAGES, ROOT
 from gpt_compress.data.dataset import (BlendedDataset, GPTDataset, SampleIterator, build_datasets,
                                        split_documents)
 from gpt_compress.data.errors import DataError
@@ -65,7 +65,7 @@ def test_preprocess_round_trip_is_exact(lambada):
     assert prefix.name == "lambada_text_document"
     ds = open_dataset(prefix)
     assert isinstance(ds, IndexedDataset) and ds.dtype == np.uint16
-    assert len(ds) == summary["documents"] == len(expected) == 5153
+    assert len(ds) == summary["documents"] == len(expected) == LAMBADA_PASSAGES
     assert summary["tokens"] == sum(map(len, expected)) == ds.num_tokens
     assert all(ds[i].tolist() == doc for i, doc in enumerate(expected))
     assert all(doc[-1] == 50256 for doc in expected)
@@ -167,7 +167,7 @@ def test_killed_preprocess_leaves_no_valid_looking_output(shared_data, tmp_path)
     paragraphs = (shared_data / "corpus" / "janeausten_6novels.txt").read_text(encoding="utf-8").split("\n\n")
     block = "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
     big = tmp_path / "big.jsonl"
-    big.write_text(block * 12, encoding="utf-8")  # ~50 MB: many seconds of work
+    big.write_text(block * -(-50_000_000 // len(block)), encoding="utf-8")  # ~50 MB: many seconds of work
     out = tmp_path / "killed"
     final = Path(f"{out}_text_document")
     tmp_bin = Path(f"{final}.bin.tmp")
@@ -349,7 +349,7 @@ def test_build_datasets_single_and_blended(lambada, shakespeare):
     prefix = str(lambada[0])
     train, valid, test = build_datasets([prefix], "98,2,0", 64, (500, 40, 0), seed=11)
     assert (len(train), len(valid), test) == (500, 40, None)
-    ranges = split_documents(5153, "98,2,0")
+    ranges = split_documents(LAMBADA_PASSAGES, "98,2,0")
     assert set(train.documents.tolist()) == set(ranges[0]) and set(valid.documents.tolist()) == set(ranges[1])
     blended, _, _ = build_datasets(["0.3", prefix, 0.7, str(shakespeare)], "98,2,0", 64, (2000, 0, 0), seed=11)
     assert isinstance(blended, BlendedDataset) and len(blended) == 2000

@@ -19,8 +19,6 @@ import pytest
 
 from _export_helpers import ENV, ROOT, model_dirs
 
-openai = pytest.importorskip("openai")
-
 KEY = "test-key-17"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -104,6 +102,7 @@ def _complete(url, headers=None, **body):
 
 
 def test_openai_client_plain_and_streamed_equal_generator(server, gen):
+    openai = pytest.importorskip("openai")  # the official client; the other tests need only httpx
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
     assert [m.id for m in client.models.list().data] == ["export"]
     cases = [dict(temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 20, "repetition_penalty": 1.3}),
@@ -288,6 +287,7 @@ def test_api_key(server):
         assert _complete(server.url, headers, prompt="ROMEO:", max_tokens=2).status_code == 401
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
     assert _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=2).status_code == 200
+    openai = pytest.importorskip("openai")  # the official client; the checks above need only httpx
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").completions.create(
             model="export", prompt="ROMEO:", max_tokens=2)

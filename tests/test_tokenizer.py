@@ -8,13 +8,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, wikitext_hf_rows
+from conftest import ROOT, WIKITEXT_FILE_TOKENS, WIKITEXT_HF_TOKENS, wikitext_hf_rows
 from gpt_compress.data import tokenizer as tokenizer_module
 from gpt_compress.data.errors import DataError
 from gpt_compress.data.tokenizer import Tokenizer
 
-WIKITEXT_TEST_TOKENS = 287_644  # HF rows joined with "\n\n" (shared/data/README.md)
-WIKITEXT_FILE_TOKENS = 286_221  # the raw file as one string
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,7 @@ def wikitext_text(shared_data) -> str:
 
 def test_wikitext_ids_equal_tiktoken(gpt2_tokenizer, tiktoken_gpt2, wikitext_text):
     ids = gpt2_tokenizer.encode(wikitext_text)
-    assert len(ids) == WIKITEXT_TEST_TOKENS
+    assert len(ids) == WIKITEXT_HF_TOKENS
     assert ids == tiktoken_gpt2.encode(wikitext_text)
     assert gpt2_tokenizer.decode(ids) == wikitext_text
 
