@@ -216,8 +216,13 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
 
 // Weight rows per block: the unit of work of a thread. A block's weights are read from memory
 // once for all M input rows (GEMM for M > 1: prefill, batches); int4 rows are unpacked (and
-// float-input int rows dequantized) once per block.
+// float-input int rows dequantized, AVX-512 blocks packed) once per block. AVX-512 builds take
+// blocks of 48 (gptc_gemm512.h: three registers of 16 outputs), AVX2 ones of 12 (4 x 3 tiles).
+#if defined(GPTC_F512)
+constexpr int NBLK = 48;
+#else
 constexpr int NBLK = 12;
+#endif
 
 // Float weights (NBLK or fewer rows) against all M input rows; the 4-row tiles prefetch pf_bytes
 // from pf (the next block's weights; null: none), an even part each.
@@ -225,6 +230,7 @@ inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr,
                    const float* bias, const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
   if (nr == NBLK) {
+    static_assert(NBLK % 3 == 0, "fblock's 4 x 3 tiles");
     const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, NBLK / 3 * (M / 4));
     int64_t part = 0;
     for (int s = 0; s < NBLK; s += 3) {  // 4 x 3 tiles: 12 accumulators, 7 loads per 12 fmas

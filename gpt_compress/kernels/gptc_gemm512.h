@@ -1,0 +1,253 @@
+// AVX-512 GEMM micro-kernels (M > 1: prefill, batches) for a block of NBLK512 weight rows against
+// all M input rows, compiled where the build has AVX-512 F/BW/VL (float) and AVX-512 VNNI (int8,
+// int4, W8A8). Each keeps the contract of gptc_tiles.h output by output, so its values are bitwise
+// those of the AVX2 tiles and the GEMV (tests/test_kernel_tiles.py runs both builds):
+//  - int: the block's weights are packed once per block, 4 codes of one row per 32-bit lane, 16
+//    rows a register (an output per lane), so `vpdpbusd` of an input row's 4 codes (broadcast)
+//    accumulates 16 outputs' dots at once with no horizontal sum. vpdpbusd multiplies unsigned by
+//    signed bytes: the inputs are packed as x + 128 (0..255) and each accumulator starts at the
+//    block's -128 * sum(w), so it ends at the exact int32 dot of the block. Then one convert and
+//    one fma per block, float(dot) times the scale product sx * sw, into the output's float sum,
+//    in block order; + bias at the end.
+//  - float: a register holds the 8 lanes of two input rows (packed pairs of rows, 8 k positions
+//    each) against one weight row's 8 k positions broadcast to both halves, so every output keeps
+//    the AVX2 tile's 8-lane fma order over k; then the same hsum, the scalar k tail, + bias.
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_GEMM512_H_
+#define GPTC_KERNELS_GPTC_GEMM512_H_
+
+#include "gptc_tiles.h"
+
+namespace {
+
+#if defined(GPTC_F512)
+// Weight rows of one block (NBLK, gptc_tiles.h): three registers of 16 outputs (int), twelve
+// passes of 4 rows (float).
+constexpr int NBLK512 = NBLK;
+static_assert(NBLK512 == 48, "three registers of 16 outputs");
+
+// ------------------------------------------------------------------ float
+// xp: the M input rows in pairs, (M+1)/2 x (K/8) x 16 floats: chunk c of pair p holds row 2p's
+// k = 8c..8c+7 then row 2p+1's (zeros for the missing row of an odd M). Only the K/8 full chunks:
+// the k tail is read from x itself.
+inline void pack_pairs_f(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t kc = K / 8;
+  for (int64_t p = 0; p < (M + 1) / 2; ++p) {
+    const float* r0 = x + 2 * p * K;
+    const float* r1 = 2 * p + 1 < M ? r0 + K : nullptr;
+    float* d = xp + p * kc * 16;
+    for (int64_t c = 0; c < kc; ++c) {
+      _mm256_storeu_ps(d + 16 * c, _mm256_loadu_ps(r0 + 8 * c));
+      _mm256_storeu_ps(d + 16 * c + 8, r1 ? _mm256_loadu_ps(r1 + 8 * c) : _mm256_setzero_ps());
+    }
+  }
+}
+
+// PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart): y[m][n] (ldy apart),
+// rows past M skipped.
+template <int PR, int NR>
+inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, const float* w, float* y,
+                     int64_t ldy, const float* bias) {
+  const int64_t kc = K / 8;
+  __m512 acc[PR][NR];
+  GPTC_UNROLL for (int p = 0; p < PR; ++p)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[p][n] = _mm512_setzero_ps();
+  const float* xb = xp + (m0 / 2) * kc * 16;
+  for (int64_t c = 0; c < kc; ++c) {
+    __m512 wv[NR];
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      wv[n] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(w + n * K + 8 * c))));
+      GPTC_PIN(wv[n]);
+    }
+    GPTC_UNROLL for (int p = 0; p < PR; ++p) {
+      __m512 xv = _mm512_loadu_ps(xb + (p * kc + c) * 16);
+      GPTC_PIN(xv);
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[p][n] = _mm512_fmadd_ps(xv, wv[n], acc[p][n]);
+    }
+  }
+  const int64_t k = kc * 8;
+  GPTC_UNROLL for (int p = 0; p < PR; ++p)
+    GPTC_UNROLL for (int h = 0; h < 2; ++h) {
+      const int64_t m = m0 + 2 * p + h;
+      if (m >= M) continue;
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+        const __m256 a = h ? _mm512_extractf32x8_ps(acc[p][n], 1) : _mm512_castps512_ps256(acc[p][n]);
+        float s = hsum(a);
+        for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * K + kk], w[n * K + kk], s);
+        y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
+      }
+    }
+}
+
+// Float weights (nr <= NBLK512 rows, K apart) against all M input rows x (M, K) into y (M, ldy).
+inline void fblock512(const float* x, int64_t M, int64_t K, const float* w, int nr, float* y, int64_t ldy,
+                      const float* bias, float* xp) {
+  pack_pairs_f(x, M, K, xp);
+  constexpr int PR = 4, NR = 4;  // 8 rows x 4 weight rows: 16 accumulators, 8 loads per 16 fmas
+  auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
+  // Rows in panels of about 256 KB of inputs (a multiple of 8 rows), each panel through all the
+  // block's weight rows: the panel stays in L2 while the weights pass over it.
+  const int64_t panel = std::max<int64_t>(8, ((256 << 10) / (4 * K)) / 8 * 8);
+  for (int64_t m0 = 0; m0 < M; m0 += panel) {
+    const int64_t m1 = std::min(M, m0 + panel);
+    int n = 0;
+    for (; n + NR <= nr; n += NR) {
+      int64_t m = m0;
+      for (; m + 2 * PR <= m1; m += 2 * PR) ftile512<PR, NR>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+      for (; m < m1; m += 2) ftile512<1, NR>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+    }
+    for (; n < nr; ++n) {
+      int64_t m = m0;
+      for (; m + 2 * PR <= m1; m += 2 * PR) ftile512<PR, 1>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+      for (; m < m1; m += 2) ftile512<1, 1>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+    }
+  }
+}
+#endif
+
+#if defined(GPTC_VNNI512)
+// ------------------------------------------------------------------ int (VNNI)
+// A block of int weight rows packed for the micro-kernel: codes (K/4) x NBLK512 x 4 bytes (group g
+// of row n at (g * NBLK512 + n) * 4; rows past nr zero), bias0 nb x NBLK512 int32 (-128 * the
+// block's code sum of each row: the accumulators' start), scales nb x NBLK512 (transposed).
+struct Packed512 {
+  int8_t* codes;
+  int32_t* start;
+  float* sw;
+};
+
+// r[i] (16 int32 each) -> r[j] holding element j of every r[i] (lane i): a 16 x 16 transpose in
+// four rounds of unpacks and 128-bit shuffles.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: rows 4i..4i+3 at element 4L + j
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+
+// Rows q[0..nr) (int8 codes, int4 rows unpacked by the caller; K % 4 == 0, blk % 4 == 0) with
+// scales sw[n] (nb a row): 16 rows x 16 groups at a time, transposed in registers.
+inline void pack_block512(const int8_t* const* q, const float* const* sw, int nr, int64_t K, int64_t nb,
+                          int64_t blk, Packed512 pk) {
+  int32_t* codes = reinterpret_cast<int32_t*>(pk.codes);
+  const int64_t G = K / 4;  // 4-code groups a row
+  for (int jb = 0; jb < NBLK512 / 16; ++jb)
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int take = int(std::min<int64_t>(16, G - g0));
+      const __mmask16 mk = take == 16 ? __mmask16(0xFFFF) : __mmask16((1u << take) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int n = 16 * jb + i;
+        r[i] = n < nr ? _mm512_maskz_loadu_epi32(mk, q[n] + 4 * g0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int j = 0; j < take; ++j) _mm512_storeu_si512(codes + (g0 + j) * NBLK512 + 16 * jb, r[j]);
+    }
+  // Each accumulator's start: -128 * the row's code sum over the block (vpdpbusd of 128s).
+  const __m512i c128 = _mm512_set1_epi8(char(0x80));
+  const int64_t gpb = blk / 4;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int jb = 0; jb < NBLK512 / 16; ++jb) {
+      __m512i s = _mm512_setzero_si512();
+      for (int64_t g = b * gpb; g < (b + 1) * gpb; ++g)
+        s = _mm512_dpbusd_epi32(s, c128, _mm512_loadu_si512(codes + g * NBLK512 + 16 * jb));
+      _mm512_storeu_si512(pk.start + b * NBLK512 + 16 * jb, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    }
+  for (int n = 0; n < NBLK512; ++n)
+    for (int64_t b = 0; b < nb; ++b) pk.sw[b * NBLK512 + n] = n < nr ? sw[n][b] : 0.f;
+}
+
+// The int8 inputs as vpdpbusd's unsigned operand: x + 128 (0..255), (M, K).
+inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  int64_t i = 0, n = M * K;
+  for (; i + 64 <= n; i += 64)
+    _mm512_storeu_si512(xu + i, _mm512_xor_si512(_mm512_loadu_si512(xq + i), flip));
+  for (; i < n; ++i) xu[i] = uint8_t(xq[i] ^ 0x80);
+}
+
+// MR input rows (m0..) x the block's 48 rows: y[m][n] for n < nr (ldy apart).
+template <int MR>
+inline void itile512(const uint8_t* xu, const float* sx, int64_t m0, int64_t K, int64_t nb, int64_t blk,
+                     const Packed512& pk, int nr, float* y, int64_t ldy, const float* bias) {
+  constexpr int J = NBLK512 / 16;
+  __m512 acc[MR][J];
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int32_t* codes = reinterpret_cast<const int32_t*>(pk.codes);
+  const int64_t gpb = blk / 4;  // 4-code groups per block
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i d[MR][J];
+    GPTC_UNROLL for (int j = 0; j < J; ++j) {
+      const __m512i s = _mm512_loadu_si512(pk.start + b * NBLK512 + 16 * j);
+      GPTC_UNROLL for (int r = 0; r < MR; ++r) d[r][j] = s;
+    }
+    const int32_t* cb = codes + b * gpb * NBLK512;
+    for (int64_t g = 0; g < gpb; ++g) {
+      __m512i wv[J];
+      GPTC_UNROLL for (int j = 0; j < J; ++j) {
+        wv[j] = _mm512_loadu_si512(cb + g * NBLK512 + 16 * j);
+        GPTC_PIN(wv[j]);
+      }
+      GPTC_UNROLL for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, xu + (m0 + r) * K + b * blk + 4 * g, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+        GPTC_UNROLL for (int j = 0; j < J; ++j) d[r][j] = _mm512_dpbusd_epi32(d[r][j], xv, wv[j]);
+      }
+    }
+    GPTC_UNROLL for (int j = 0; j < J; ++j) {
+      const __m512 ws = _mm512_loadu_ps(pk.sw + b * NBLK512 + 16 * j);
+      GPTC_UNROLL for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][j]),
+                                    _mm512_mul_ps(_mm512_set1_ps(sx[(m0 + r) * nb + b]), ws), acc[r][j]);
+    }
+  }
+  const __mmask16 all = 0xFFFF;
+  GPTC_UNROLL for (int r = 0; r < MR; ++r)
+    GPTC_UNROLL for (int j = 0; j < J; ++j) {
+      const int left = nr - 16 * j;
+      if (left <= 0) continue;
+      const __mmask16 k = left >= 16 ? all : __mmask16((1u << left) - 1);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + 16 * j) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(y + (m0 + r) * ldy + 16 * j, k, _mm512_add_ps(acc[r][j], bv));
+    }
+}
+
+// Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows.
+inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                      const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
+                      const float* bias, Packed512 pk, uint8_t* xu) {
+  pack_block512(q, sw, nr, K, nb, blk, pk);
+  pack_u8(xq, M, K, xu);
+  constexpr int MR = 4;  // 4 rows x 48 outputs: 12 int32 + 12 float accumulators, 7 loads per 12 dpbusd
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) itile512<MR>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias);
+  switch (M - m) {
+    case 3: itile512<3>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias); break;
+    case 2: itile512<2>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias); break;
+    case 1: itile512<1>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias); break;
+    default: break;
+  }
+}
+#endif
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_GEMM512_H_
