@@ -173,6 +173,14 @@ inline void pack_block512(const int8_t* const* q, const float* const* sw, int nr
     for (int64_t b = 0; b < nb; ++b) pk.sw[b * NBLK512 + n] = n < nr ? sw[n][b] : 0.f;
 }
 
+// acc += vpdpbusd(u, s) in place. As an asm: GCC's intrinsic (its accumulator a tied operand)
+// made it copy every accumulator into another register and back on each step of the loop.
+// A macro, not a function: an accumulator passed by reference lived in memory.
+#define GPTC_DPBUSD512(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
+
+thread_local std::vector<uint8_t> t_zero_row;  // K bytes of 128 (x = 0): the rows past M of a tile
+thread_local std::vector<float> t_zero_scales;
+
 // The int8 inputs as vpdpbusd's unsigned operand: x + 128 (0..255), (M, K).
 inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
   const __m512i flip = _mm512_set1_epi8(char(0x80));
@@ -182,68 +190,104 @@ inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
   for (; i < n; ++i) xu[i] = uint8_t(xq[i] ^ 0x80);
 }
 
-// MR input rows (m0..) x the block's 48 rows: y[m][n] for n < nr (ldy apart).
-template <int MR>
-inline void itile512(const uint8_t* xu, const float* sx, int64_t m0, int64_t K, int64_t nb, int64_t blk,
-                     const Packed512& pk, int nr, float* y, int64_t ldy, const float* bias) {
-  constexpr int J = NBLK512 / 16;
-  __m512 acc[MR][J];
-  GPTC_UNROLL for (int r = 0; r < MR; ++r)
-    GPTC_UNROLL for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+// 4 input rows (codes + 128 at xr[r], scales sr[r] nb apart) x the block's 48 weight rows: yr[r][0..48)
+// (the lanes past nr hold the zero rows' values, never read). Registers: the 12 int32
+// accumulators of a block (zmm16-27), the 12 float sums (zmm4-15), the block's 3 weight vectors
+// and one broadcast input. The accumulators are named, not an array (an array of them stayed in
+// memory), and pinned (GCC's allocator otherwise copied some to a scratch register and back
+// around each vpdpbusd).
+inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t nb, int64_t blk, const Packed512& pk,
+                     float* const* yr, const float* bias) {
+  static_assert(NBLK512 == 48, "three registers of 16 outputs");
   const int32_t* codes = reinterpret_cast<const int32_t*>(pk.codes);
   const int64_t gpb = blk / 4;  // 4-code groups per block
+  const uint8_t *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+  register __m512 f00 asm("zmm4") = _mm512_setzero_ps(), f01 asm("zmm5") = f00, f02 asm("zmm6") = f00;
+  register __m512 f10 asm("zmm7") = f00, f11 asm("zmm8") = f00, f12 asm("zmm9") = f00;
+  register __m512 f20 asm("zmm10") = f00, f21 asm("zmm11") = f00, f22 asm("zmm12") = f00;
+  register __m512 f30 asm("zmm13") = f00, f31 asm("zmm14") = f00, f32 asm("zmm15") = f00;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i d[MR][J];
-    GPTC_UNROLL for (int j = 0; j < J; ++j) {
-      const __m512i s = _mm512_loadu_si512(pk.start + b * NBLK512 + 16 * j);
-      GPTC_UNROLL for (int r = 0; r < MR; ++r) d[r][j] = s;
-    }
+    const int32_t* st = pk.start + b * NBLK512;
+    register __m512i d00 asm("zmm16") = _mm512_loadu_si512(st), d01 asm("zmm17") = _mm512_loadu_si512(st + 16);
+    register __m512i d02 asm("zmm18") = _mm512_loadu_si512(st + 32);
+    register __m512i d10 asm("zmm19") = d00, d11 asm("zmm20") = d01, d12 asm("zmm21") = d02;
+    register __m512i d20 asm("zmm22") = d00, d21 asm("zmm23") = d01, d22 asm("zmm24") = d02;
+    register __m512i d30 asm("zmm25") = d00, d31 asm("zmm26") = d01, d32 asm("zmm27") = d02;
     const int32_t* cb = codes + b * gpb * NBLK512;
-    for (int64_t g = 0; g < gpb; ++g) {
-      __m512i wv[J];
-      GPTC_UNROLL for (int j = 0; j < J; ++j) {
-        wv[j] = _mm512_loadu_si512(cb + g * NBLK512 + 16 * j);
-        GPTC_PIN(wv[j]);
-      }
-      GPTC_UNROLL for (int r = 0; r < MR; ++r) {
-        int32_t four;
-        std::memcpy(&four, xu + (m0 + r) * K + b * blk + 4 * g, 4);
-        const __m512i xv = _mm512_set1_epi32(four);
-        GPTC_UNROLL for (int j = 0; j < J; ++j) d[r][j] = _mm512_dpbusd_epi32(d[r][j], xv, wv[j]);
-      }
-    }
-    GPTC_UNROLL for (int j = 0; j < J; ++j) {
-      const __m512 ws = _mm512_loadu_ps(pk.sw + b * NBLK512 + 16 * j);
-      GPTC_UNROLL for (int r = 0; r < MR; ++r)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][j]),
-                                    _mm512_mul_ps(_mm512_set1_ps(sx[(m0 + r) * nb + b]), ws), acc[r][j]);
-    }
+    const int64_t o = b * blk;
+    for (int64_t g = 0; g < gpb; ++g, cb += NBLK512) {
+      const __m512i w0 = _mm512_loadu_si512(cb), w1 = _mm512_loadu_si512(cb + 16), w2 = _mm512_loadu_si512(cb + 32);
+      int32_t f;
+#define GPTC_ROW4(x, a0, a1, a2)             \
+  {                                          \
+    std::memcpy(&f, x + o + 4 * g, 4);       \
+    const __m512i xv = _mm512_set1_epi32(f); \
+    GPTC_DPBUSD512(a0, xv, w0);              \
+    GPTC_DPBUSD512(a1, xv, w1);              \
+    GPTC_DPBUSD512(a2, xv, w2);              \
   }
-  const __mmask16 all = 0xFFFF;
-  GPTC_UNROLL for (int r = 0; r < MR; ++r)
-    GPTC_UNROLL for (int j = 0; j < J; ++j) {
-      const int left = nr - 16 * j;
-      if (left <= 0) continue;
-      const __mmask16 k = left >= 16 ? all : __mmask16((1u << left) - 1);
-      const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + 16 * j) : _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(y + (m0 + r) * ldy + 16 * j, k, _mm512_add_ps(acc[r][j], bv));
+      GPTC_ROW4(x0, d00, d01, d02)
+      GPTC_ROW4(x1, d10, d11, d12)
+      GPTC_ROW4(x2, d20, d21, d22)
+      GPTC_ROW4(x3, d30, d31, d32)
+#undef GPTC_ROW4
     }
+    const float* ws = pk.sw + b * NBLK512;
+    const __m512 w0 = _mm512_loadu_ps(ws), w1 = _mm512_loadu_ps(ws + 16), w2 = _mm512_loadu_ps(ws + 32);
+#define GPTC_FMA4(r, a0, a1, a2, s0, s1, s2)                                              \
+  {                                                                                       \
+    const __m512 xs = _mm512_set1_ps(sr[r][b]);                                           \
+    s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(xs, w0), s0);              \
+    s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(xs, w1), s1);              \
+    s2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_mul_ps(xs, w2), s2);              \
+  }
+    GPTC_FMA4(0, d00, d01, d02, f00, f01, f02)
+    GPTC_FMA4(1, d10, d11, d12, f10, f11, f12)
+    GPTC_FMA4(2, d20, d21, d22, f20, f21, f22)
+    GPTC_FMA4(3, d30, d31, d32, f30, f31, f32)
+#undef GPTC_FMA4
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  const __m512 b2 = bias ? _mm512_loadu_ps(bias + 32) : _mm512_setzero_ps();
+  const __m512 out[4][3] = {{f00, f01, f02}, {f10, f11, f12}, {f20, f21, f22}, {f30, f31, f32}};
+  GPTC_UNROLL for (int r = 0; r < 4; ++r) {
+    _mm512_storeu_ps(yr[r], _mm512_add_ps(out[r][0], b0));
+    _mm512_storeu_ps(yr[r] + 16, _mm512_add_ps(out[r][1], b1));
+    _mm512_storeu_ps(yr[r] + 32, _mm512_add_ps(out[r][2], b2));
+  }
 }
 
-// Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows.
+// Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows
+// into y (M rows ldy >= 48 apart, all 48 lanes written).
 inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
                       const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
                       const float* bias, Packed512 pk, uint8_t* xu) {
   pack_block512(q, sw, nr, K, nb, blk, pk);
   pack_u8(xq, M, K, xu);
-  constexpr int MR = 4;  // 4 rows x 48 outputs: 12 int32 + 12 float accumulators, 7 loads per 12 dpbusd
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) itile512<MR>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias);
-  switch (M - m) {
-    case 3: itile512<3>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias); break;
-    case 2: itile512<2>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias); break;
-    case 1: itile512<1>(xu, sx, m, K, nb, blk, pk, nr, y, ldy, bias); break;
-    default: break;
+  // The bias of the block's 48 outputs (zeros past nr), so the tiles read whole registers.
+  alignas(64) float bias48[NBLK512];
+  for (int n = 0; n < NBLK512; ++n) bias48[n] = bias && n < nr ? bias[n] : 0.f;
+  const float* bz = bias ? bias48 : nullptr;
+  // 4 rows x 48 outputs: 12 int32 accumulators, 7 loads per 12 vpdpbusd. The rows past M (the
+  // last tile of an M not a multiple of 4) read a row of 128s (x = 0) with zero scales into a
+  // row of their own, not y.
+  alignas(64) float spare[NBLK512];
+  std::vector<uint8_t>& zx = t_zero_row;
+  if (int64_t(zx.size()) < K) zx.assign(size_t(K), 0x80);
+  std::vector<float>& zs = t_zero_scales;
+  if (int64_t(zs.size()) < nb) zs.assign(size_t(nb), 0.f);
+  for (int64_t m = 0; m < M; m += 4) {
+    const uint8_t* xr[4];
+    const float* sr[4];
+    float* yr[4];
+    for (int r = 0; r < 4; ++r) {
+      const bool real = m + r < M;
+      xr[r] = real ? xu + (m + r) * K : zx.data();
+      sr[r] = real ? sx + (m + r) * nb : zs.data();
+      yr[r] = real ? y + (m + r) * ldy : spare;
+    }
+    itile512(xr, sr, nb, blk, pk, yr, bz);
   }
 }
 #endif

@@ -26,7 +26,13 @@ namespace {
 // folds the loads into the fmas as memory operands, one load per fma instead of one per row:
 // a 4x3 float tile then issues 16 loads per 12 fmas and is load-bound (44 vs 69 GFLOP/s on one
 // core of the AMD EPYC here; the 4x3 int8 tile 57 -> 62). The values are the same.
+// "v": any vector register, the 32 of AVX-512 included ("x", the first 16 only, made GCC copy
+// AVX-512 accumulators between register halves on every step).
+#if defined(__AVX512F__)
+#define GPTC_PIN(v) __asm__("" : "+v"(v))
+#else
 #define GPTC_PIN(v) __asm__("" : "+x"(v))
+#endif
 
 // Software prefetch of the next weight block while a block computes (M > 1, linear_block):
 // `lines` cache lines from p, spread evenly over a tile's `steps` k steps (a burst of them at
