@@ -32,7 +32,8 @@ dynamically, and sections are timed by thread 0: when it arrives late the other 
 done a section's work already, so a section's *fastest* call can be near zero; read the means.
 
 ``--roofline`` instead times the matrix kernels standalone, on one thread, against the host's own
-peak (the ops library's ``gptc_bench_*`` C functions, kernels/gptc_bench.h):
+peak (the ops library's ``gptc_bench_*`` C functions, kernels/gptc_bench.h), in the thread's CPU
+time (a call that another process preempts is not charged for the time it waited):
 
     python bench/kernels.py --roofline                       # gpt-bench and gpt-345M, M = 1..256
     python bench/kernels.py --roofline --presets gpt-bench --ms 1,64 --formats int8
@@ -168,7 +169,7 @@ def block_shapes(c: int) -> dict:
 
 def _peak(lib, kind: int, seconds: float) -> float:
     """GMAC/s of one peak loop of about ``seconds``."""
-    iters = max(100, int(seconds * 1e9 / 12 / 64))  # ~64 multiply-adds a ns: a short loop on any host
+    iters = max(100, int(seconds * 1e9 / 12 / 16))  # ~16 instructions a ns: about `seconds` on most hosts
     return lib.gptc_bench_peak(kind, iters) / 1e9
 
 

@@ -1,10 +1,12 @@
 // Standalone timing of the matrix kernels for bench/kernels.py (--roofline), as plain C functions
 // it calls through ctypes on the loaded library: the host's peak rate of each instruction the
 // kernels multiply with (a tight loop of independent chains), and one Linear (M, N, K) of the
-// fused ops' own code on the calling thread, repeated.
+// fused ops' own code on the calling thread, repeated; times are the thread's CPU time.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_BENCH_H_
 #define GPTC_KERNELS_GPTC_BENCH_H_
+
+#include <time.h>
 
 #include <random>
 
@@ -12,8 +14,12 @@
 
 namespace {
 
+// The calling thread's CPU time: on a shared machine a call long enough to be preempted is not
+// charged for the time another process ran.
 inline double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
 }
 
 // 12 independent chains, 12 instructions an iteration (enough chains to cover the latency of

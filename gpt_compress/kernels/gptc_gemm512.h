@@ -16,6 +16,8 @@
 #ifndef GPTC_KERNELS_GPTC_GEMM512_H_
 #define GPTC_KERNELS_GPTC_GEMM512_H_
 
+#include <type_traits>
+
 #include "gptc_tiles.h"
 
 namespace {
@@ -80,27 +82,30 @@ inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int
 }
 
 // Float weights (nr <= NBLK512 rows, K apart) against all M input rows x (M, K) into y (M, ldy).
-inline void fblock512(const float* x, int64_t M, int64_t K, const float* w, int nr, float* y, int64_t ldy,
-                      const float* bias, float* xp) {
-  pack_pairs_f(x, M, K, xp);
-  constexpr int PR = 4, NR = 4;  // 8 rows x 4 weight rows: 16 accumulators, 8 loads per 16 fmas
+// xp: x packed by pack_pairs_f (once per Linear, not per block: repacking per block moves about
+// as many bytes as the tiles read).
+inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, const float* w, int nr, float* y,
+                      int64_t ldy, const float* bias) {
+  // 12 rows (6 pairs) x 4 weight rows: 24 accumulators, 10 loads per 24 fmas. A tile of rows
+  // stays in L1 while the block's weight rows pass over it (4 broadcasts of 32 bytes per 24 fmas
+  // from L2), the tiles in row order.
+  constexpr int NR = 4;
   auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
-  // Rows in panels of about 256 KB of inputs (a multiple of 8 rows), each panel through all the
-  // block's weight rows: the panel stays in L2 while the weights pass over it.
-  const int64_t panel = std::max<int64_t>(8, ((256 << 10) / (4 * K)) / 8 * 8);
-  for (int64_t m0 = 0; m0 < M; m0 += panel) {
-    const int64_t m1 = std::min(M, m0 + panel);
+  auto tiles = [&](auto pr, int64_t m) {
+    constexpr int PR = decltype(pr)::value;
     int n = 0;
-    for (; n + NR <= nr; n += NR) {
-      int64_t m = m0;
-      for (; m + 2 * PR <= m1; m += 2 * PR) ftile512<PR, NR>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
-      for (; m < m1; m += 2) ftile512<1, NR>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
-    }
-    for (; n < nr; ++n) {
-      int64_t m = m0;
-      for (; m + 2 * PR <= m1; m += 2 * PR) ftile512<PR, 1>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
-      for (; m < m1; m += 2) ftile512<1, 1>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
-    }
+    for (; n + NR <= nr; n += NR) ftile512<PR, NR>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+    for (; n < nr; ++n) ftile512<PR, 1>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+  };
+  int64_t m = 0;
+  for (; m + 12 <= M; m += 12) tiles(std::integral_constant<int, 6>(), m);
+  switch ((M - m + 1) / 2) {  // the pairs left (the last one half empty for an odd M)
+    case 5: tiles(std::integral_constant<int, 5>(), m); break;
+    case 4: tiles(std::integral_constant<int, 4>(), m); break;
+    case 3: tiles(std::integral_constant<int, 3>(), m); break;
+    case 2: tiles(std::integral_constant<int, 2>(), m); break;
+    case 1: tiles(std::integral_constant<int, 1>(), m); break;
+    default: break;
   }
 }
 #endif
@@ -173,9 +178,9 @@ inline void pack_block512(const int8_t* const* q, const float* const* sw, int nr
     for (int64_t b = 0; b < nb; ++b) pk.sw[b * NBLK512 + n] = n < nr ? sw[n][b] : 0.f;
 }
 
-// acc += vpdpbusd(u, s) in place. As an asm: GCC's intrinsic (its accumulator a tied operand)
-// made it copy every accumulator into another register and back on each step of the loop.
-// A macro, not a function: an accumulator passed by reference lived in memory.
+// acc += vpdpbusd(u, s) in place. An asm, because with GCC's intrinsic (its accumulator a tied
+// operand) the allocator copies accumulators into another register and back on each step; a
+// macro, not a function, because an accumulator passed by reference lives in memory.
 #define GPTC_DPBUSD512(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
 
 thread_local std::vector<uint8_t> t_zero_row;  // K bytes of 128 (x = 0): the rows past M of a tile
@@ -193,8 +198,8 @@ inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
 // 4 input rows (codes + 128 at xr[r], scales sr[r] nb apart) x the block's 48 weight rows: yr[r][0..48)
 // (the lanes past nr hold the zero rows' values, never read). Registers: the 12 int32
 // accumulators of a block (zmm16-27), the 12 float sums (zmm4-15), the block's 3 weight vectors
-// and one broadcast input. The accumulators are named, not an array (an array of them stayed in
-// memory), and pinned (GCC's allocator otherwise copied some to a scratch register and back
+// and one broadcast input. The accumulators are named, not an array (an array of them stays in
+// memory), and pinned (GCC's allocator otherwise copies some to a scratch register and back
 // around each vpdpbusd).
 inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t nb, int64_t blk, const Packed512& pk,
                      float* const* yr, const float* bias) {
@@ -259,12 +264,11 @@ inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t n
 }
 
 // Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows
-// into y (M rows ldy >= 48 apart, all 48 lanes written).
+// (xu: xq packed by pack_u8, once per Linear) into y (M rows ldy >= 48 apart, all 48 lanes written).
 inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
                       const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
-                      const float* bias, Packed512 pk, uint8_t* xu) {
+                      const float* bias, Packed512 pk, const uint8_t* xu) {
   pack_block512(q, sw, nr, K, nb, blk, pk);
-  pack_u8(xq, M, K, xu);
   // The bias of the block's 48 outputs (zeros past nr), so the tiles read whole registers.
   alignas(64) float bias48[NBLK512];
   for (int n = 0; n < NBLK512; ++n) bias48[n] = bias && n < nr ? bias[n] : 0.f;

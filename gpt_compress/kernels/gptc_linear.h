@@ -149,11 +149,39 @@ In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, cons
   return in;
 }
 
+// The inputs of a Linear as the AVX-512 micro-kernels read them (M > 1), made by the calling
+// thread into its scratch once per Linear call that runs in blocks (not the GEMV): float inputs in
+// pairs of rows (xp), int8 ones + 128 (xu). Null where the build has no such kernel.
+struct Packs {
+  const float* xp = nullptr;
+  const uint8_t* xu = nullptr;
+};
+inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
+  Packs p;
+#if defined(GPTC_F512)
+  if (in.xq == nullptr) {  // float inputs (float weights, or int ones dequantized)
+    float* xp = grow(sc.xp, size_t((M + 1) * L.k));
+    pack_pairs_f(in.x, M, L.k, xp);
+    p.xp = xp;
+  }
+#if defined(GPTC_VNNI512)
+  if (in.xq != nullptr) {
+    uint8_t* xu = grow(sc.xu, size_t(M * L.k));
+    pack_u8(in.xq, M, L.k, xu);
+    p.xu = xu;
+  }
+#endif
+#else
+  (void)L, (void)in, (void)M, (void)sc;
+#endif
+  return p;
+}
+
 // Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
 // then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
 // may be y itself: each value is read before it is written, by the thread that writes it).
-void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, float* y, int64_t ldy,
-                  const float* res, int act, Scratch& sc) {
+void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int64_t n0, int nr, float* y,
+                  int64_t ldy, const float* res, int act, Scratch& sc) {
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   float* t = grow(sc.tile, size_t(M * NBLK));
@@ -180,7 +208,7 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   // Float rows against all M inputs (AVX-512 builds: the pair micro-kernel, bitwise fblock's values).
   auto floats = [&](const float* w) {
 #if defined(GPTC_F512)
-    fblock512(in.x, M, K, w, nr, t, NBLK, bias, grow(sc.xp, size_t((M + 1) * K)));
+    fblock512(in.x, pk_in.xp, M, K, w, nr, t, NBLK, bias);
 #else
     fblock(in.x, M, K, w, nr, t, NBLK, bias, pf, pf_bytes);
 #endif
@@ -204,7 +232,7 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
         const int64_t nb = K / L.blk;
         const Packed512 pk{grow(sc.pk_codes, size_t(K * NBLK)), grow(sc.pk_start, size_t(nb * NBLK)),
                            grow(sc.pk_sw, size_t(nb * NBLK))};
-        iblock512(in.xq, in.sx, M, K, nb, L.blk, q, sw, nr, t, NBLK, bias, pk, grow(sc.xu, size_t(M * K)));
+        iblock512(in.xq, in.sx, M, K, nb, L.blk, q, sw, nr, t, NBLK, bias, pk, pk_in.xu);
       } else
 #endif
       iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias, pf, pf_bytes);
@@ -220,7 +248,7 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   const bool whole = act >= 0 && nr == NBLK;
   if (whole) activate(t, M * NBLK, act);
 #if defined(__AVX2__)
-  if (nr == NBLK) {  // whole rows: 8- and 4-lane moves (a memcpy call each cost ~1 ms a prefill)
+  if (nr == NBLK) {  // whole rows: 8- and 4-lane moves (a memcpy call per row costs more than the copy)
     static_assert(NBLK % 4 == 0, "the row moves below are 8 and 4 values");
     for (int64_t m = 0; m < M; ++m) {
       const float* tm = t + m * NBLK;
