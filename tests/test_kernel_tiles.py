@@ -40,8 +40,11 @@ LAYERS = {
     # W8A8: one calibrated input scale, weights per channel (blocks of 64, 32, 160 codes)
     "w8a8": (8, 64, 16, 160, 0.05),
 }
-HEADS_BITS = {"head_fp32": 32, "head_int8": 8, "head_int4": 4}
-FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32")  # float dot products (the rest: exact int32 dots)
+# name -> (bits, K): K = 640 runs the AVX-512 tiles' k range in two chunks (gptc_gemm512.h: 512 codes
+# or floats a chunk)
+HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96), "head_fp32_long_k": (32, 640),
+              "head_int8_long_k": (8, 640), "head_int4_long_k": (4, 640)}
+FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k")  # float dot products (the rest: exact int32 dots)
 
 
 @contextlib.contextmanager
@@ -127,13 +130,13 @@ def layer_case(ops, name: str) -> np.ndarray:
 def head_case(ops, name: str) -> np.ndarray:
     """gptc_head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
     one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
-    then one), after asserting that 17, 8, 7 and 2 of the rows and each row alone give bitwise
+    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 17, 8, 7 and 2 of the rows and each row alone give bitwise
     the same logits, and that they are near the float64 product of the dequantized weights."""
     import paddle
 
-    bits = HEADS_BITS[name]
-    rng = np.random.default_rng(bits)
-    v, c = 101, 96
+    bits, c = HEADS_BITS[name]
+    rng = np.random.default_rng(bits + c)
+    v = 101
     if bits == 32:
         wf = (rng.standard_normal((v, c)) / np.sqrt(c)).astype(np.float32)
         w, scales, deq = paddle.to_tensor(wf), np.zeros([1], np.float32), wf.astype(np.float64)

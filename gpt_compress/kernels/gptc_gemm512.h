@@ -47,15 +47,21 @@ inline void pack_pairs_f(const float* x, int64_t M, int64_t K, float* xp) {
 
 // PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart): y[m][n] (ldy apart),
 // rows past M skipped.
+// PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart), the 8-float k steps
+// [c0, c1) of kc = K / 8: the accumulators start at zero (c0 == 0) or at the values slot holds
+// from the steps before (pair p, weight row n at slot + (p * NBLK512 + n) * 16: an exact store
+// and load), and after the last step (c1 == kc) y[m][n] (ldy apart) gets hsum, the k tail and
+// + bias; rows past M skipped.
 template <int PR, int NR>
-inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, const float* w, float* y,
-                     int64_t ldy, const float* bias) {
+inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, int64_t c0, int64_t c1,
+                     const float* w, float* slot, float* y, int64_t ldy, const float* bias) {
   const int64_t kc = K / 8;
   __m512 acc[PR][NR];
   GPTC_UNROLL for (int p = 0; p < PR; ++p)
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[p][n] = _mm512_setzero_ps();
+    GPTC_UNROLL for (int n = 0; n < NR; ++n)
+      acc[p][n] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(slot + (p * NBLK512 + n) * 16);
   const float* xb = xp + (m0 / 2) * kc * 16;
-  for (int64_t c = 0; c < kc; ++c) {
+  for (int64_t c = c0; c < c1; ++c) {
     __m512 wv[NR];
     GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       wv[n] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(w + n * K + 8 * c))));
@@ -66,6 +72,11 @@ inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int
       GPTC_PIN(xv);
       GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[p][n] = _mm512_fmadd_ps(xv, wv[n], acc[p][n]);
     }
+  }
+  if (c1 < kc) {
+    GPTC_UNROLL for (int p = 0; p < PR; ++p)
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) _mm512_storeu_ps(slot + (p * NBLK512 + n) * 16, acc[p][n]);
+    return;
   }
   const int64_t k = kc * 8;
   GPTC_UNROLL for (int p = 0; p < PR; ++p)
@@ -83,29 +94,36 @@ inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int
 
 // Float weights (nr <= NBLK512 rows, K apart) against all M input rows x (M, K) into y (M, ldy).
 // xp: x packed by pack_pairs_f (once per Linear, not per block: repacking per block moves about
-// as many bytes as the tiles read).
+// as many bytes as the tiles read); slots: (M + 1) / 2 * NBLK512 * 16 floats of scratch.
 inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, const float* w, int nr, float* y,
-                      int64_t ldy, const float* bias) {
-  // 12 rows (6 pairs) x 4 weight rows: 24 accumulators, 10 loads per 24 fmas. A tile of rows
-  // stays in L1 while the block's weight rows pass over it (4 broadcasts of 32 bytes per 24 fmas
-  // from L2), the tiles in row order.
+                      int64_t ldy, const float* bias, float* slots) {
+  // 12 rows (6 pairs) x 4 weight rows: 24 accumulators, 10 loads per 24 fmas. The k steps in
+  // chunks of 24 KB of a tile's inputs, so a tile's chunk stays in L1 while the block's weight
+  // rows pass over it (4 broadcasts of 32 bytes per 24 fmas, from L2); the accumulators wait in
+  // slots between chunks.
   constexpr int NR = 4;
+  const int64_t kc = K / 8, chunk = std::max<int64_t>(1, (24 << 10) / (12 * 32));
   auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
-  auto tiles = [&](auto pr, int64_t m) {
+  auto tiles = [&](auto pr, int64_t m, int64_t c0, int64_t c1) {
     constexpr int PR = decltype(pr)::value;
+    float* sl = slots + (m / 2) * NBLK512 * 16;
     int n = 0;
-    for (; n + NR <= nr; n += NR) ftile512<PR, NR>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
-    for (; n < nr; ++n) ftile512<PR, 1>(xp, x, m, M, K, w + n * K, y + n, ldy, b_at(n));
+    for (; n + NR <= nr; n += NR)
+      ftile512<PR, NR>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
+    for (; n < nr; ++n) ftile512<PR, 1>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
   };
-  int64_t m = 0;
-  for (; m + 12 <= M; m += 12) tiles(std::integral_constant<int, 6>(), m);
-  switch ((M - m + 1) / 2) {  // the pairs left (the last one half empty for an odd M)
-    case 5: tiles(std::integral_constant<int, 5>(), m); break;
-    case 4: tiles(std::integral_constant<int, 4>(), m); break;
-    case 3: tiles(std::integral_constant<int, 3>(), m); break;
-    case 2: tiles(std::integral_constant<int, 2>(), m); break;
-    case 1: tiles(std::integral_constant<int, 1>(), m); break;
-    default: break;
+  for (int64_t c0 = 0; c0 < kc || c0 == 0; c0 += chunk) {  // K < 8: one pass of the tail alone
+    const int64_t c1 = std::min(kc, c0 + chunk);
+    int64_t m = 0;
+    for (; m + 12 <= M; m += 12) tiles(std::integral_constant<int, 6>(), m, c0, c1);
+    switch ((M - m + 1) / 2) {  // the pairs left (the last one half empty for an odd M)
+      case 5: tiles(std::integral_constant<int, 5>(), m, c0, c1); break;
+      case 4: tiles(std::integral_constant<int, 4>(), m, c0, c1); break;
+      case 3: tiles(std::integral_constant<int, 3>(), m, c0, c1); break;
+      case 2: tiles(std::integral_constant<int, 2>(), m, c0, c1); break;
+      case 1: tiles(std::integral_constant<int, 1>(), m, c0, c1); break;
+      default: break;
+    }
   }
 }
 #endif
@@ -201,17 +219,20 @@ inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
 // and one broadcast input. The accumulators are named, not an array (an array of them stays in
 // memory), and pinned (GCC's allocator otherwise copies some to a scratch register and back
 // around each vpdpbusd).
-inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t nb, int64_t blk, const Packed512& pk,
-                     float* const* yr, const float* bias) {
+// Blocks [b0, b1) of the K range: the float sums start at zero (b0 == 0) or at the values yr holds
+// from the blocks before (an exact store and load), and get + bias after the last block (b1 == nb).
+inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t b0, int64_t b1, int64_t nb,
+                     int64_t blk, const Packed512& pk, float* const* yr, const float* bias) {
   static_assert(NBLK512 == 48, "three registers of 16 outputs");
   const int32_t* codes = reinterpret_cast<const int32_t*>(pk.codes);
   const int64_t gpb = blk / 4;  // 4-code groups per block
   const uint8_t *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
-  register __m512 f00 asm("zmm4") = _mm512_setzero_ps(), f01 asm("zmm5") = f00, f02 asm("zmm6") = f00;
-  register __m512 f10 asm("zmm7") = f00, f11 asm("zmm8") = f00, f12 asm("zmm9") = f00;
-  register __m512 f20 asm("zmm10") = f00, f21 asm("zmm11") = f00, f22 asm("zmm12") = f00;
-  register __m512 f30 asm("zmm13") = f00, f31 asm("zmm14") = f00, f32 asm("zmm15") = f00;
-  for (int64_t b = 0; b < nb; ++b) {
+  auto start = [&](int r, int j) { return b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr[r] + 16 * j); };
+  register __m512 f00 asm("zmm4") = start(0, 0), f01 asm("zmm5") = start(0, 1), f02 asm("zmm6") = start(0, 2);
+  register __m512 f10 asm("zmm7") = start(1, 0), f11 asm("zmm8") = start(1, 1), f12 asm("zmm9") = start(1, 2);
+  register __m512 f20 asm("zmm10") = start(2, 0), f21 asm("zmm11") = start(2, 1), f22 asm("zmm12") = start(2, 2);
+  register __m512 f30 asm("zmm13") = start(3, 0), f31 asm("zmm14") = start(3, 1), f32 asm("zmm15") = start(3, 2);
+  for (int64_t b = b0; b < b1; ++b) {
     const int32_t* st = pk.start + b * NBLK512;
     register __m512i d00 asm("zmm16") = _mm512_loadu_si512(st), d01 asm("zmm17") = _mm512_loadu_si512(st + 16);
     register __m512i d02 asm("zmm18") = _mm512_loadu_si512(st + 32);
@@ -252,15 +273,17 @@ inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t n
     GPTC_FMA4(3, d30, d31, d32, f30, f31, f32)
 #undef GPTC_FMA4
   }
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  const __m512 b2 = bias ? _mm512_loadu_ps(bias + 32) : _mm512_setzero_ps();
   const __m512 out[4][3] = {{f00, f01, f02}, {f10, f11, f12}, {f20, f21, f22}, {f30, f31, f32}};
-  GPTC_UNROLL for (int r = 0; r < 4; ++r) {
-    _mm512_storeu_ps(yr[r], _mm512_add_ps(out[r][0], b0));
-    _mm512_storeu_ps(yr[r] + 16, _mm512_add_ps(out[r][1], b1));
-    _mm512_storeu_ps(yr[r] + 32, _mm512_add_ps(out[r][2], b2));
+  if (b1 < nb) {  // more blocks to come: the sums as they are
+    GPTC_UNROLL for (int r = 0; r < 4; ++r)
+      GPTC_UNROLL for (int j = 0; j < 3; ++j) _mm512_storeu_ps(yr[r] + 16 * j, out[r][j]);
+    return;
   }
+  const __m512 bv[3] = {bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(),
+                        bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps(),
+                        bias ? _mm512_loadu_ps(bias + 32) : _mm512_setzero_ps()};
+  GPTC_UNROLL for (int r = 0; r < 4; ++r)
+    GPTC_UNROLL for (int j = 0; j < 3; ++j) _mm512_storeu_ps(yr[r] + 16 * j, _mm512_add_ps(out[r][j], bv[j]));
 }
 
 // Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows
@@ -276,22 +299,29 @@ inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, i
   // 4 rows x 48 outputs: 12 int32 accumulators, 7 loads per 12 vpdpbusd. The rows past M (the
   // last tile of an M not a multiple of 4) read a row of 128s (x = 0) with zero scales into a
   // row of their own, not y.
-  alignas(64) float spare[NBLK512];
   std::vector<uint8_t>& zx = t_zero_row;
   if (int64_t(zx.size()) < K) zx.assign(size_t(K), 0x80);
   std::vector<float>& zs = t_zero_scales;
   if (int64_t(zs.size()) < nb) zs.assign(size_t(nb), 0.f);
-  for (int64_t m = 0; m < M; m += 4) {
-    const uint8_t* xr[4];
-    const float* sr[4];
-    float* yr[4];
-    for (int r = 0; r < 4; ++r) {
-      const bool real = m + r < M;
-      xr[r] = real ? xu + (m + r) * K : zx.data();
-      sr[r] = real ? sx + (m + r) * nb : zs.data();
-      yr[r] = real ? y + (m + r) * ldy : spare;
+  // The blocks in chunks of about 24 KB of packed codes, each chunk through every row tile: the
+  // chunk stays in L1 while the rows pass (a whole block of a long K, 48 x K bytes, comes from L2
+  // for every tile otherwise); the tiles keep their float sums in y between chunks.
+  const int64_t chunk = std::max<int64_t>(1, (24 << 10) / (NBLK512 * blk));
+  alignas(64) float spare_rows[4][NBLK512];
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+    const int64_t b1 = std::min(nb, b0 + chunk);
+    for (int64_t m = 0; m < M; m += 4) {
+      const uint8_t* xr[4];
+      const float* sr[4];
+      float* yr[4];
+      for (int r = 0; r < 4; ++r) {
+        const bool real = m + r < M;
+        xr[r] = real ? xu + (m + r) * K : zx.data();
+        sr[r] = real ? sx + (m + r) * nb : zs.data();
+        yr[r] = real ? y + (m + r) * ldy : spare_rows[r];
+      }
+      itile512(xr, sr, b0, b1, nb, blk, pk, yr, bz);
     }
-    itile512(xr, sr, nb, blk, pk, yr, bz);
   }
 }
 #endif

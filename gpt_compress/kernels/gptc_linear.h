@@ -16,7 +16,8 @@ void activate(float* h, int64_t n, int act);
 struct Scratch {
   std::vector<float> h, sx, wbuf, tile, p, gemv;
   std::vector<int8_t> xq, ibuf;
-  std::vector<float> xp, pk_sw;  // AVX-512 blocks: packed input pairs, a packed block's scales
+  std::vector<float> xp, pk_sw;  // AVX-512 blocks: packed input pairs, a packed block's scales,
+  std::vector<float> facc;       // float accumulators between k chunks
   std::vector<int8_t> pk_codes;  // and codes
   std::vector<int32_t> pk_start;
   std::vector<uint8_t> xu;       // int8 inputs + 128
@@ -45,7 +46,7 @@ inline void trim(std::vector<T>& v) {
 }
 inline void trim(Scratch& s) {
   trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
-  trim(s.xp), trim(s.pk_sw), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
+  trim(s.xp), trim(s.pk_sw), trim(s.facc), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
@@ -208,7 +209,7 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
   // Float rows against all M inputs (AVX-512 builds: the pair micro-kernel, bitwise fblock's values).
   auto floats = [&](const float* w) {
 #if defined(GPTC_F512)
-    fblock512(in.x, pk_in.xp, M, K, w, nr, t, NBLK, bias);
+    fblock512(in.x, pk_in.xp, M, K, w, nr, t, NBLK, bias, grow(sc.facc, size_t((M + 1) / 2 * NBLK * 16)));
 #else
     fblock(in.x, M, K, w, nr, t, NBLK, bias, pf, pf_bytes);
 #endif
