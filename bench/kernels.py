@@ -235,7 +235,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-bench")
     p.add_argument("--workdir", default=None, help="exports of bench/decode.py (made if missing)")
-    p.add_argument("--formats", default="fp32,int8", help="fp32, int8, int4")
+    p.add_argument("--formats", default=None, help="fp32, int8, int4 (default fp32,int8; --roofline: all three)")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=200, help="predictor runs timed")
@@ -247,7 +247,7 @@ def main() -> None:
     p.add_argument("--peak-reps", type=int, default=15, help="--roofline: peak loops (median)")
     a = p.parse_args()
     if a.roofline:
-        fmts = [f for f in (a.formats if a.formats != "fp32,int8" else "fp32,int8,int4").split(",") if f]
+        fmts = [f for f in (a.formats or "fp32,int8,int4").split(",") if f]
         print(json.dumps(roofline(a.presets.split(","), [int(m) for m in a.ms.split(",")], fmts, a.peak_reps),
                          indent=1))
         return
@@ -262,7 +262,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     results = {}
     gbps = bench_decode.copy_bandwidth_gbps()
-    for fmt in [f for f in a.formats.split(",") if f]:
+    for fmt in [f for f in (a.formats or "fp32,int8").split(",") if f]:
         bits = {"fp32": 32, "int8": 8, "int4": 4}[fmt]
         path = base if bits == 32 else bench_decode.prepare_fused_int(workdir, a.preset, ckpt, bits, base)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
