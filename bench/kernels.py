@@ -30,6 +30,23 @@ It reports per batch-1 decode step, in microseconds:
 Prefill (the prompt) sections are reported under ``prefill_ms``. The ops hand rows to their threads
 dynamically, and sections are timed by thread 0: when it arrives late the other thread may have
 done a section's work already, so a section's *fastest* call can be near zero; read the means.
+
+``--roofline`` instead times the matrix kernels standalone, on one thread, against the host's own
+peak (the ops library's ``gptc_bench_*`` C functions, kernels/gptc_bench.h), in the thread's CPU
+time (a call that another process preempts is not charged for the time it waited):
+
+    python bench/kernels.py --roofline                       # gpt-bench and gpt-345M, M = 1..256
+    python bench/kernels.py --roofline --presets gpt-bench --ms 1,64 --formats int8
+
+- ``peaks_gmacs``: multiply-adds a second of a tight loop of each instruction the kernels multiply
+  with (``vpdpbusd``: 64 a 512-bit instruction, or 32 at 256 bits; ``vfmadd231ps``: 16 or 8;
+  ``vpmaddubsw``: 32, the AVX2 int8 path's), the median of ``--peak-reps`` loops;
+- ``shapes``: each Linear of a block (qkv, out, fc, proj) at each M, per format: the median of
+  many calls' time (7 to 300 calls), its GMAC/s and its ``fraction`` of the peak of the
+  instruction its format's GEMM uses (int8/int4: vpdpbusd where the build's GEMM has 512-bit
+  VNNI, else vpmaddubsw; fp32: vfmadd231ps), that peak measured alongside: each call is
+  followed by a peak loop of its length (``peak_gmacs_alongside``, their median), so on a shared
+  machine a neighbour slows both sides of the ratio alike.
 """
 from __future__ import annotations
 
@@ -145,17 +162,95 @@ def summarize(res: dict, prof: dict, bytes_: dict, gbps: float) -> dict:
     return out
 
 
+# Linear shapes of a block (N, K) by name, for hidden size c (FFN 4c, attention inner c).
+def block_shapes(c: int) -> dict:
+    return {"qkv": (3 * c, c), "out": (c, c), "fc": (4 * c, c), "proj": (c, 4 * c)}
+
+
+def _peak(lib, kind: int, seconds: float) -> float:
+    """GMAC/s of one peak loop of about ``seconds``."""
+    iters = max(100, int(seconds * 1e9 / 12 / 16))  # ~16 instructions a ns: about `seconds` on most hosts
+    return lib.gptc_bench_peak(kind, iters) / 1e9
+
+
+def roofline(presets: list, ms: list, formats: list, peak_reps: int) -> dict:
+    """Peaks and each block Linear's fraction of its instruction's peak, one thread. Each kernel
+    call is followed by a peak loop of about its length, and a shape's fraction is the median of
+    the kernel's rate over the median of those loops' rates: a neighbour who slows one part of the
+    run slows both sides of the ratio."""
+    import ctypes
+
+    from gpt_compress import kernels
+    from gpt_compress.config import ModelConfig
+
+    os.environ["GPTC_THREADS"] = "1"
+    kernels.load_ops()
+    lib = ctypes.CDLL(kernels.library_path())
+    lib.gptc_bench_peak.restype = ctypes.c_double
+    lib.gptc_bench_peak.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.gptc_bench_linear_new.restype = ctypes.c_void_p
+    lib.gptc_bench_linear_new.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_float]
+    lib.gptc_bench_linear_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    lib.gptc_bench_linear_free.argtypes = [ctypes.c_void_p]
+    paths = lib.gptc_bench_paths()
+    kinds = {"vpdpbusd": 0, "vfmadd231ps": 1, "vpmaddubsw": 2}
+    peaks = {name: round(statistics.median(_peak(lib, kind, 0.05) for _ in range(peak_reps)), 1)
+             for name, kind in kinds.items()}
+    int_peak = "vpdpbusd" if paths & 1 else "vpmaddubsw"
+    rows = []
+    for preset in presets:
+        c = ModelConfig.from_preset(preset).hidden_size
+        for layer, (n, k) in block_shapes(c).items():
+            for m in ms:
+                for fmt in formats:
+                    bits = {"fp32": 32, "int8": 8, "int4": 4}[fmt]
+                    h = lib.gptc_bench_linear_new(bits, m, n, k, 32, -1.0 if bits == 32 else 0.0)
+                    if not h:
+                        continue
+                    macs = m * n * k
+                    reps = int(min(300, max(7, 0.1 * 30e9 / macs)))  # ~0.1 s at 30 GMAC/s, 7 to 300 calls
+                    peak = "vfmadd231ps" if bits == 32 else int_peak
+                    one = (ctypes.c_double * 1)()
+                    lib.gptc_bench_linear_run(h, 1, one)  # warm-up: scratch grown, weights paged in
+                    times, rates = [], []
+                    for _ in range(reps):
+                        lib.gptc_bench_linear_run(h, 1, one)
+                        times.append(one[0])
+                        rates.append(_peak(lib, kinds[peak], one[0]))
+                    lib.gptc_bench_linear_free(h)
+                    t, local = statistics.median(times), statistics.median(rates)
+                    gmacs = macs / t / 1e9
+                    rows.append({"preset": preset, "layer": layer, "M": m, "N": n, "K": k, "format": fmt,
+                                 "median_us": round(t * 1e6, 1), "calls": reps, "gmacs": round(gmacs, 1),
+                                 "peak": peak, "peak_gmacs_alongside": round(local, 1),
+                                 "fraction": round(gmacs / local, 3)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"bench": "kernels_roofline", "threads": 1, "isa": kernels.isa(), "macros": kernels.isa_macros(),
+            "gemm_paths": {"int_vnni512": bool(paths & 1), "float_avx512": bool(paths & 2)},
+            "peaks_gmacs": peaks, "load_avg": os.getloadavg(), "shapes": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-bench")
     p.add_argument("--workdir", default=None, help="exports of bench/decode.py (made if missing)")
-    p.add_argument("--formats", default="fp32,int8", help="fp32, int8, int4")
+    p.add_argument("--formats", default=None, help="fp32, int8, int4 (default fp32,int8; --roofline: all three)")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=200, help="predictor runs timed")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--roofline", action="store_true", help="standalone one-thread kernels vs the host's peak")
+    p.add_argument("--presets", default="gpt-bench,gpt-345M", help="--roofline: model shapes")
+    p.add_argument("--ms", default="1,8,16,64,256", help="--roofline: input rows M")
+    p.add_argument("--peak-reps", type=int, default=15, help="--roofline: peak loops (median)")
     a = p.parse_args()
+    if a.roofline:
+        fmts = [f for f in (a.formats or "fp32,int8,int4").split(",") if f]
+        print(json.dumps(roofline(a.presets.split(","), [int(m) for m in a.ms.split(",")], fmts, a.peak_reps),
+                         indent=1))
+        return
     if a.worker:
         print(json.dumps(worker(a.worker, a.prompt, a.new_tokens, a.steps, a.reps)))
         return
@@ -167,7 +262,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     results = {}
     gbps = bench_decode.copy_bandwidth_gbps()
-    for fmt in [f for f in a.formats.split(",") if f]:
+    for fmt in [f for f in (a.formats or "fp32,int8").split(",") if f]:
         bits = {"fp32": 32, "int8": 8, "int4": 4}[fmt]
         path = base if bits == 32 else bench_decode.prepare_fused_int(workdir, a.preset, ckpt, bits, base)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:

@@ -420,23 +420,23 @@ def test_a_corrupt_cached_library_is_detected(dirs, tmp_path):
     assert kernels.cached_library_problem(str(copy)) is None  # missing: simply built
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
-def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(dirs, monkeypatch, mode):
-    """Batch invariance (what ``gptc serve``'s continuous batching relies on): a sequence's logits
-    are bitwise identical run alone, as a left-padded row of a batch (on 2 OpenMP threads), and
-    with its prompt fed token by token (GEMV decode steps) instead of in one prefill (GEMM)."""
+def batch_invariant_logits(ckpt: str, mode: str) -> np.ndarray:
+    """The logits (B, positions, V) of PROMPTS (left-padded) + 3 steps on the fused model of ``ckpt``
+    (``mode``: fp32, or weight-only int8 / int4) on 2 threads, after asserting each row's are
+    bitwise the same run alone (1 thread) and, for one row, fed token by token."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.config import QuantConfig
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.export.fused import FusedLM, fused_weights
     from gpt_compress.qat.quantize import quantize_model
+    from test_kernel_tiles import _threads
 
-    model = load_model(dirs["ckpt"])
+    model = load_model(ckpt)
     if mode != "fp32":  # int4: one or two rows read the packed weights, more unpack them first
         model = quantize_model(model, QuantConfig(targets=[], weight_only=["*"], weight_bits=int(mode[3:])))
     model.eval()
     fused, cfg = FusedLM(fused_weights(model)), model.config
-    ids, mask = _left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
+    ids, mask = _left_padded(Tokenizer.load(ckpt), PROMPTS)
     steps = np.random.default_rng(0).integers(0, cfg.vocab_size, (len(PROMPTS), 3))
 
     def run(ids, mask, new, chunks):
@@ -455,13 +455,51 @@ def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(
         return np.concatenate(out, 1)
 
     t = ids.shape[1]
-    monkeypatch.setenv("GPTC_THREADS", "2")
-    batch = run(ids, mask, steps, [t, 1, 1, 1])
-    monkeypatch.setenv("GPTC_THREADS", "1")
-    for i in range(len(PROMPTS)):
-        n = int(mask[i].sum())
-        alone = run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1], [n, 1, 1, 1])[0]
-        assert np.array_equal(alone, batch[i, t - n:]), f"row {i}: batch vs alone"
-        if i == 1:  # the prompt token by token: every position's logits as from the prefill
-            assert np.array_equal(run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1], [1] * (n + 3))[0],
-                                  alone)
+    with _threads(2):
+        batch = run(ids, mask, steps, [t, 1, 1, 1])
+    with _threads(1):
+        for i in range(len(PROMPTS)):
+            n = int(mask[i].sum())
+            alone = run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1], [n, 1, 1, 1])[0]
+            assert np.array_equal(alone, batch[i, t - n:]), f"{mode} row {i}: batch vs alone"
+            if i == 1:  # the prompt token by token: every position's logits as from the prefill
+                assert np.array_equal(run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1],
+                                          [1] * (n + 3))[0], alone), f"{mode} row {i}: token by token"
+    return batch
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
+def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(dirs, mode):
+    """Batch invariance (what ``gptc serve``'s continuous batching relies on): a sequence's logits
+    are bitwise identical run alone, as a left-padded row of a batch (on 2 OpenMP threads), and
+    with its prompt fed token by token (GEMV decode steps) instead of in one prefill (GEMM)."""
+    batch_invariant_logits(dirs["ckpt"], mode)
+
+
+OTHER_BUILD = r"""
+import sys
+import numpy as np
+from gpt_compress import runtime
+runtime.prefer_mkl_avx2()  # as conftest.py does for the test session
+sys.path.insert(0, sys.argv[2])
+import test_fused as t
+np.savez(sys.argv[1], **{m: t.batch_invariant_logits(sys.argv[3], m) for m in ("fp32", "int8", "int4")})
+print("{}")
+"""
+
+
+def test_the_fused_models_logits_are_bitwise_the_same_in_the_avx2_and_native_builds(dirs, tmp_path, capsys):
+    """The batch-invariance test above under the other instruction-set build too (a subprocess,
+    ``GPTC_KERNEL_ISA``), on a host whose native build has AVX-512 or VNNI paths: each build
+    asserts its own invariance, and the two give bitwise the same logits (float32, int8, int4)."""
+    from test_kernel_tiles import build_pair, compare_builds, other_build_outputs
+
+    this, other, _ = build_pair()
+    ours = {m: batch_invariant_logits(dirs["ckpt"], m) for m in ("fp32", "int8", "int4")}
+    script = OTHER_BUILD.replace("sys.argv[3]", repr(dirs["ckpt"]))
+    theirs, _ = other_build_outputs(tmp_path, other, script)
+    figures = compare_builds(ours, theirs, ("fp32",))
+    with capsys.disabled():
+        print(f"\nfused model, builds {this} vs {other}: " + ", ".join(
+            f"{k} max rel diff {v['max_rel_diff']:.3g} bitwise {v['bitwise']}" for k, v in figures.items()))
+    assert all(f["bitwise"] for f in figures.values()), figures

@@ -1,23 +1,70 @@
-"""The GEMM tiles of the fused layer op (kernels/gptc_tiles.h: 4x3 float and int8 tiles with their
-2- and 1-row remainders, weight blocks of 12 rows and their partial last block, K tails) against
-its one-row path, called directly on random weights of odd sizes: an output's arithmetic must not
-depend on M, so a left-padded batch prefilled at once (on 2 threads), each row prefilled alone
-and each row fed token by token give bitwise the same layer outputs.
+"""The matrix kernels of the fused ops (kernels/gptc_tiles.h: the GEMM micro-kernels and tiles, their
+row and column remainders, K tails) against their one-row paths, called directly on random weights
+of odd sizes: an output's arithmetic must not depend on M, so a left-padded batch prefilled at once
+(on 2 threads), each row prefilled alone and each row fed token by token give bitwise the same
+layer outputs, and a head's logits are bitwise the same for one row or many. The rows alone are
+M = 2, 7, 8, 17 (and 64 rows of a head), every case has N not a multiple of the micro-kernels'
+column tiles, and the float cases K tails.
 
-The op library is the one tests/test_fused.py builds (cached per machine and source)."""
+Every case also runs under the other instruction-set build (``GPTC_KERNEL_ISA``, kernels/__init__.py)
+in a subprocess: on a host whose native build has wider paths (AVX-512, VNNI) than the avx2 build,
+the two builds' outputs are compared (see test_the_avx2_and_native_builds_agree).
+
+The op library is the one tests/test_fused.py builds (cached per machine, source and ISA)."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
-import paddle
 import pytest
 
 from gpt_compress.export.fused import pack_int4
 
 HEADS, EPS, GELU_NEW = 2, 1e-5, 2
-LENGTHS = (7, 5, 2)  # rows of the batch (left-padded to 7): M = 21, and 7, 5, 2 alone
+LENGTHS = (17, 8, 7, 2)  # rows of the batch (left-padded to 17): M = 68, and 17, 8, 7, 2 alone
+HEAD_ROWS = 64           # a head's rows at once (then 17, 8, 7, 2 of them, and each alone)
+
+# name -> (bits, hidden c, head dim d, FFN width f, act)
+LAYERS = {
+    # float: K = 44, 24, 52 end in a tail of 4; N = 72, 44, 52 are no multiple of the column tiles
+    "fp32": (32, 44, 12, 52, -1.0),
+    # int8 codes, int8 inputs made per token and block of 32; the FFN's N = 160, qkv's 96
+    "int8": (8, 64, 16, 160, 0.0),
+    # int4: 2 rows read the packed codes, more unpack them first
+    "int4": (4, 64, 16, 160, 0.0),
+    # int8 codes against float inputs (dequantized weight tiles: float arithmetic)
+    "int8_float_inputs": (8, 64, 16, 96, -1.0),
+    # W8A8: one calibrated input scale, weights per channel (blocks of 64, 32, 160 codes)
+    "w8a8": (8, 64, 16, 160, 0.05),
+}
+# name -> (bits, K): K = 640 runs the AVX-512 tiles' k range in two chunks (gptc_gemm512.h: 512 codes
+# or floats a chunk)
+HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96), "head_fp32_long_k": (32, 640),
+              "head_int8_long_k": (8, 640), "head_int4_long_k": (4, 640)}
+FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k")  # float dot products (the rest: exact int32 dots)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    old = os.environ.get("GPTC_THREADS")
+    os.environ["GPTC_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GPTC_THREADS", None)
+        else:
+            os.environ["GPTC_THREADS"] = old
 
 
 def _weights(rng, c: int, d: int, f: int, bits: int, channel: bool = False) -> list:
     """The 16 weight inputs of gptc_layer for hidden size c, head dim d, FFN width f (int weights:
     scales per block of 32, or per output channel: one block of K, W8A8's)."""
+    import paddle
+
     inner = HEADS * d
 
     def vec(n, scale=0.1, shift=0.0):
@@ -39,6 +86,8 @@ def _weights(rng, c: int, d: int, f: int, bits: int, channel: bool = False) -> l
 
 def _layer(ops, weights, x, mask, d, bits, act):
     """gptc_layer on x (B, T, C) with the full mask (B, L): outputs (B, T, C); fresh caches."""
+    import paddle
+
     b, t, _ = x.shape
     kc = paddle.zeros([b, HEADS, mask.shape[1], d])
     vc = paddle.zeros([b, HEADS, mask.shape[1], d])
@@ -47,68 +96,186 @@ def _layer(ops, weights, x, mask, d, bits, act):
     return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
 
-@pytest.mark.parametrize("bits,c,d,f,act", [
-    (32, 44, 12, 52, -1.0),  # float: K = 44, 24, 52 end in a tail of 4; out's N = 44 a partial block
-    (8, 64, 16, 96, 0.0),    # int8 codes, int8 inputs made per token and block of 32
-    (4, 64, 16, 96, 0.0),    # int4: 2 rows read the packed codes, more unpack them first
-    (8, 64, 16, 96, -1.0),   # int8 codes against float inputs (dequantized weight tiles)
-    (8, 64, 16, 96, 0.05),   # W8A8: one calibrated input scale, weights per channel (blocks of 64, 32, 96 codes)
-])
-def test_a_tokens_layer_output_is_bitwise_the_same_in_any_tile(monkeypatch, bits, c, d, f, act):
-    from gpt_compress.kernels import load_ops
+def layer_case(ops, name: str) -> np.ndarray:
+    """The batch's layer outputs (B, T, C) of case ``name``, after asserting each row's are bitwise
+    the same prefilled alone and token by token."""
+    import paddle
 
-    ops = load_ops()
-    rng = np.random.default_rng(bits + c)
+    bits, c, d, f, act = LAYERS[name]
+    rng = np.random.default_rng(bits + c + f)
     weights = _weights(rng, c, d, f, bits, channel=act > 0)
     t = max(LENGTHS)
     x = rng.standard_normal((len(LENGTHS), t, c)).astype(np.float32)
     mask = np.zeros((len(LENGTHS), t), np.int64)
     for i, n in enumerate(LENGTHS):
         mask[i, t - n:] = 1
-    monkeypatch.setenv("GPTC_THREADS", "2")
-    batch = _layer(ops, weights, x, mask, d, bits, act)
-    monkeypatch.setenv("GPTC_THREADS", "1")
-    for i, n in enumerate(LENGTHS):
-        row = x[i:i + 1, t - n:]
-        alone = _layer(ops, weights, row, np.ones((1, n), np.int64), d, bits, act)[0]
-        assert np.array_equal(alone, batch[i, t - n:]), f"row {i}: alone vs in the batch"
-        # Token by token: each step a one-row call (its keys/values from the earlier steps' cache).
-        kc, vc = paddle.zeros([1, HEADS, n, d]), paddle.zeros([1, HEADS, n, d])
-        for j in range(n):
-            out = ops.gptc_layer(paddle.to_tensor(row[:, j:j + 1]), paddle.to_tensor(np.ones((1, j + 1), np.int64)),
-                                 kc, vc, *weights, HEADS, EPS, GELU_NEW, [bits] * 4, [act] * 4)
-            step = (out[0] if isinstance(out, (list, tuple)) else out).numpy()[0, 0]
-            assert np.array_equal(step, alone[j]), f"row {i}, token {j}: one-row step vs prefill"
+    with _threads(2):
+        batch = _layer(ops, weights, x, mask, d, bits, act)
+    with _threads(1):
+        for i, n in enumerate(LENGTHS):
+            row = x[i:i + 1, t - n:]
+            alone = _layer(ops, weights, row, np.ones((1, n), np.int64), d, bits, act)[0]
+            assert np.array_equal(alone, batch[i, t - n:]), f"{name} row {i}: alone vs in the batch"
+            # Token by token: each step a one-row call (its keys/values from the earlier steps' cache).
+            kc, vc = paddle.zeros([1, HEADS, n, d]), paddle.zeros([1, HEADS, n, d])
+            for j in range(n):
+                out = ops.gptc_layer(paddle.to_tensor(row[:, j:j + 1]), paddle.to_tensor(np.ones((1, j + 1), np.int64)),
+                                     kc, vc, *weights, HEADS, EPS, GELU_NEW, [bits] * 4, [act] * 4)
+                step = (out[0] if isinstance(out, (list, tuple)) else out).numpy()[0, 0]
+                assert np.array_equal(step, alone[j]), f"{name} row {i}, token {j}: one-row step vs prefill"
     assert np.isfinite(batch).all() and np.abs(batch).max() > 0.1  # a real output, not zeros
+    return batch
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_an_int_heads_logits_are_bitwise_the_same_for_one_row_or_many(monkeypatch, bits):
-    """gptc_head, int8/int4 codes with an odd vocabulary (V = 101: the one-row GEMV's passes of 4
-    rows leave one alone) and K = 96 (int4 reads two 32-code steps a load, then one): every row's
-    logits alone (the GEMV) and nine rows at once (the tiles) are bitwise equal, and near the
-    float64 product of the dequantized weights."""
-    from gpt_compress.kernels import load_ops
+def head_case(ops, name: str) -> np.ndarray:
+    """gptc_head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
+    one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
+    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 17, 8, 7 and 2 of the rows and each row alone give bitwise
+    the same logits, and that they are near the float64 product of the dequantized weights."""
+    import paddle
 
-    ops = load_ops()
-    rng = np.random.default_rng(bits)
-    v, c, rows = 101, 96, 9
-    top = 7 if bits == 4 else 127
-    codes = rng.integers(-top, top + 1, (v, c))
-    scales = (rng.uniform(0.5, 1.5, (v, c // 32)) / top).astype(np.float32)
-    w = paddle.to_tensor(pack_int4(codes) if bits == 4 else codes.astype(np.int8))
-    x = rng.standard_normal((1, rows, c)).astype(np.float32)
+    bits, c = HEADS_BITS[name]
+    rng = np.random.default_rng(bits + c)
+    v = 101
+    if bits == 32:
+        wf = (rng.standard_normal((v, c)) / np.sqrt(c)).astype(np.float32)
+        w, scales, deq = paddle.to_tensor(wf), np.zeros([1], np.float32), wf.astype(np.float64)
+    else:
+        top = 7 if bits == 4 else 127
+        codes = rng.integers(-top, top + 1, (v, c))
+        scales = (rng.uniform(0.5, 1.5, (v, c // 32)) / top).astype(np.float32)
+        w = paddle.to_tensor(pack_int4(codes) if bits == 4 else codes.astype(np.int8))
+        deq = (codes * np.repeat(scales, 32, axis=1)).astype(np.float64)
+    x = rng.standard_normal((1, HEAD_ROWS, c)).astype(np.float32)
     ln = [paddle.ones([c]), paddle.zeros([c])]
 
     def head(r):
         out = ops.gptc_head(paddle.to_tensor(x), paddle.to_tensor(np.asarray(r, np.int64)), *ln, w,
-                            paddle.to_tensor(scales), EPS, bits, 0.0)
+                            paddle.to_tensor(scales), EPS, bits, 0.0 if bits < 32 else -1.0)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
-    monkeypatch.setenv("GPTC_THREADS", "2")
-    many = head(range(rows))
-    for i in range(rows):
-        assert np.array_equal(head([i])[0], many[i]), f"row {i}: alone vs with the others"
+    with _threads(2):
+        many = head(range(HEAD_ROWS))
+        for m in (17, 8, 7, 2):
+            rows = list(range(HEAD_ROWS - m, HEAD_ROWS))  # the last m rows: other offsets than the batch's
+            assert np.array_equal(head(rows), many[rows]), f"{name}: {m} rows vs {HEAD_ROWS}"
+        for i in range(HEAD_ROWS):
+            assert np.array_equal(head([i])[0], many[i]), f"{name} row {i}: alone vs with the others"
     h = (x[0] - x[0].mean(-1, keepdims=True)) / np.sqrt(x[0].var(-1, keepdims=True) + EPS)
-    ref = h.astype(np.float64) @ (codes * np.repeat(scales, 32, axis=1)).T.astype(np.float64)
-    assert np.abs(many - ref).max() < 0.02 * np.abs(ref).max()  # int8 inputs: ~1% of the largest logit
+    ref = h.astype(np.float64) @ deq.T
+    # int8 inputs: ~1% of the largest logit (a step of 1/127 of each block's max per input); float: float32 rounding
+    assert np.abs(many - ref).max() < (0.02 if bits < 32 else 1e-4) * np.abs(ref).max()
+    return many
+
+
+def case(ops, name: str) -> np.ndarray:
+    return layer_case(ops, name) if name in LAYERS else head_case(ops, name)
+
+
+CASES = tuple(LAYERS) + tuple(HEADS_BITS)
+
+
+@pytest.mark.parametrize("name", tuple(LAYERS))
+def test_a_tokens_layer_output_is_bitwise_the_same_in_any_tile(name):
+    from gpt_compress.kernels import load_ops
+
+    layer_case(load_ops(), name)
+
+
+@pytest.mark.parametrize("name", tuple(HEADS_BITS))
+def test_a_heads_logits_are_bitwise_the_same_for_one_row_or_many(name):
+    from gpt_compress.kernels import load_ops
+
+    head_case(load_ops(), name)
+
+
+# Run in a subprocess under the other ISA: every case (its invariance assertions included), the
+# outputs saved to argv[1] (.npz), the build's vector paths printed as JSON.
+OTHER_BUILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+import test_kernel_tiles as t
+from gpt_compress import kernels
+ops = kernels.load_ops()
+np.savez(sys.argv[1], **{name: t.case(ops, name) for name in t.CASES})
+print(json.dumps({"isa": kernels.isa(), "macros": kernels.isa_macros(), "library": kernels.library_path()}))
+"""
+
+
+def other_build_outputs(tmp_path: Path, isa: str, script: str = OTHER_BUILD) -> tuple:
+    """(outputs {case: array}, build info) of ``script`` run under GPTC_KERNEL_ISA=``isa``."""
+    env = {**os.environ, "GPTC_KERNEL_ISA": isa, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    out = tmp_path / f"{isa}.npz"
+    proc = subprocess.run([sys.executable, "-c", script, str(out), str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    with np.load(out) as f:
+        return {k: f[k] for k in f.files}, info
+
+
+def build_pair():
+    """(this process's ISA, the other one), or a skip naming why the other build adds nothing here."""
+    from gpt_compress import kernels
+
+    this = kernels.isa()
+    other = "avx2" if this == "native" else "native"
+    problem = kernels.isa_problem("avx2")
+    if problem:
+        pytest.skip(f"no avx2 build on this host: {problem}")
+    macros = {isa: _macros(isa) for isa in (this, other)}
+    if macros[this] == macros[other]:
+        have = ", ".join(k for k, v in macros[this].items() if v) or "none"
+        pytest.skip(f"this host's native build has no vector path beyond the avx2 build's (both: {have}): "
+                    "one build covers them")
+    return this, other, macros
+
+
+def _macros(isa: str) -> dict:
+    from gpt_compress import kernels
+
+    old = os.environ.get("GPTC_KERNEL_ISA")
+    os.environ["GPTC_KERNEL_ISA"] = isa
+    try:
+        return kernels.isa_macros()
+    finally:
+        if old is None:
+            os.environ.pop("GPTC_KERNEL_ISA")
+        else:
+            os.environ["GPTC_KERNEL_ISA"] = old
+
+
+def compare_builds(ours: dict, theirs: dict, float_cases) -> dict:
+    """Per case: the largest difference between the builds relative to the output's largest value.
+    Integer dots are exact int32 sums per block, each added by one fma per block in block order,
+    and the float micro-kernels keep the 8-lane accumulation order of the AVX2 tiles (an AVX-512
+    register holds two rows' 8 lanes, not 16 k positions): every case is asserted bitwise equal."""
+    figures = {}
+    for name, a in ours.items():
+        b = theirs[name]
+        assert a.shape == b.shape, name
+        rel = float(np.max(np.abs(a.astype(np.float64) - b))) / max(float(np.max(np.abs(a))), 1e-30)
+        figures[name] = {"kind": "float" if name in float_cases else "int", "max_abs": float(np.max(np.abs(a))),
+                         "max_rel_diff": rel, "bitwise": bool(np.array_equal(a, b))}
+    return figures
+
+
+def test_the_avx2_and_native_builds_agree(tmp_path, capsys):
+    """On a host whose native build has AVX-512 or VNNI paths, every case above runs under both
+    builds (this process's and, in a subprocess, the other), each asserting its own invariance,
+    and the outputs are bitwise equal across the builds. Prints both builds' paths and figures."""
+    from gpt_compress import kernels
+
+    this, other, macros = build_pair()
+    ops = kernels.load_ops()
+    ours = {name: case(ops, name) for name in CASES}
+    theirs, info = other_build_outputs(tmp_path, other)
+    figures = compare_builds(ours, theirs, FLOAT_CASES)
+    with capsys.disabled():
+        print(f"\nbuilds: {this} {json.dumps({k for k, v in macros[this].items() if v}, default=sorted)}, "
+              f"{other} {json.dumps({k for k, v in info['macros'].items() if v}, default=sorted)}")
+        for name, fig in figures.items():
+            print(f"  {name:18s} {fig['kind']:5s} max|y| {fig['max_abs']:.4g}  max rel diff {fig['max_rel_diff']:.3g}"
+                  f"  bitwise {fig['bitwise']}")
+    assert all(f["bitwise"] for f in figures.values()), figures

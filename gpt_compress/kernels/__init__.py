@@ -7,11 +7,14 @@ linear_block), ``gptc_gemv.h`` (M = 1 kernels, the Linear entry points), ``gptc_
 ``gptc_decoder_ops.h`` (gptc_embed/gptc_layer/gptc_head), ``gptc_decoder_stack.h``
 (gptc_decoder, gptc_generate: all of them in one call) and ``gptc_head_score.h``; ``SOURCES``
 lists them all. ``load_ops()`` compiles the unit with ``paddle.utils.cpp_extension.load`` (g++,
-``-O3 -march=native -fopenmp``) on first use and caches the library in a directory keyed by the
-hash of every source file (names and bytes, in ``SOURCES`` order), the compiler, the Paddle
+``-O3 -fopenmp`` and the instruction set of ``$GPTC_KERNEL_ISA``: ``native``, the default, is
+``-march=native``; ``avx2`` is x86-64-v3, AVX2 + FMA + F16C without AVX-512 or VNNI, the build
+every x86 host of the last decade runs, so an AVX-512 host can check its wider paths against it)
+on first use and caches the library in a directory keyed by the hash of every source file (names
+and bytes, in ``SOURCES`` order), the compiler, the flags (the ISA's among them), the Paddle
 version and the CPU's instruction-set flags, so a machine with other CPU features (AVX-512 VNNI
-vs AVX2 only) or a change to any source builds its own copy and an unchanged one loads in well
-under a second. The build compiles a snapshot of all the sources copied into that directory (the
+vs AVX2 only), another ISA choice or a change to any source builds its own copy and an unchanged
+one loads in well under a second. The build compiles a snapshot of all the sources copied into that directory (the
 headers are included from beside the snapshot's ``gptc_ops.cc``), never the package's files.
 Loading registers the ops with Paddle, so it must happen before a Paddle Inference predictor of
 a fused program is created (``inference/fused.py`` does it). A missing compiler or a failed
@@ -43,13 +46,18 @@ from ..runtime import cpu_flags
 DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
 # (tests/test_kernel_sources.py checks this list against the directory and the #include lines).
-SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_linear.h", "gptc_gemv.h",
-           "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h")
+SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_linear.h", "gptc_gemv.h",
+           "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_bench.h")
 SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
 # Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests).
 KERNEL_VERSION = 3  # 3: gptc_generate, 2: gptc_decoder, 1: per-layer ops (all still run)
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
+# $GPTC_KERNEL_ISA -> the instruction-set flags of the build, and the CPU flags the host needs to
+# run it. avx2 is x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE): the kernels' AVX2 + FMA
+# paths only, whatever the host has beyond them.
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=generic"]}
+ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"})}
 # GCC's OpenMP runtime (libgomp), a second one beside the Intel runtime Paddle loads: Paddle's
 # set_cpu_math_library_num_threads does not reach it, so the ops take their thread count from
 # $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (Linking libiomp5 instead made
@@ -60,6 +68,27 @@ OPS = ("gptc_generate", "gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head")
 _lock = threading.Lock()
 _module = None
 build_seconds: Optional[float] = None  # time of this process's build (None: loaded from cache)
+
+
+def isa() -> str:
+    """The instruction set the ops are built for: ``$GPTC_KERNEL_ISA`` (``native``, the default, or ``avx2``)."""
+    name = os.environ.get("GPTC_KERNEL_ISA", "").strip() or "native"
+    if name not in ISA_FLAGS:
+        raise KernelError(f"GPTC_KERNEL_ISA={name!r} is not an instruction set of the fused operators; use "
+                          f"{' or '.join(ISA_FLAGS)}")
+    return name
+
+
+def isa_problem(name: str) -> Optional[str]:
+    """Why this host cannot run the ops built for ISA ``name`` (a CPU flag it lacks), or None."""
+    flags = cpu_flags()
+    missing = sorted(ISA_NEEDS[name] - flags) if flags else []
+    return f"this CPU lacks {', '.join(missing)}, which the {name} build needs" if missing else None
+
+
+def cflags(name: Optional[str] = None) -> list:
+    """The compiler flags of the build for ISA ``name`` (else ``isa()``)."""
+    return CFLAGS + ISA_FLAGS[name or isa()]
 
 
 def _compiler() -> str:
@@ -102,7 +131,7 @@ def cache_key(sources: Optional[Mapping[str, bytes]] = None) -> str:
     import paddle
 
     h = hashlib.sha256(sources_sha256(sources).encode())
-    for part in (_compiler(), " ".join(CFLAGS + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
+    for part in (_compiler(), " ".join(cflags() + LDFLAGS), paddle.__version__, " ".join(sorted(cpu_flags())) or platform.machine(), str(KERNEL_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
@@ -177,7 +206,7 @@ def _build(directory: str, sources: Mapping[str, bytes]):
     errors = os.path.join(directory, "build_stderr.log")
     try:
         with contextlib.redirect_stdout(log), _stderr_into(errors):
-            return load(name=NAME, sources=[source], extra_cxx_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            return load(name=NAME, sources=[source], extra_cxx_cflags=cflags(), extra_ldflags=LDFLAGS,
                         build_directory=directory, verbose=False)
     except Exception as e:  # noqa: BLE001  (setuptools/compiler errors of every kind)
         with open(errors, encoding="utf-8", errors="replace") if os.path.exists(errors) else io.StringIO() as f:
@@ -209,6 +238,9 @@ def load_ops():
     with _lock:
         if _module is not None:
             return _module
+        problem = isa_problem(isa())
+        if problem:
+            raise KernelError(f"GPTC_KERNEL_ISA={isa()}: {problem}; unset it (native)")
         sources = read_sources()  # read once: the key and the snapshot are the same text
         directory = cache_dir(sources)  # names the compiler first: a clear error before Paddle's murky one
         os.makedirs(directory, exist_ok=True)
@@ -250,3 +282,20 @@ def control(batch: int, steps: int = 1, eos: Optional[int] = None, pad: int = 0,
 def kernel_info() -> dict:
     """What a manifest records about the operators an export was written with."""
     return {"version": KERNEL_VERSION, "ops": list(OPS), "source_sha256": sources_sha256()[:16]}
+
+
+def isa_macros() -> dict:
+    """What the compiler defines for the current ISA's flags that decides the ops' vector paths
+    (``__AVX2__``, ``__AVX512F__``, ``__AVX512VNNI__``, ``__AVXVNNI__``, ...: name -> bool), read
+    from the compiler itself (``-dM -E``), so a test can name the paths a build has."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        return {}
+    names = ("__AVX2__", "__FMA__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVXVNNI__")
+    try:
+        out = subprocess.run([cxx, *ISA_FLAGS[isa()], "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
+    return {n: n in defined for n in names}

@@ -22,6 +22,15 @@
 #include <immintrin.h>
 #endif
 
+// The AVX-512 GEMM micro-kernels (gptc_gemm512.h): float where the build has AVX-512 F/BW/VL, int
+// where it also has AVX-512 VNNI.
+#if defined(__AVX2__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GPTC_F512 1
+#if defined(__AVX512VNNI__)
+#define GPTC_VNNI512 1
+#endif
+#endif
+
 namespace {
 
 // ---------------------------------------------------------------------------- profile
@@ -170,8 +179,7 @@ inline float hsum(__m256 v) {
 }
 
 // 32 uint8 x 32 int8 -> 8 int32 partial sums (lane l: bytes 4l..4l+3), exact while maddubs's
-// pairs stay below 2^15. VNNI does it in one instruction (compiled in by -march=native where the
-// CPU has it; unverified on the AVX2-only machines of this repo).
+// pairs stay below 2^15. VNNI (AVX512-VL VNNI or AVX-VNNI builds) does it in one instruction.
 inline __m256i dot32_u8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);

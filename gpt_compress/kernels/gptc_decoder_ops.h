@@ -145,8 +145,8 @@ Step make_step(int64_t B, int64_t T, int64_t C, const int64_t* mk, int64_t L, in
   s.keys = keys, s.nkeys = nkeys;
   // Long inputs (prefill): the layer norms and int8 inputs made once, in shared buffers
   // (prepare_rows), at the cost of up to 4 more barriers a layer; shorter ones (decode steps of
-  // batches) are cheaper made by every thread. The threshold is an estimate (a barrier ~ a few
-  // us vs 16 rows' norms and quantizations); not measured, the machine was contended.
+  // batches) are cheaper made by every thread. The threshold is an estimate: a barrier against
+  // 16 rows' norms and quantizations.
   s.rows = s.M >= kSharedRows;
   s.hs = nullptr, s.xqs = nullptr, s.sxs = nullptr;
   const int64_t n = std::max(s.rows ? s.M : 0, head_rows >= kSharedRows ? head_rows : 0);

@@ -21,23 +21,18 @@ namespace {
 // gemv_for) are cut into NR equal parts, and pass i takes row i of each part, so the thread
 // reads NR sequential streams (each part's rows follow each other in memory), which the
 // hardware prefetchers follow on their own, with NR times the requests in flight of one stream.
-// Adjacent rows (one span of NR rows a pass) are NR streams that end after one row each: the prefetchers never lock on, and software
-// prefetches (which the kernels no longer issue) made up only part of it. Standalone copy
-// (/tmp scratch, 2 threads, the weights evicted by a 64 MB read before each run, means of 10,
-// AMD EPYC here, outputs bitwise the same): the float32 head (50304 x 384) 4.8-4.9 -> 2.9-3.2 ms,
-// a plain read of the same bytes 3.9-4.4 ms in one stream a thread and 2.8-3.4 ms in eight;
-// float32 1152 x 384 102 -> 69 us, 384 x 1536 102 -> 77 us.
+// Adjacent rows (one span of NR rows a pass) are NR streams that end after one row each: the
+// prefetchers never lock on, and software prefetches make up only part of it.
 // AVX2 only; other layers (float-input int weights, K or blocks not in steps of 32) keep the
 // blocks above.
 constexpr int64_t GEMV_ROWS = 64;  // a grab of gemv_for is a multiple of this many rows
 constexpr int GEMV_NR_F = 8;       // float weight rows per pass (streams)
 constexpr int GEMV_NR_I = 4;       // int weight rows per pass (igemv_tile: 4 or 1)
 
-// int8 rows (not int4, not float) also prefetch their codes this many bytes ahead: on the AMD EPYC
-// (Zen 1) here, where the int8 dots run about as fast as the memory (22 GB/s from L2 on 2
-// threads, DRAM ~20), the hardware prefetchers alone left the int8 head at 17.7-18.4 GB/s and
-// 256 bytes ahead ran it at 19.1-20.6 (4 alternating runs, standalone, weights evicted), 384 x
-// 1536 weights ~7% faster; 4 KB ahead was slower. int4 (compute-bound here) gained nothing.
+// int8 rows (not int4, not float) also prefetch their codes this many bytes ahead: on hosts where
+// the int8 dots run about as fast as the memory, the hardware prefetchers alone leave the loads
+// behind; much further ahead (4 KB) evicts lines before their use. int4 (compute-bound) gains
+// nothing from it.
 constexpr int64_t GEMV_AHEAD_I8 = 256;
 
 inline bool gemv_ok(const Lin& L, const In& in) {
@@ -81,9 +76,8 @@ inline void fgemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, f
 // arithmetic (gptc_tiles.h): per row, each block's exact int32 dot, one fma of it times the
 // block's scale product into the row's float sum, in block order. Four rows' 32-code dots are
 // reduced to their totals together (totals4: three hadds for the four rows, then one 4-lane
-// convert and fma), not a convert and an fma of 8 lanes per row and block: on the AMD EPYC (Zen
-// 1) here, where 256-bit integer multiplies are two uops on one pipe, that is what the GEMV is
-// bound by. The four rows' scale products are formed once (prod: 4 per block, interleaved).
+// convert and fma), not a convert and an fma of 8 lanes per row and block: on CPUs whose 256-bit
+// integer multiplies are two uops on one pipe, that is what the GEMV is bound by. The four rows' scale products are formed once (prod: 4 per block, interleaved).
 // int4 (I4) codes stay unsigned (c = w + 8, 0..15): their dot with x needs neither |x| nor
 // sign(w, x), and its total less corr[step] (the total of 8 * x over the step, the same for every
 // row) is exactly the signed dot.
@@ -93,9 +87,8 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, 
                        const float* bias, float* prod) {
   static_assert(NR == 4 || NR == 1, "igemv_tile: 4 rows (totals4) or 1");
   const int64_t K = nb * blk, spb = blk / 32;  // 32-code steps per block
-  // prod[4 b + j] = sx[b] * sw[j][b]: 4 blocks at a time, a 128-bit 4 x 4 transpose. On the Zen 1
-  // here (256-bit ops are two uops) 8-block 256-bit transposes with a scalar tail made a 512 x 384
-  // int8 GEMV 17.6 us instead of 16.2 (int4 16.0 vs 14.6; one thread, in L2, medians of 400).
+  // prod[4 b + j] = sx[b] * sw[j][b]: 4 blocks at a time, a 128-bit 4 x 4 transpose (on CPUs that
+  // split 256-bit ops in two, 8-block 256-bit transposes with a scalar tail are slower).
   if constexpr (NR == 4) {
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
@@ -250,9 +243,8 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
 // GEMV_GRAB_BYTES of weights): a thread that a busy machine delays, or that joins the region
 // late (woken from its sleep between ops), leaves its share to the others instead of making them
 // wait at the barrier. Each grab is read as NR streams (gemv_rows), which the prefetchers need a
-// few lines of to lock on: streams of a few KB (64 rows of int8 codes at K = 384) ran the
-// 1536 x 384 int8 weights from DRAM in 47-63 us, 192-384-row grabs in 36-49 (standalone copy,
-// 4 alternating runs). Which thread computes an output never changes its value.
+// few lines of to lock on: streams of a few KB (64 rows of int8 codes at K = 384) are too short,
+// hence the least grab of GEMV_GRAB_BYTES. Which thread computes an output never changes its value.
 constexpr int64_t GEMV_GRAB_BYTES = 64 << 10;
 void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
@@ -265,12 +257,46 @@ void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   for (int64_t g = 0; g < grabs; ++g) gemv_rows(L, in, g * rows, std::min(L.n, (g + 1) * rows), y, res, act, sc);
 }
 
+// Input rows a pass over the weights serves when the inputs are float (AVX-512 builds): the
+// rows' inputs and outputs stay in L2 while the weights stream past them (with every row at
+// once, the inputs and outputs of a wide float Linear leave the L2 as the weights stream past).
+// The int inputs are a quarter of the bytes: all rows at once.
+inline int64_t panel_rows(const Lin& L, const In& in, int64_t M) {
+#if defined(GPTC_F512)
+  if (in.xq == nullptr) return std::min<int64_t>(M, 64);
+#endif
+  (void)L, (void)in;
+  return M;
+}
+
+// Rows [m0, m0 + ...) of the inputs (an even m0: whole pairs of the packed floats).
+inline In rows_of(const Lin& L, const In& in, int64_t m0) {
+  In s = in;
+  s.x = in.x + m0 * L.k;
+  if (in.xq != nullptr) s.xq = in.xq + m0 * L.k, s.sx = in.sx + m0 * (L.k / L.blk);
+  return s;
+}
+inline Packs rows_of(const Lin& L, const Packs& p, int64_t m0) {
+  Packs s;
+  if (p.xp != nullptr) s.xp = p.xp + (m0 / 2) * (L.k / 8) * 16;
+  if (p.xu != nullptr) s.xu = p.xu + m0 * L.k;
+  return s;
+}
+
 // Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.
 void linear_rows(const Lin& L, const In& in, int64_t M, int64_t r0, int64_t r1, float* y, int64_t ldy,
                  const float* res, int act, Scratch& sc) {
   if (M == 1 && gemv_ok(L, in)) return gemv_rows(L, in, r0, r1, y, res, act, sc);
-  for (int64_t n0 = r0; n0 < r1; n0 += NBLK)
-    linear_block(L, in, M, n0, int(std::min<int64_t>(NBLK, r1 - n0)), y, ldy, res, act, sc);
+  const Packs pk = pack_inputs(L, in, M, sc);
+  const int64_t P = panel_rows(L, in, M);
+  for (int64_t m0 = 0; m0 < M; m0 += P) {
+    const In ip = rows_of(L, in, m0);
+    const Packs pp = rows_of(L, pk, m0);
+    const int64_t mp = std::min(P, M - m0);
+    for (int64_t n0 = r0; n0 < r1; n0 += NBLK)
+      linear_block(L, ip, pp, mp, n0, int(std::min<int64_t>(NBLK, r1 - n0)), y + m0 * ldy, ldy,
+                   res ? res + m0 * ldy : nullptr, act, sc);
+  }
 }
 
 // y (M, N) = epilogue(x (M, K) @ W^T + bias), the blocks shared out among the threads of the
@@ -283,9 +309,19 @@ void linear_for(const Lin& L, const In& in, int64_t M, float* y, const float* re
   const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
   const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
-#pragma omp for schedule(dynamic, grain)
-  for (int64_t blk = 0; blk < nblocks; ++blk)
-    linear_block(L, in, M, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), y, L.n, res, act, sc);
+  const Packs pk = pack_inputs(L, in, M, sc);  // by every thread, for itself: no barrier
+  const int64_t P = panel_rows(L, in, M);
+  for (int64_t m0 = 0; m0 < M; m0 += P) {  // panels write their own rows: no barrier between them
+    const In ip = rows_of(L, in, m0);
+    const Packs pp = rows_of(L, pk, m0);
+    const int64_t mp = std::min(P, M - m0);
+    float* yp = y + m0 * L.n;
+    const float* rp = res ? res + m0 * L.n : nullptr;
+#pragma omp for schedule(dynamic, grain) nowait
+    for (int64_t blk = 0; blk < nblocks; ++blk)
+      linear_block(L, ip, pp, mp, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), yp, L.n, rp, act, sc);
+  }
+#pragma omp barrier
 }
 
 // y (M, N) = x (M, K) @ W^T + bias, in a parallel region of its own.

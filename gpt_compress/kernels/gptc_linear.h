@@ -5,7 +5,7 @@
 #ifndef GPTC_KERNELS_GPTC_LINEAR_H_
 #define GPTC_KERNELS_GPTC_LINEAR_H_
 
-#include "gptc_tiles.h"
+#include "gptc_gemm512.h"
 
 namespace {
 
@@ -16,6 +16,11 @@ void activate(float* h, int64_t n, int act);
 struct Scratch {
   std::vector<float> h, sx, wbuf, tile, p, gemv;
   std::vector<int8_t> xq, ibuf;
+  std::vector<float> xp, pk_sw;  // AVX-512 blocks: packed input pairs, a packed block's scales,
+  std::vector<float> facc;       // float accumulators between k chunks
+  std::vector<int8_t> pk_codes;  // and codes
+  std::vector<int32_t> pk_start;
+  std::vector<uint8_t> xu;       // int8 inputs + 128
 };
 struct Shared {
   std::vector<float> q, ctx, f, sel, h;
@@ -41,6 +46,7 @@ inline void trim(std::vector<T>& v) {
 }
 inline void trim(Scratch& s) {
   trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
+  trim(s.xp), trim(s.pk_sw), trim(s.facc), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
@@ -144,11 +150,39 @@ In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, cons
   return in;
 }
 
+// The inputs of a Linear as the AVX-512 micro-kernels read them (M > 1), made by the calling
+// thread into its scratch once per Linear call that runs in blocks (not the GEMV): float inputs in
+// pairs of rows (xp), int8 ones + 128 (xu). Null where the build has no such kernel.
+struct Packs {
+  const float* xp = nullptr;
+  const uint8_t* xu = nullptr;
+};
+inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
+  Packs p;
+#if defined(GPTC_F512)
+  if (in.xq == nullptr) {  // float inputs (float weights, or int ones dequantized)
+    float* xp = grow(sc.xp, size_t((M + 1) * L.k));
+    pack_pairs_f(in.x, M, L.k, xp);
+    p.xp = xp;
+  }
+#if defined(GPTC_VNNI512)
+  if (in.xq != nullptr) {
+    uint8_t* xu = grow(sc.xu, size_t(M * L.k));
+    pack_u8(in.xq, M, L.k, xu);
+    p.xu = xu;
+  }
+#endif
+#else
+  (void)L, (void)in, (void)M, (void)sc;
+#endif
+  return p;
+}
+
 // Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
 // then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
 // may be y itself: each value is read before it is written, by the thread that writes it).
-void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, float* y, int64_t ldy,
-                  const float* res, int act, Scratch& sc) {
+void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int64_t n0, int nr, float* y,
+                  int64_t ldy, const float* res, int act, Scratch& sc) {
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   float* t = grow(sc.tile, size_t(M * NBLK));
@@ -172,8 +206,16 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
 #endif
     }
   }
+  // Float rows against all M inputs (AVX-512 builds: the pair micro-kernel, bitwise fblock's values).
+  auto floats = [&](const float* w) {
+#if defined(GPTC_F512)
+    fblock512(in.x, pk_in.xp, M, K, w, nr, t, NBLK, bias, grow(sc.facc, size_t((M + 1) / 2 * NBLK * 16)));
+#else
+    fblock(in.x, M, K, w, nr, t, NBLK, bias, pf, pf_bytes);
+#endif
+  };
   if (L.bits == 32) {
-    fblock(in.x, M, K, L.wf + n0 * K, nr, t, NBLK, bias, pf, pf_bytes);
+    floats(L.wf + n0 * K);
   } else {
     const int8_t* q[NBLK];
     const float* sw[NBLK];
@@ -186,12 +228,20 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
     if (packed) {
       iblock<true>(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
     } else if (in.xq != nullptr) {
+#if defined(GPTC_VNNI512)
+      if (K % 4 == 0 && L.blk % 4 == 0) {  // whole 4-code groups (vpdpbusd's lanes)
+        const int64_t nb = K / L.blk;
+        const Packed512 pk{grow(sc.pk_codes, size_t(K * NBLK)), grow(sc.pk_start, size_t(nb * NBLK)),
+                           grow(sc.pk_sw, size_t(nb * NBLK))};
+        iblock512(in.xq, in.sx, M, K, nb, L.blk, q, sw, nr, t, NBLK, bias, pk, pk_in.xu);
+      } else
+#endif
       iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias, pf, pf_bytes);
     } else {
       float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
       for (int n = 0; n < nr; ++n)
         for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
-      fblock(in.x, M, K, wbuf, nr, t, NBLK, bias, pf, pf_bytes);
+      floats(wbuf);
     }
   }
   // The activation elementwise: over the whole tile when its rows are contiguous (nr == NBLK; the
@@ -199,20 +249,23 @@ void linear_block(const Lin& L, const In& in, int64_t M, int64_t n0, int nr, flo
   const bool whole = act >= 0 && nr == NBLK;
   if (whole) activate(t, M * NBLK, act);
 #if defined(__AVX2__)
-  if (nr == NBLK) {  // 12 values a row: one 8- and one 4-lane move (a memcpy call each cost ~1 ms a prefill)
-    static_assert(NBLK == 12, "the row moves below are 8 + 4 values");
+  if (nr == NBLK) {  // whole rows: 8- and 4-lane moves (a memcpy call per row costs more than the copy)
+    static_assert(NBLK % 4 == 0, "the row moves below are 8 and 4 values");
     for (int64_t m = 0; m < M; ++m) {
       const float* tm = t + m * NBLK;
       float* ym = y + m * ldy + n0;
-      __m256 a = _mm256_loadu_ps(tm);
-      __m128 b = _mm_loadu_ps(tm + 8);
-      if (res != nullptr) {  // rm + tm, as below
-        const float* rm = res + m * ldy + n0;
-        a = _mm256_add_ps(_mm256_loadu_ps(rm), a);
-        b = _mm_add_ps(_mm_loadu_ps(rm + 8), b);
+      const float* rm = res != nullptr ? res + m * ldy + n0 : nullptr;
+      int j = 0;
+      for (; j + 8 <= NBLK; j += 8) {
+        __m256 a = _mm256_loadu_ps(tm + j);
+        if (rm != nullptr) a = _mm256_add_ps(_mm256_loadu_ps(rm + j), a);  // rm + tm, as below
+        _mm256_storeu_ps(ym + j, a);
       }
-      _mm256_storeu_ps(ym, a);
-      _mm_storeu_ps(ym + 8, b);
+      if (j < NBLK) {
+        __m128 b = _mm_loadu_ps(tm + j);
+        if (rm != nullptr) b = _mm_add_ps(_mm_loadu_ps(rm + j), b);
+        _mm_storeu_ps(ym + j, b);
+      }
     }
     return;
   }

@@ -15,9 +15,9 @@ void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const floa
     float mean = 0.f, var = 0.f;
     for (int64_t c = 0; c < C; ++c) mean += xm[c];
     mean /= C;
-    for (int64_t c = 0; c < C; ++c) var += (xm[c] - mean) * (xm[c] - mean);
+    for (int64_t c = 0; c < C; ++c) var = std::fma(xm[c] - mean, xm[c] - mean, var);
     const float inv = 1.f / std::sqrt(var / C + eps);
-    for (int64_t c = 0; c < C; ++c) y[m * C + c] = (xm[c] - mean) * inv * w[c] + b[c];
+    for (int64_t c = 0; c < C; ++c) y[m * C + c] = std::fma((xm[c] - mean) * inv, w[c], b[c]);
   }
 }
 

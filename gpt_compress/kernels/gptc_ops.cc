@@ -20,22 +20,29 @@
 // and qat.quantize.fake_quant_dynamic) or int8 with one calibrated scale (act > 0: W8A8,
 // weights per channel, blk == K). Integer dots accumulate in int32 per block, exactly.
 // Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
-// Matrix products run in blocks of 12 weight rows, each read once for all M input rows (a GEMM
-// for prefill and batches: 4x3 float and int8 tiles, 2x4 for packed int4; GEMV for M = 1). Batch invariant:
-// an output's arithmetic never depends on M, the tile, the thread or the other rows, and
-// attention runs over each row's unmasked keys in order, so a sequence's logits are bitwise the
-// same alone, left-padded in a batch, prefilled at once or token by token (tests/test_fused.py).
-// Vector paths are AVX2 (+FMA); VNNI dot products compile in where -march=native has them
-// (not verified on the AVX2-only machines this was developed on).
+// Matrix products run in blocks of weight rows (NBLK: 12 on AVX2, 48 on AVX-512), each read once
+// for all M input rows (a GEMM for prefill and batches: 4x3 float and int8 tiles, 2x4 for packed
+// int4 on AVX2; on AVX-512 the gptc_gemm512.h micro-kernels, vpdpbusd with VNNI; GEMV for M = 1).
+// Batch invariant: an output's arithmetic never depends on M, the tile, the thread or the other
+// rows, and attention runs over each row's unmasked keys in order, so a sequence's logits are
+// bitwise the same alone, left-padded in a batch, prefilled at once or token by token
+// (tests/test_fused.py). The AVX-512 micro-kernels keep each output's arithmetic (exact int32
+// block dots, the 8-lane float order), so the native and avx2 builds ($GPTC_KERNEL_ISA) give
+// bitwise the same values (tests/test_kernel_tiles.py); scalar code spells its fmas out
+// (std::fma) rather than leave contraction to the compiler, whose vectorized loops differ by ISA.
+// Vector paths need AVX2 (+FMA); VNNI dot products (256-bit in the GEMV and AVX2 tiles) compile
+// in where the build's -march has them.
 //
 // The unit is split by concern into headers included here in order (one translation unit, so
 // the hot templates and inline functions stay inlinable across them); the loader
 // (kernels/__init__.py SOURCES) hashes and snapshots every one of them.
 #include "gptc_common.h"
 #include "gptc_tiles.h"
+#include "gptc_gemm512.h"
 #include "gptc_linear.h"
 #include "gptc_gemv.h"
 #include "gptc_norm_attention.h"
 #include "gptc_decoder_ops.h"
 #include "gptc_decoder_stack.h"
 #include "gptc_head_score.h"
+#include "gptc_bench.h"

@@ -18,21 +18,25 @@ namespace {
 // which outputs share a pass over the weights (and, int, which four share a vector lane-wise).
 
 #if defined(__AVX2__)
-// Every loop over the MR x NR accumulators fully unrolled: otherwise GCC 12 keeps the array
-// in memory and stores all accumulators on every step of the k loop (store-bound: 30 instead
-// of 43 GFLOP/s for a 4x3 float tile on the AMD EPYC here).
+// Every loop over the MR x NR accumulators fully unrolled: otherwise GCC keeps the array in
+// memory and stores all accumulators on every step of the k loop (store-bound).
 #define GPTC_UNROLL _Pragma("GCC unroll 16")
-// Pins a loaded vector in a register (an empty asm the value goes through). Without it GCC 12
+// Pins a loaded vector in a register (an empty asm the value goes through). Without it GCC
 // folds the loads into the fmas as memory operands, one load per fma instead of one per row:
-// a 4x3 float tile then issues 16 loads per 12 fmas and is load-bound (44 vs 69 GFLOP/s on one
-// core of the AMD EPYC here; the 4x3 int8 tile 57 -> 62). The values are the same.
+// a 4x3 float tile then issues 16 loads per 12 fmas and is load-bound. The values are the same.
+// "v": any vector register, the 32 of AVX-512 included ("x", the first 16 only, makes GCC copy
+// AVX-512 accumulators between register halves on every step).
+#if defined(__AVX512F__)
+#define GPTC_PIN(v) __asm__("" : "+v"(v))
+#else
 #define GPTC_PIN(v) __asm__("" : "+x"(v))
+#endif
 
 // Software prefetch of the next weight block while a block computes (M > 1, linear_block):
 // `lines` cache lines from p, spread evenly over a tile's `steps` k steps (a burst of them at
 // once stalls the loads). Prefill reads every layer's weights from memory once (gpt-bench fp32:
-// 42 MB, past the L3), and the hardware prefetcher alone left a 4x3 float tile at 56 instead of
-// 66 GFLOP/s with M = 64, 28 instead of 49 with M = 8 (one core of the AMD EPYC here).
+// 42 MB, past the L3), and the hardware prefetcher alone leaves the tiles waiting for them,
+// most at small M.
 struct Prefetch {
   const char* p;
   int64_t left, every, per, cnt = 0;
@@ -216,8 +220,13 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
 
 // Weight rows per block: the unit of work of a thread. A block's weights are read from memory
 // once for all M input rows (GEMM for M > 1: prefill, batches); int4 rows are unpacked (and
-// float-input int rows dequantized) once per block.
+// float-input int rows dequantized, AVX-512 blocks packed) once per block. AVX-512 builds take
+// blocks of 48 (gptc_gemm512.h: three registers of 16 outputs), AVX2 ones of 12 (4 x 3 tiles).
+#if defined(GPTC_F512)
+constexpr int NBLK = 48;
+#else
 constexpr int NBLK = 12;
+#endif
 
 // Float weights (NBLK or fewer rows) against all M input rows; the 4-row tiles prefetch pf_bytes
 // from pf (the next block's weights; null: none), an even part each.
@@ -225,6 +234,7 @@ inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr,
                    const float* bias, const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
   if (nr == NBLK) {
+    static_assert(NBLK % 3 == 0, "fblock's 4 x 3 tiles");
     const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, NBLK / 3 * (M / 4));
     int64_t part = 0;
     for (int s = 0; s < NBLK; s += 3) {  // 4 x 3 tiles: 12 accumulators, 7 loads per 12 fmas
@@ -260,8 +270,7 @@ inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int6
                    const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias,
                    const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
-  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see fblock;
-    // in the 1-thread gpt-bench prefill, 4x2, 2x4, 3x3 and 2x6 tiles were within 2% of it)
+  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see fblock)
     const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, nr / 3 * (M / 4));
     int64_t part = 0;
     int n = 0;

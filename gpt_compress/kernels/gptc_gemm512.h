@@ -1,0 +1,331 @@
+// AVX-512 GEMM micro-kernels (M > 1: prefill, batches) for a block of NBLK512 weight rows against
+// all M input rows, compiled where the build has AVX-512 F/BW/VL (float) and AVX-512 VNNI (int8,
+// int4, W8A8). Each keeps the contract of gptc_tiles.h output by output, so its values are bitwise
+// those of the AVX2 tiles and the GEMV (tests/test_kernel_tiles.py runs both builds):
+//  - int: the block's weights are packed once per block, 4 codes of one row per 32-bit lane, 16
+//    rows a register (an output per lane), so `vpdpbusd` of an input row's 4 codes (broadcast)
+//    accumulates 16 outputs' dots at once with no horizontal sum. vpdpbusd multiplies unsigned by
+//    signed bytes: the inputs are packed as x + 128 (0..255) and each accumulator starts at the
+//    block's -128 * sum(w), so it ends at the exact int32 dot of the block. Then one convert and
+//    one fma per block, float(dot) times the scale product sx * sw, into the output's float sum,
+//    in block order; + bias at the end.
+//  - float: a register holds the 8 lanes of two input rows (packed pairs of rows, 8 k positions
+//    each) against one weight row's 8 k positions broadcast to both halves, so every output keeps
+//    the AVX2 tile's 8-lane fma order over k; then the same hsum, the scalar k tail, + bias.
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_GEMM512_H_
+#define GPTC_KERNELS_GPTC_GEMM512_H_
+
+#include <type_traits>
+
+#include "gptc_tiles.h"
+
+namespace {
+
+#if defined(GPTC_F512)
+// Weight rows of one block (NBLK, gptc_tiles.h): three registers of 16 outputs (int), twelve
+// passes of 4 rows (float).
+constexpr int NBLK512 = NBLK;
+static_assert(NBLK512 == 48, "three registers of 16 outputs");
+
+// ------------------------------------------------------------------ float
+// xp: the M input rows in pairs, (M+1)/2 x (K/8) x 16 floats: chunk c of pair p holds row 2p's
+// k = 8c..8c+7 then row 2p+1's (zeros for the missing row of an odd M). Only the K/8 full chunks:
+// the k tail is read from x itself.
+inline void pack_pairs_f(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t kc = K / 8;
+  for (int64_t p = 0; p < (M + 1) / 2; ++p) {
+    const float* r0 = x + 2 * p * K;
+    const float* r1 = 2 * p + 1 < M ? r0 + K : nullptr;
+    float* d = xp + p * kc * 16;
+    for (int64_t c = 0; c < kc; ++c) {
+      _mm256_storeu_ps(d + 16 * c, _mm256_loadu_ps(r0 + 8 * c));
+      _mm256_storeu_ps(d + 16 * c + 8, r1 ? _mm256_loadu_ps(r1 + 8 * c) : _mm256_setzero_ps());
+    }
+  }
+}
+
+// PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart): y[m][n] (ldy apart),
+// rows past M skipped.
+// PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart), the 8-float k steps
+// [c0, c1) of kc = K / 8: the accumulators start at zero (c0 == 0) or at the values slot holds
+// from the steps before (pair p, weight row n at slot + (p * NBLK512 + n) * 16: an exact store
+// and load), and after the last step (c1 == kc) y[m][n] (ldy apart) gets hsum, the k tail and
+// + bias; rows past M skipped.
+template <int PR, int NR>
+inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, int64_t c0, int64_t c1,
+                     const float* w, float* slot, float* y, int64_t ldy, const float* bias) {
+  const int64_t kc = K / 8;
+  __m512 acc[PR][NR];
+  GPTC_UNROLL for (int p = 0; p < PR; ++p)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n)
+      acc[p][n] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(slot + (p * NBLK512 + n) * 16);
+  const float* xb = xp + (m0 / 2) * kc * 16;
+  for (int64_t c = c0; c < c1; ++c) {
+    __m512 wv[NR];
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      wv[n] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(w + n * K + 8 * c))));
+      GPTC_PIN(wv[n]);
+    }
+    GPTC_UNROLL for (int p = 0; p < PR; ++p) {
+      __m512 xv = _mm512_loadu_ps(xb + (p * kc + c) * 16);
+      GPTC_PIN(xv);
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[p][n] = _mm512_fmadd_ps(xv, wv[n], acc[p][n]);
+    }
+  }
+  if (c1 < kc) {
+    GPTC_UNROLL for (int p = 0; p < PR; ++p)
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) _mm512_storeu_ps(slot + (p * NBLK512 + n) * 16, acc[p][n]);
+    return;
+  }
+  const int64_t k = kc * 8;
+  GPTC_UNROLL for (int p = 0; p < PR; ++p)
+    GPTC_UNROLL for (int h = 0; h < 2; ++h) {
+      const int64_t m = m0 + 2 * p + h;
+      if (m >= M) continue;
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+        const __m256 a = h ? _mm512_extractf32x8_ps(acc[p][n], 1) : _mm512_castps512_ps256(acc[p][n]);
+        float s = hsum(a);
+        for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * K + kk], w[n * K + kk], s);
+        y[m * ldy + n] = s + (bias ? bias[n] : 0.f);
+      }
+    }
+}
+
+// Float weights (nr <= NBLK512 rows, K apart) against all M input rows x (M, K) into y (M, ldy).
+// xp: x packed by pack_pairs_f (once per Linear, not per block: repacking per block moves about
+// as many bytes as the tiles read); slots: (M + 1) / 2 * NBLK512 * 16 floats of scratch.
+inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, const float* w, int nr, float* y,
+                      int64_t ldy, const float* bias, float* slots) {
+  // 12 rows (6 pairs) x 4 weight rows: 24 accumulators, 10 loads per 24 fmas. The k steps in
+  // chunks of 24 KB of a tile's inputs, so a tile's chunk stays in L1 while the block's weight
+  // rows pass over it (4 broadcasts of 32 bytes per 24 fmas, from L2); the accumulators wait in
+  // slots between chunks.
+  constexpr int NR = 4;
+  const int64_t kc = K / 8, chunk = std::max<int64_t>(1, (24 << 10) / (12 * 32));
+  auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
+  auto tiles = [&](auto pr, int64_t m, int64_t c0, int64_t c1) {
+    constexpr int PR = decltype(pr)::value;
+    float* sl = slots + (m / 2) * NBLK512 * 16;
+    int n = 0;
+    for (; n + NR <= nr; n += NR)
+      ftile512<PR, NR>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
+    for (; n < nr; ++n) ftile512<PR, 1>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
+  };
+  for (int64_t c0 = 0; c0 < kc || c0 == 0; c0 += chunk) {  // K < 8: one pass of the tail alone
+    const int64_t c1 = std::min(kc, c0 + chunk);
+    int64_t m = 0;
+    for (; m + 12 <= M; m += 12) tiles(std::integral_constant<int, 6>(), m, c0, c1);
+    switch ((M - m + 1) / 2) {  // the pairs left (the last one half empty for an odd M)
+      case 5: tiles(std::integral_constant<int, 5>(), m, c0, c1); break;
+      case 4: tiles(std::integral_constant<int, 4>(), m, c0, c1); break;
+      case 3: tiles(std::integral_constant<int, 3>(), m, c0, c1); break;
+      case 2: tiles(std::integral_constant<int, 2>(), m, c0, c1); break;
+      case 1: tiles(std::integral_constant<int, 1>(), m, c0, c1); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+#if defined(GPTC_VNNI512)
+// ------------------------------------------------------------------ int (VNNI)
+// A block of int weight rows packed for the micro-kernel: codes (K/4) x NBLK512 x 4 bytes (group g
+// of row n at (g * NBLK512 + n) * 4; rows past nr zero), bias0 nb x NBLK512 int32 (-128 * the
+// block's code sum of each row: the accumulators' start), scales nb x NBLK512 (transposed).
+struct Packed512 {
+  int8_t* codes;
+  int32_t* start;
+  float* sw;
+};
+
+// r[i] (16 int32 each) -> r[j] holding element j of every r[i] (lane i): a 16 x 16 transpose in
+// four rounds of unpacks and 128-bit shuffles.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: rows 4i..4i+3 at element 4L + j
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+
+// Rows q[0..nr) (int8 codes, int4 rows unpacked by the caller; K % 4 == 0, blk % 4 == 0) with
+// scales sw[n] (nb a row): 16 rows x 16 groups at a time, transposed in registers.
+inline void pack_block512(const int8_t* const* q, const float* const* sw, int nr, int64_t K, int64_t nb,
+                          int64_t blk, Packed512 pk) {
+  int32_t* codes = reinterpret_cast<int32_t*>(pk.codes);
+  const int64_t G = K / 4;  // 4-code groups a row
+  for (int jb = 0; jb < NBLK512 / 16; ++jb)
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int take = int(std::min<int64_t>(16, G - g0));
+      const __mmask16 mk = take == 16 ? __mmask16(0xFFFF) : __mmask16((1u << take) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int n = 16 * jb + i;
+        r[i] = n < nr ? _mm512_maskz_loadu_epi32(mk, q[n] + 4 * g0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int j = 0; j < take; ++j) _mm512_storeu_si512(codes + (g0 + j) * NBLK512 + 16 * jb, r[j]);
+    }
+  // Each accumulator's start: -128 * the row's code sum over the block (vpdpbusd of 128s).
+  const __m512i c128 = _mm512_set1_epi8(char(0x80));
+  const int64_t gpb = blk / 4;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int jb = 0; jb < NBLK512 / 16; ++jb) {
+      __m512i s = _mm512_setzero_si512();
+      for (int64_t g = b * gpb; g < (b + 1) * gpb; ++g)
+        s = _mm512_dpbusd_epi32(s, c128, _mm512_loadu_si512(codes + g * NBLK512 + 16 * jb));
+      _mm512_storeu_si512(pk.start + b * NBLK512 + 16 * jb, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    }
+  for (int n = 0; n < NBLK512; ++n)
+    for (int64_t b = 0; b < nb; ++b) pk.sw[b * NBLK512 + n] = n < nr ? sw[n][b] : 0.f;
+}
+
+// acc += vpdpbusd(u, s) in place. An asm, because with GCC's intrinsic (its accumulator a tied
+// operand) the allocator copies accumulators into another register and back on each step; a
+// macro, not a function, because an accumulator passed by reference lives in memory.
+#define GPTC_DPBUSD512(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
+
+thread_local std::vector<uint8_t> t_zero_row;  // K bytes of 128 (x = 0): the rows past M of a tile
+thread_local std::vector<float> t_zero_scales;
+
+// The int8 inputs as vpdpbusd's unsigned operand: x + 128 (0..255), (M, K).
+inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  int64_t i = 0, n = M * K;
+  for (; i + 64 <= n; i += 64)
+    _mm512_storeu_si512(xu + i, _mm512_xor_si512(_mm512_loadu_si512(xq + i), flip));
+  for (; i < n; ++i) xu[i] = uint8_t(xq[i] ^ 0x80);
+}
+
+// 4 input rows (codes + 128 at xr[r], scales sr[r] nb apart) x the block's 48 weight rows: yr[r][0..48)
+// (the lanes past nr hold the zero rows' values, never read). Registers: the 12 int32
+// accumulators of a block (zmm16-27), the 12 float sums (zmm4-15), the block's 3 weight vectors
+// and one broadcast input. The accumulators are named, not an array (an array of them stays in
+// memory), and pinned (GCC's allocator otherwise copies some to a scratch register and back
+// around each vpdpbusd).
+// Blocks [b0, b1) of the K range: the float sums start at zero (b0 == 0) or at the values yr holds
+// from the blocks before (an exact store and load), and get + bias after the last block (b1 == nb).
+inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t b0, int64_t b1, int64_t nb,
+                     int64_t blk, const Packed512& pk, float* const* yr, const float* bias) {
+  static_assert(NBLK512 == 48, "three registers of 16 outputs");
+  const int32_t* codes = reinterpret_cast<const int32_t*>(pk.codes);
+  const int64_t gpb = blk / 4;  // 4-code groups per block
+  const uint8_t *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+  auto start = [&](int r, int j) { return b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr[r] + 16 * j); };
+  register __m512 f00 asm("zmm4") = start(0, 0), f01 asm("zmm5") = start(0, 1), f02 asm("zmm6") = start(0, 2);
+  register __m512 f10 asm("zmm7") = start(1, 0), f11 asm("zmm8") = start(1, 1), f12 asm("zmm9") = start(1, 2);
+  register __m512 f20 asm("zmm10") = start(2, 0), f21 asm("zmm11") = start(2, 1), f22 asm("zmm12") = start(2, 2);
+  register __m512 f30 asm("zmm13") = start(3, 0), f31 asm("zmm14") = start(3, 1), f32 asm("zmm15") = start(3, 2);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int32_t* st = pk.start + b * NBLK512;
+    register __m512i d00 asm("zmm16") = _mm512_loadu_si512(st), d01 asm("zmm17") = _mm512_loadu_si512(st + 16);
+    register __m512i d02 asm("zmm18") = _mm512_loadu_si512(st + 32);
+    register __m512i d10 asm("zmm19") = d00, d11 asm("zmm20") = d01, d12 asm("zmm21") = d02;
+    register __m512i d20 asm("zmm22") = d00, d21 asm("zmm23") = d01, d22 asm("zmm24") = d02;
+    register __m512i d30 asm("zmm25") = d00, d31 asm("zmm26") = d01, d32 asm("zmm27") = d02;
+    const int32_t* cb = codes + b * gpb * NBLK512;
+    const int64_t o = b * blk;
+    for (int64_t g = 0; g < gpb; ++g, cb += NBLK512) {
+      const __m512i w0 = _mm512_loadu_si512(cb), w1 = _mm512_loadu_si512(cb + 16), w2 = _mm512_loadu_si512(cb + 32);
+      int32_t f;
+#define GPTC_ROW4(x, a0, a1, a2)             \
+  {                                          \
+    std::memcpy(&f, x + o + 4 * g, 4);       \
+    const __m512i xv = _mm512_set1_epi32(f); \
+    GPTC_DPBUSD512(a0, xv, w0);              \
+    GPTC_DPBUSD512(a1, xv, w1);              \
+    GPTC_DPBUSD512(a2, xv, w2);              \
+  }
+      GPTC_ROW4(x0, d00, d01, d02)
+      GPTC_ROW4(x1, d10, d11, d12)
+      GPTC_ROW4(x2, d20, d21, d22)
+      GPTC_ROW4(x3, d30, d31, d32)
+#undef GPTC_ROW4
+    }
+    const float* ws = pk.sw + b * NBLK512;
+    const __m512 w0 = _mm512_loadu_ps(ws), w1 = _mm512_loadu_ps(ws + 16), w2 = _mm512_loadu_ps(ws + 32);
+#define GPTC_FMA4(r, a0, a1, a2, s0, s1, s2)                                              \
+  {                                                                                       \
+    const __m512 xs = _mm512_set1_ps(sr[r][b]);                                           \
+    s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(xs, w0), s0);              \
+    s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(xs, w1), s1);              \
+    s2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_mul_ps(xs, w2), s2);              \
+  }
+    GPTC_FMA4(0, d00, d01, d02, f00, f01, f02)
+    GPTC_FMA4(1, d10, d11, d12, f10, f11, f12)
+    GPTC_FMA4(2, d20, d21, d22, f20, f21, f22)
+    GPTC_FMA4(3, d30, d31, d32, f30, f31, f32)
+#undef GPTC_FMA4
+  }
+  const __m512 out[4][3] = {{f00, f01, f02}, {f10, f11, f12}, {f20, f21, f22}, {f30, f31, f32}};
+  if (b1 < nb) {  // more blocks to come: the sums as they are
+    GPTC_UNROLL for (int r = 0; r < 4; ++r)
+      GPTC_UNROLL for (int j = 0; j < 3; ++j) _mm512_storeu_ps(yr[r] + 16 * j, out[r][j]);
+    return;
+  }
+  const __m512 bv[3] = {bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps(),
+                        bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps(),
+                        bias ? _mm512_loadu_ps(bias + 32) : _mm512_setzero_ps()};
+  GPTC_UNROLL for (int r = 0; r < 4; ++r)
+    GPTC_UNROLL for (int j = 0; j < 3; ++j) _mm512_storeu_ps(yr[r] + 16 * j, _mm512_add_ps(out[r][j], bv[j]));
+}
+
+// Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows
+// (xu: xq packed by pack_u8, once per Linear) into y (M rows ldy >= 48 apart, all 48 lanes written).
+inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                      const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
+                      const float* bias, Packed512 pk, const uint8_t* xu) {
+  pack_block512(q, sw, nr, K, nb, blk, pk);
+  // The bias of the block's 48 outputs (zeros past nr), so the tiles read whole registers.
+  alignas(64) float bias48[NBLK512];
+  for (int n = 0; n < NBLK512; ++n) bias48[n] = bias && n < nr ? bias[n] : 0.f;
+  const float* bz = bias ? bias48 : nullptr;
+  // 4 rows x 48 outputs: 12 int32 accumulators, 7 loads per 12 vpdpbusd. The rows past M (the
+  // last tile of an M not a multiple of 4) read a row of 128s (x = 0) with zero scales into a
+  // row of their own, not y.
+  std::vector<uint8_t>& zx = t_zero_row;
+  if (int64_t(zx.size()) < K) zx.assign(size_t(K), 0x80);
+  std::vector<float>& zs = t_zero_scales;
+  if (int64_t(zs.size()) < nb) zs.assign(size_t(nb), 0.f);
+  // The blocks in chunks of about 24 KB of packed codes, each chunk through every row tile: the
+  // chunk stays in L1 while the rows pass (a whole block of a long K, 48 x K bytes, comes from L2
+  // for every tile otherwise); the tiles keep their float sums in y between chunks.
+  const int64_t chunk = std::max<int64_t>(1, (24 << 10) / (NBLK512 * blk));
+  alignas(64) float spare_rows[4][NBLK512];
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+    const int64_t b1 = std::min(nb, b0 + chunk);
+    for (int64_t m = 0; m < M; m += 4) {
+      const uint8_t* xr[4];
+      const float* sr[4];
+      float* yr[4];
+      for (int r = 0; r < 4; ++r) {
+        const bool real = m + r < M;
+        xr[r] = real ? xu + (m + r) * K : zx.data();
+        sr[r] = real ? sx + (m + r) * nb : zs.data();
+        yr[r] = real ? y + (m + r) * ldy : spare_rows[r];
+      }
+      itile512(xr, sr, b0, b1, nb, blk, pk, yr, bz);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_GEMM512_H_
