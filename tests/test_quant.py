@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from _export_helpers import ENV, ROOT, model_dirs
+from _parity_helpers import PROMPTS, Recorder, calib_batches, lm_head_flip_bound
 from gpt_compress.inference.runner import Generator
-from test_export import Recorder
 
 WIKI_CHARS = 20000
 PPL_MARGIN_PCT = 2.0  # int8 WikiText PPL within this many percent of the float model's
@@ -23,8 +23,6 @@ SIZE_RATIO = 3.5  # fp32 / int8 model.pdiparams when every weight matrix is int8
 # model.onnx.data starts each tensor over 1 KB on a 4 KB page (so onnxruntime can map it): at this
 # model size (~25 such tensors, 200 KB) that costs ~10%; it vanishes for real sizes.
 ONNX_SIZE_RATIO = 3.3
-PROMPTS = ["First Citizen:\nBefore we proceed any further, hear me speak.", "ROMEO:\nBut, soft!",
-           "To be, or not to be"]
 
 
 @pytest.fixture(scope="module")
@@ -53,33 +51,6 @@ def _gptc(*args):
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _batches(prefix, n, seq=64, batch=8, seed=0):
-    from gpt_compress.data.indexed import open_dataset
-
-    data = open_dataset(prefix)
-    tokens = np.concatenate([np.asarray(data[i], dtype=np.int64) for i in range(len(data))])
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        starts = rng.integers(0, len(tokens) - seq - 1, batch)
-        chunk = np.stack([tokens[s:s + seq + 1] for s in starts])
-        out.append({"input_ids": chunk[:, :-1], "labels": chunk[:, 1:]})
-    return out
-
-
-def lm_head_flip_bound(model, flips: int = 4) -> float:
-    """The logit change of ``flips`` int8 input codes of the LM head landing on the other side of
-    a rounding boundary (float summation order differs between runtimes): one code is one
-    quantization step ``s = max|h| / 127`` of the final-norm output ``h`` (bounded by
-    ``|gamma| sqrt(H - 1) + |beta|`` per element), times the largest LM-head weight."""
-    g = model.gpt.ln_f
-    gamma, beta = np.abs(g.weight.numpy()), np.abs(g.bias.numpy())
-    h_max = float(np.max(gamma * np.sqrt(len(gamma) - 1) + beta))
-    head = model.gpt.wte.weight if model.config.tie_word_embeddings else model.lm_head.weight
-    w_max = float(np.max(np.abs(head.numpy())))
-    return flips * (h_max / 127) * w_max
 
 
 def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL, flip_bound: float = 0.0):
@@ -253,7 +224,7 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
     assert skips == res["skip_list"] == [r["layer"] for r in ranking["layers"][:2]]
 
     tok = Generator.from_dir(dirs["export"], backend="onnx").tokenizer
-    calib = _batches(prefix, 4)
+    calib = calib_batches(prefix, 4)
     base = _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki)
 
     def gap(skip):
@@ -279,7 +250,7 @@ def test_ptq_observers_clip_differently_and_keep_perplexity(dirs, shakespeare, w
     from gpt_compress.qat.quantize import quantize_model
 
     tok = Generator.from_dir(dirs["export"], backend="onnx").tokenizer
-    calib = _batches(shakespeare[1], 4)
+    calib = calib_batches(shakespeare[1], 4)
     base = _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki)
     amax, ppl = {}, {}
     for obs in ("abs_max", "percentile", "mse"):
