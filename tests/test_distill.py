@@ -172,7 +172,10 @@ def test_distillation_recovers_most_of_the_pruning_loss(pipeline):
     # are the prune command's before/after figures.
     assert distilled["teacher_valid_ppl"] == dense_ppl and distilled["student_valid_ppl_before"] == pruned_ppl
     assert distilled["ppl_gap_recovered"] == pytest.approx(recovery, abs=1e-3)
-    assert pruned_ppl > 1.02 * dense_ppl  # pruning a quarter of a trained model costs perplexity
+    # Pruning a quarter of a trained model costs perplexity: a prune that removed nothing (or kept
+    # the weights it meant to drop) gives exactly 1.0; measured 1.028 (79.51 / 77.35). 1.01 keeps
+    # the direction with room for another host's training arithmetic; MIN_RECOVERY reads the gap.
+    assert pruned_ppl > 1.01 * dense_ppl
     assert recovery >= MIN_RECOVERY
     assert distilled_ppl < control_ppl  # the teacher's soft targets beat the labels alone
     assert distilled["steps"] == control["steps"] == DISTILL_STEPS

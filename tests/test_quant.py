@@ -17,8 +17,16 @@ from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol
 from gpt_compress.inference.runner import Generator
 
 WIKI_CHARS = 20000
-PPL_MARGIN_PCT = 2.0  # int8 WikiText PPL within this many percent of the float model's
-SIZE_RATIO = 3.5  # fp32 / int8 model.pdiparams when every weight matrix is int8 (norms, biases, scales stay fp32)
+# int8 WikiText PPL within this many percent of the float model's (W8A8 PTQ with each observer,
+# the PTQ CLI, QAT, weight-only int8). Measured |gap| on the tests/_export_helpers model: <= 0.10%
+# on the Xeon host (PTQ abs_max -0.05%, percentile 0.08%, mse 0.10%; weight-only int8 0.07%),
+# 0.0-0.13% on the earlier hosts; 0.5% is about 4x the largest. The export's own gate is wider.
+PPL_MARGIN_PCT = 0.5
+# Weight-only int4 (blocks of 32): measured 0.30% (Xeon host), 0.6% (earlier hosts); 3x the largest.
+INT4_PPL_MARGIN_PCT = 2.0
+# model.pdiparams holds each tensor's bytes and a header of a few dozen bytes (~40 tensors, ~2 KB
+# of ~190 KB int8): the file ratio is within 3% of the weights' (``_int8_weight_ratio``).
+SIZE_RATIO_SLACK = 0.97
 # model.onnx.data starts each tensor over 1 KB on a 4 KB page (so onnxruntime can map it): at this
 # model size (~25 such tensors, 200 KB) that costs ~10%; it vanishes for real sizes.
 ONNX_SIZE_RATIO = 3.3
@@ -50,6 +58,26 @@ def _gptc(*args):
                           text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _int8_weight_ratio(ckpt, block=32) -> float:
+    """fp32 / int8 bytes of the QAT int8 model's weights, from the float checkpoint: every matrix
+    one byte a weight, with one fp32 scale per output channel (W8A8 block layers) or per ``block``
+    inputs (the weight-only token and position tables); norms and biases stay fp32. gpt-tiny:
+    695,296 / 193,024 bytes = 3.60."""
+    from gpt_compress.checkpoint import load_model
+
+    sd = load_model(ckpt).state_dict()
+    fp32, int8 = 0, 0
+    for name, v in sd.items():
+        fp32 += 4 * v.size
+        if len(v.shape) != 2:
+            int8 += 4 * v.size
+        elif name in ("gpt.wte.weight", "gpt.wpe.weight"):
+            int8 += v.size + 4 * (v.size // block)
+        else:
+            int8 += v.size + 4 * v.shape[1]
+    return fp32 / int8
 
 
 def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle")):
@@ -139,7 +167,8 @@ def test_qat_int8_export_matches_fake_quant_and_keeps_perplexity(qat_run, dirs, 
     # Parity with the fake-quant model: tokens identical, logits within int8_logit_atol.
     _parity(qmodel, path, tok)
     # Weights ~4x smaller than the float export of the same model, in both formats.
-    for f, least in (("model.onnx.data", ONNX_SIZE_RATIO), ("model.pdiparams", SIZE_RATIO)):
+    for f, least in (("model.onnx.data", ONNX_SIZE_RATIO),
+                     ("model.pdiparams", SIZE_RATIO_SLACK * _int8_weight_ratio(dirs["ckpt"]))):
         ratio = os.path.getsize(os.path.join(dirs["export"], f)) / os.path.getsize(os.path.join(path, f))
         assert ratio > least, (f, ratio)
     # onnxruntime runs the W8A8 layers on integer kernels: no float MatMul is left but the
@@ -311,7 +340,7 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     types = _onnx_op_types(path, "decode")
     assert types.count("MatMulNBits") == 9 and types.count("GatherBlockQuantized") == 2, sorted(set(types))
     gap = _ppl(DygraphBackend(model), tok, wiki) / _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki) - 1
-    assert abs(gap) * 100 < (PPL_MARGIN_PCT if bits == 8 else 15.0), gap
+    assert abs(gap) * 100 < (PPL_MARGIN_PCT if bits == 8 else INT4_PPL_MARGIN_PCT), gap
 
 
 def test_w8a8_qdq_matmul_is_exact():
