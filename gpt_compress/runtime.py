@@ -21,6 +21,13 @@ each can be turned off.
   to slow element-wise copies (the q/k/v slices' backward alone costs a tenth of a step). Off, views
   are materialised by the fast copy kernels. Code that writes in place into a slice to change its
   base tensor would stop doing so; the test suite passes with it off.
+* ``math_threads``: the math library's thread count (MKL and the OpenMP of Paddle's CPU kernels),
+  fixed once per process at ``$OMP_NUM_THREADS`` (``import gpt_compress`` defaults it to the
+  cores). Each Paddle Inference predictor run sets the process's count to its own (a decode
+  program: 1) and leaves it there, and a dygraph op sums in another order on another count: a
+  model trained after an export's validation run came out different from one trained before it
+  (not bitwise; a test fixture's sha256 changed with the tests before it). The inference
+  backends put the fixed count back after every run (``restore_math_threads``).
 * ``malloc``: glibc serves blocks above its mmap threshold (128 KB to 32 MB) with fresh pages
   whose faults cost more than the op (an out-of-place ``exp`` of 26 MB takes 3x the in-place one).
   ``M_MMAP_MAX=0`` serves every block from the heap and a 1 GB trim threshold keeps freed memory
@@ -111,6 +118,29 @@ def openmp_spin() -> bool:
     return _gomp_spin_applies
 
 
+def math_threads() -> int:
+    """The process's math-library thread count: ``$OMP_NUM_THREADS`` (as Paddle Inference's
+    ``ProgramOptions(threads=0)``), else the number of cores."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
+
+
+_math_threads = None
+
+
+def restore_math_threads() -> None:
+    """Set the math library's thread count back to the process's (``math_threads``, read at the
+    first call and kept): a Paddle Inference predictor run sets it to the predictor's own and
+    leaves it there. Does nothing before Paddle is imported (it starts at that count)."""
+    global _math_threads
+    if _math_threads is None:
+        _math_threads = math_threads()
+    if "paddle" in sys.modules:
+        from paddle.base import core
+
+        core.set_num_threads(_math_threads)
+
+
 def enabled() -> bool:
     """``gptc`` tunes the process unless ``GPTC_TUNE_CPU=0``."""
     return os.environ.get("GPTC_TUNE_CPU", "1") != "0"
@@ -126,6 +156,9 @@ def tune_cpu(mkl_amd: bool = True, strided_views: bool = False, malloc: bool = T
     else:  # Paddle reads FLAGS_* from the environment at import: a command that never uses it never loads it
         os.environ["FLAGS_use_stride_kernel"] = str(int(strided_views))
     state["FLAGS_use_stride_kernel"] = strided_views
+
+    restore_math_threads()
+    state["math_threads"] = _math_threads
 
     state["malloc_heap_only"] = False
     if malloc:

@@ -2,17 +2,43 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpt_compress import runtime
 
-# MKL fixes its kernels at the process's first matmul (runtime.py): choose them here, before any
-# test imports Paddle, as `gptc` does for its commands, so a test's numbers do not depend on whether
-# an earlier test in the same process multiplied before a `gptc` call set the variable.
-runtime.prefer_mkl_avx2()
+# The process-wide CPU settings `gptc` applies to every command (runtime.tune_cpu: MKL's kernels,
+# which MKL fixes at the process's first matmul; strided views; the allocator; the math library's
+# thread count), applied once here, before any Paddle op. A test that calls `gptc` in this process
+# then changes none of them, and no test's numbers depend on the tests before it. Paddle is
+# imported first (after gpt_compress, which sets libgomp's spin count: runtime.openmp_spin) so
+# that tune_cpu sets its flag in Paddle rather than in the environment subprocesses inherit.
+import paddle  # noqa: E402,F401
+
+runtime.tune_cpu()
+
+
+def _reset_process_state() -> None:
+    """The settings above and the global random generators (which `gptc` commands seed, and
+    tests draw from) as they are at the session's start."""
+    runtime.tune_cpu()
+    random.seed(0)
+    np.random.seed(0)
+    paddle.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def process_state():
+    """Every test starts from the session's process-wide state, whatever the tests before it did
+    (an export's allocator setting, a command's seeds, a predictor's thread count)."""
+    _reset_process_state()
+    yield
+    _reset_process_state()
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"

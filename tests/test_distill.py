@@ -11,6 +11,8 @@ import paddle
 import pytest
 
 from _compress_helpers import data_overrides, gptc, teacher_ckpt
+from _export_helpers import LOGIT_ATOL
+from _parity_helpers import BACKENDS, PROMPTS, Recorder, assert_step_parity
 from gpt_compress.config import ConfigError, ModelConfig, build_config
 from gpt_compress.distill import DistillLoss, capture_blocks, kd_logits_reference
 from gpt_compress.model.gpt import GPTForCausalLM
@@ -170,7 +172,10 @@ def test_distillation_recovers_most_of_the_pruning_loss(pipeline):
     # are the prune command's before/after figures.
     assert distilled["teacher_valid_ppl"] == dense_ppl and distilled["student_valid_ppl_before"] == pruned_ppl
     assert distilled["ppl_gap_recovered"] == pytest.approx(recovery, abs=1e-3)
-    assert pruned_ppl > 1.02 * dense_ppl  # pruning a quarter of a trained model costs perplexity
+    # Pruning a quarter of a trained model costs perplexity: a prune that removed nothing (or kept
+    # the weights it meant to drop) gives exactly 1.0; measured 1.028 (79.51 / 77.35). 1.01 keeps
+    # the direction with room for another host's training arithmetic; MIN_RECOVERY reads the gap.
+    assert pruned_ppl > 1.01 * dense_ppl
     assert recovery >= MIN_RECOVERY
     assert distilled_ppl < control_ppl  # the teacher's soft targets beat the labels alone
     assert distilled["steps"] == control["steps"] == DISTILL_STEPS
@@ -199,8 +204,6 @@ def test_distillation_resumes_exactly(pipeline, shakespeare):
 def test_pruned_distilled_model_exports_with_backend_parity(pipeline, tmp_path):
     """The export issue's gates on the pruned + distilled model: greedy tokens identical and
     per-step logits within LOGIT_ATOL across dygraph, Paddle Inference and onnxruntime."""
-    from test_export import BACKENDS, PROMPTS, Recorder, _assert_step_parity
-
     from gpt_compress.export import export
     from gpt_compress.inference.runner import Generator
 
@@ -212,4 +215,4 @@ def test_pruned_distilled_model_exports_with_backend_parity(pipeline, tmp_path):
     outs = {b: g.generate(PROMPTS, max_new_tokens=PROMPT_TOKENS).sequences for b, g in gens.items()}
     assert len(gens["dygraph"].backend.logits) == PROMPT_TOKENS
     assert outs["paddle"] == outs["dygraph"] and outs["onnx"] == outs["dygraph"]
-    _assert_step_parity(gens)
+    assert_step_parity(gens, LOGIT_ATOL)

@@ -299,8 +299,10 @@ def test_trained_model_beats_untrained_on_real_data(shared_data, dirs, tmp_path)
     # Stated margins: an untrained model is near uniform (ppl ~ vocab 1024); a Shakespeare model
     # trained 200 steps reaches wikitext ppl ~3x lower and LAMBADA target ppl ~3x lower.
     assert w_t.ppl < 0.5 * w_u.ppl, (w_t.ppl, w_u.ppl)
+    # LAMBADA's strict accuracy is 0 for both models at this size (a 1024-token Shakespeare BPE
+    # rarely spells a LAMBADA target in one word's tokens), so comparing it cannot fail; the
+    # target perplexity above is the check that is above chance and fails on a broken model.
     assert l_t.target_ppl < 0.5 * l_u.target_ppl, (l_t.target_ppl, l_u.target_ppl)
-    assert l_t.accuracy >= l_u.accuracy
 
 
 def test_cli_eval_writes_result_with_protocol(dirs, shared_data, tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, PRUNED_FFN, PRUNED_HEADS, ROOT, model_dirs
+from _parity_helpers import BACKENDS, PROMPTS, Recorder, assert_step_parity
 from gpt_compress.checkpoint import CheckpointError
 from gpt_compress.fileio import sha256_file, write_dir_atomic, write_json_atomic
 from gpt_compress.errors import ExportError
@@ -17,35 +18,9 @@ from gpt_compress.export import export
 from gpt_compress.inference.manifest import ModelDirError, read_manifest
 from gpt_compress.inference.runner import Generator
 
-BACKENDS = ("dygraph", "paddle", "onnx")
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, shakespeare):
     return model_dirs(tmp_path_factory, shakespeare)
-
-
-class Recorder:
-    """A DecodeBackend proxy that keeps the logits of every prefill/decode call."""
-
-    def __init__(self, backend):
-        self.backend, self.logits = backend, []
-
-    def prefill(self, ids, mask):
-        logits, cache = self.backend.prefill(ids, mask)
-        self.logits.append(logits)
-        return logits, cache
-
-    def decode(self, ids, mask, cache):
-        logits, cache = self.backend.decode(ids, mask, cache)
-        self.logits.append(logits)
-        return logits, cache
-
-    def reorder_cache(self, cache, rows):
-        return self.backend.reorder_cache(cache, rows)
-
-    def score(self, ids, mask=None):
-        return self.backend.score(ids, mask)
 
 
 def _generators(dirs, which):
@@ -54,19 +29,6 @@ def _generators(dirs, which):
     for g in gens.values():
         g.backend = Recorder(g.backend)
     return gens
-
-
-PROMPTS = ["First Citizen:\nBefore we proceed any further, hear me speak.",
-           "ROMEO:\nBut, soft!", "To be, or not to be"]
-
-
-def _assert_step_parity(gens):
-    ref = gens["dygraph"].backend.logits
-    for b in ("paddle", "onnx"):
-        got = gens[b].backend.logits
-        assert len(got) == len(ref)
-        diffs = [float(np.max(np.abs(a - r))) for a, r in zip(got, ref)]
-        assert max(diffs) < LOGIT_ATOL, f"{b}: per-step max abs diff {max(diffs):.3g} (step {int(np.argmax(diffs))})"
 
 
 @pytest.mark.parametrize("which", ["export", "pruned_export"])
@@ -78,7 +40,7 @@ def test_greedy_parity_prefill_and_32_decode_steps(dirs, which, batch):
     assert len(gens["dygraph"].backend.logits) == 33  # prefill + 32 decode steps
     for b in ("paddle", "onnx"):
         assert outs[b].sequences == outs["dygraph"].sequences, b
-    _assert_step_parity(gens)
+    assert_step_parity(gens, LOGIT_ATOL)
 
 
 @pytest.mark.parametrize("which", ["export", "pruned_export"])
@@ -89,7 +51,7 @@ def test_beam_search_parity(dirs, which):
     for b in ("paddle", "onnx"):
         assert outs[b].sequences == outs["dygraph"].sequences, b
         np.testing.assert_allclose(outs[b].scores, outs["dygraph"].scores, atol=1e-4)
-    _assert_step_parity(gens)
+    assert_step_parity(gens, LOGIT_ATOL)
 
 
 @pytest.mark.parametrize("which", ["export", "pruned_export"])
@@ -324,7 +286,7 @@ def test_batched_decode_with_bucketed_cache_matches_dygraph(dirs, bucket):
     outs = {b: gens[b].generate(prompts, max_new_tokens=33) for b in BACKENDS}
     for b in ("paddle", "onnx"):
         assert outs[b].sequences == outs["dygraph"].sequences, b
-    _assert_step_parity(gens)
+    assert_step_parity(gens, LOGIT_ATOL)
 
 
 def test_untied_lm_head_exports_with_parity(tmp_path):
@@ -348,7 +310,7 @@ def test_untied_lm_head_exports_with_parity(tmp_path):
         g.backend = Recorder(g.backend)
     outs = {b: g.generate([[5, 6, 7], [9]], max_new_tokens=9).sequences for b, g in gens.items()}
     assert outs["paddle"] == outs["dygraph"] and outs["onnx"] == outs["dygraph"]
-    _assert_step_parity(gens)
+    assert_step_parity(gens, LOGIT_ATOL)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -12,19 +12,24 @@ import sys
 import numpy as np
 import pytest
 
-from _export_helpers import ENV, ROOT, model_dirs
+from _export_helpers import ENV, LOGIT_ATOL, ROOT, model_dirs
+from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol
 from gpt_compress.inference.runner import Generator
-from test_export import Recorder
 
 WIKI_CHARS = 20000
-PPL_MARGIN_PCT = 2.0  # int8 WikiText PPL within this many percent of the float model's
-INT8_ATOL = 2e-3  # int8 backends vs the fake-quant model: max |logit diff| / max(1, max |logit|)
-SIZE_RATIO = 3.5  # fp32 / int8 model.pdiparams when every weight matrix is int8 (norms, biases, scales stay fp32)
+# int8 WikiText PPL within this many percent of the float model's (W8A8 PTQ with each observer,
+# the PTQ CLI, QAT, weight-only int8). Measured |gap| on the tests/_export_helpers model: <= 0.10%
+# on the Xeon host (PTQ abs_max -0.05%, percentile 0.08%, mse 0.10%; weight-only int8 0.07%),
+# 0.0-0.13% on the earlier hosts; 0.5% is about 4x the largest. The export's own gate is wider.
+PPL_MARGIN_PCT = 0.5
+# Weight-only int4 (blocks of 32): measured 0.30% (Xeon host), 0.6% (earlier hosts); 3x the largest.
+INT4_PPL_MARGIN_PCT = 2.0
+# model.pdiparams holds each tensor's bytes and a header of a few dozen bytes (~40 tensors, ~2 KB
+# of ~190 KB int8): the file ratio is within 3% of the weights' (``_int8_weight_ratio``).
+SIZE_RATIO_SLACK = 0.97
 # model.onnx.data starts each tensor over 1 KB on a 4 KB page (so onnxruntime can map it): at this
 # model size (~25 such tensors, 200 KB) that costs ~10%; it vanishes for real sizes.
 ONNX_SIZE_RATIO = 3.3
-PROMPTS = ["First Citizen:\nBefore we proceed any further, hear me speak.", "ROMEO:\nBut, soft!",
-           "To be, or not to be"]
 
 
 @pytest.fixture(scope="module")
@@ -55,38 +60,31 @@ def _gptc(*args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _batches(prefix, n, seq=64, batch=8, seed=0):
-    from gpt_compress.data.indexed import open_dataset
+def _int8_weight_ratio(ckpt, block=32) -> float:
+    """fp32 / int8 bytes of the QAT int8 model's weights, from the float checkpoint: every matrix
+    one byte a weight, with one fp32 scale per output channel (W8A8 block layers) or per ``block``
+    inputs (the weight-only token and position tables); norms and biases stay fp32. gpt-tiny:
+    695,296 / 193,024 bytes = 3.60."""
+    from gpt_compress.checkpoint import load_model
 
-    data = open_dataset(prefix)
-    tokens = np.concatenate([np.asarray(data[i], dtype=np.int64) for i in range(len(data))])
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        starts = rng.integers(0, len(tokens) - seq - 1, batch)
-        chunk = np.stack([tokens[s:s + seq + 1] for s in starts])
-        out.append({"input_ids": chunk[:, :-1], "labels": chunk[:, 1:]})
-    return out
-
-
-def lm_head_flip_bound(model, flips: int = 4) -> float:
-    """The logit change of ``flips`` int8 input codes of the LM head landing on the other side of
-    a rounding boundary (float summation order differs between runtimes): one code is one
-    quantization step ``s = max|h| / 127`` of the final-norm output ``h`` (bounded by
-    ``|gamma| sqrt(H - 1) + |beta|`` per element), times the largest LM-head weight."""
-    g = model.gpt.ln_f
-    gamma, beta = np.abs(g.weight.numpy()), np.abs(g.bias.numpy())
-    h_max = float(np.max(gamma * np.sqrt(len(gamma) - 1) + beta))
-    head = model.gpt.wte.weight if model.config.tie_word_embeddings else model.lm_head.weight
-    w_max = float(np.max(np.abs(head.numpy())))
-    return flips * (h_max / 127) * w_max
+    sd = load_model(ckpt).state_dict()
+    fp32, int8 = 0, 0
+    for name, v in sd.items():
+        fp32 += 4 * v.size
+        if len(v.shape) != 2:
+            int8 += 4 * v.size
+        elif name in ("gpt.wte.weight", "gpt.wpe.weight"):
+            int8 += v.size + 4 * (v.size // block)
+        else:
+            int8 += v.size + 4 * v.shape[1]
+    return fp32 / int8
 
 
-def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL, flip_bound: float = 0.0):
+def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle")):
     """Greedy prefill + 32 decode steps and scoring on each backend vs the fake-quant dygraph
-    model: identical tokens, logits within ``atol`` x max(1, max |logit|); onnxruntime's int8
-    input kernels (weight-only with dynamic inputs) may also differ by ``flip_bound``
-    (``lm_head_flip_bound``) in absolute logits. Returns the diffs."""
+    model: identical tokens, every greedy fast-path token the argmax of its step's logits, logits
+    within ``int8_logit_atol`` (float32 noise plus a few int8 input codes rounding the other way).
+    Returns the max absolute diffs."""
     from gpt_compress.inference.dygraph import DygraphBackend
 
     ref = Generator(Recorder(DygraphBackend(qmodel)), vocab_size=1024, max_positions=128, eos_token_id=None,
@@ -98,18 +96,16 @@ def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle"), atol=INT8_ATOL
     for i, r in enumerate(rows):
         ids[i, :len(r)], mask[i, :len(r)] = r, 1
     ref_score = ref.score(ids, mask)
+    tol = int8_logit_atol(qmodel, LOGIT_ATOL)
     diffs = {}
     for b in backends:
         gen = Generator.from_dir(path, backend=b)
         gen.backend = Recorder(gen.backend)
         out = gen.generate(PROMPTS, max_new_tokens=33)
         assert out.sequences == ref_out.sequences, b
-        step = max(float(np.max(np.abs(a - r))) / max(1.0, float(np.max(np.abs(r))))
-                   for a, r in zip(gen.backend.logits, ref.backend.logits))
-        score = float(np.max(np.abs(gen.score(ids, mask) - ref_score)[mask > 0])) / max(1.0, float(np.abs(ref_score).max()))
-        tol = atol
-        if b == "onnx" and flip_bound:
-            tol = max(atol, min(flip_bound / max(1.0, float(np.max(np.abs(r)))) for r in ref.backend.logits))
+        assert gen.backend.greedy_mismatches == 0, (b, gen.backend.greedy_mismatches)
+        step = max(float(np.max(np.abs(a - r))) for a, r in zip(gen.backend.logits, ref.backend.logits))
+        score = float(np.max(np.abs(gen.score(ids, mask) - ref_score)[mask > 0]))
         assert step < tol and score < tol, (b, step, score, tol)
         diffs[b] = max(step, score)
     return diffs
@@ -168,10 +164,11 @@ def test_qat_int8_export_matches_fake_quant_and_keeps_perplexity(qat_run, dirs, 
     for key in ("fake_quant", "int8_onnx", "int8_paddle"):
         assert report[key]["wikitext_ppl_delta_pct"] < PPL_MARGIN_PCT, (key, report[key])
         assert report[key]["wikitext_ppl"] == pytest.approx(report["fake_quant"]["wikitext_ppl"], rel=1e-4)
-    # Parity with the fake-quant model: tokens identical, logits within INT8_ATOL.
+    # Parity with the fake-quant model: tokens identical, logits within int8_logit_atol.
     _parity(qmodel, path, tok)
     # Weights ~4x smaller than the float export of the same model, in both formats.
-    for f, least in (("model.onnx.data", ONNX_SIZE_RATIO), ("model.pdiparams", SIZE_RATIO)):
+    for f, least in (("model.onnx.data", ONNX_SIZE_RATIO),
+                     ("model.pdiparams", SIZE_RATIO_SLACK * _int8_weight_ratio(dirs["ckpt"]))):
         ratio = os.path.getsize(os.path.join(dirs["export"], f)) / os.path.getsize(os.path.join(path, f))
         assert ratio > least, (f, ratio)
     # onnxruntime runs the W8A8 layers on integer kernels: no float MatMul is left but the
@@ -253,7 +250,7 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
     assert skips == res["skip_list"] == [r["layer"] for r in ranking["layers"][:2]]
 
     tok = Generator.from_dir(dirs["export"], backend="onnx").tokenizer
-    calib = _batches(prefix, 4)
+    calib = calib_batches(prefix, 4)
     base = _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki)
 
     def gap(skip):
@@ -279,7 +276,7 @@ def test_ptq_observers_clip_differently_and_keep_perplexity(dirs, shakespeare, w
     from gpt_compress.qat.quantize import quantize_model
 
     tok = Generator.from_dir(dirs["export"], backend="onnx").tokenizer
-    calib = _batches(shakespeare[1], 4)
+    calib = calib_batches(shakespeare[1], 4)
     base = _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki)
     amax, ppl = {}, {}
     for obs in ("abs_max", "percentile", "mse"):
@@ -329,8 +326,9 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     model.eval()
     assert len(quant_layers(model)) == 10  # 8 block Linears + token and position tables
     path = export_model(model, str(tmp_path / f"woq{bits}"), ("paddle", "onnx"), tokenizer=tok)
-    # onnxruntime quantizes the inputs itself (accuracy_level=4): a code may round the other way.
-    _parity(model, path, tok, flip_bound=lm_head_flip_bound(model))
+    # onnxruntime (accuracy_level=4) and the fused ops quantize the inputs themselves: a code may
+    # round the other way (int8_logit_atol).
+    _parity(model, path, tok)
     # One float32 scale per 32 weights (+12.5% over int8, +25% over int4) and the page alignment.
     onnx_ratio = os.path.getsize(os.path.join(dirs["export"], "model.onnx.data")) / \
         os.path.getsize(os.path.join(path, "model.onnx.data"))
@@ -342,7 +340,7 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     types = _onnx_op_types(path, "decode")
     assert types.count("MatMulNBits") == 9 and types.count("GatherBlockQuantized") == 2, sorted(set(types))
     gap = _ppl(DygraphBackend(model), tok, wiki) / _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki) - 1
-    assert abs(gap) * 100 < (PPL_MARGIN_PCT if bits == 8 else 15.0), gap
+    assert abs(gap) * 100 < (PPL_MARGIN_PCT if bits == 8 else INT4_PPL_MARGIN_PCT), gap
 
 
 def test_w8a8_qdq_matmul_is_exact():

@@ -56,8 +56,16 @@ class Server:
         raise AssertionError("server not ready")
 
     def metric(self, name: str, headers=None) -> float:
+        """The sample ``name`` (``family_suffix{labels}``) of /metrics; 0.0 for a labelled series
+        not yet observed (a counter's label set appears at its first increment). A name whose
+        family /metrics does not declare fails: a renamed metric cannot read as 0."""
         text = httpx.get(self.url + "/metrics", headers=headers).text
+        families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+        base = name.split("{")[0]
+        assert any(base == f or base == f + suffix for f in families
+                   for suffix in ("_total", "_count", "_sum", "_bucket", "_created")), (name, sorted(families))
         m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        assert m or "{" in name, (name, "declared but no sample")
         return float(m.group(1)) if m else 0.0
 
     def stop(self) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import KernelError
 from ..kernels import control as make_control
-from ..runtime import GOMP_SPINCOUNT, openmp_spin
+from ..runtime import GOMP_SPINCOUNT, math_threads, openmp_spin, restore_math_threads
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (a growth adds at least this many)
@@ -66,10 +66,7 @@ class FusedCache:
 
 
 def _threads(n: int) -> int:
-    if n > 0:
-        return n
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
+    return n if n > 0 else math_threads()
 
 
 class FusedBackend:
@@ -171,6 +168,7 @@ class FusedBackend:
                 handle.share_external_data(tensor)
             self._bound = list(caches)  # the predictor's inputs hold these tensors' memory until rebound
         self._pred.run()
+        restore_math_threads()  # the run set the process's count to the predictor's (runtime.py)
         if not tokens:
             return outputs[0].copy_to_cpu()
         if len(outputs) == 1:

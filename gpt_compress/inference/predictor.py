@@ -49,7 +49,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..runtime import cpu_flags, prefer_mkl_avx2
+from ..runtime import cpu_flags, math_threads, prefer_mkl_avx2, restore_math_threads
 
 prefer_mkl_avx2()  # before Paddle's first matmul (MKL reads it once): AVX2 kernels on AMD CPUs
 
@@ -88,10 +88,7 @@ def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
 
 
 def _threads(n: int) -> int:
-    if n > 0:
-        return n
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
+    return n if n > 0 else math_threads()
 
 
 def gpu_available() -> bool:
@@ -205,6 +202,7 @@ class PaddleBackend:
     def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
         pred = self._predictor(role)
         outs = pred.run([feeds[n] for n in pred.get_input_names()])
+        restore_math_threads()  # the run set the process's count to the predictor's (runtime.py)
         order = {n: i for i, n in enumerate(pred.get_output_names())}
         return [outs[order[n]] for n in self.manifest.program(ROLES[role])["paddle_output_names"]]
 
