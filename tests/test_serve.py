@@ -462,7 +462,8 @@ def test_schemathesis_fuzzes_the_servers_own_schema(export_dir, tmp_path):
         schema = httpx.get(s.url + "/openapi.json").json()
         props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
         assert props["max_tokens"]["anyOf"][0]["maximum"] == 127  # the loaded model's context - 1
-        assert {"/health", "/metrics", "/v1/models", "/v1/completions"} <= set(schema["paths"])
+        assert {"/health", "/metrics", "/v1/models", "/v1/completions", "/tokenize", "/detokenize",
+                "/tokenizer_info"} <= set(schema["paths"])
         proc = subprocess.run([str(Path(sys.executable).parent / "st"), "run", s.url + "/openapi.json", "--checks", "all",
                                "--exclude-checks", "positive_data_acceptance", "--max-examples", "700",
                                "--phases", "coverage,fuzzing", "--generation-deterministic", "--continue-on-failure",
@@ -481,3 +482,26 @@ def test_schemathesis_fuzzes_the_servers_own_schema(export_dir, tmp_path):
         assert s.metric("gptc_running_batch_size") == 0 and s.metric("gptc_queue_depth") == 0
     finally:
         s.stop()
+
+
+def test_vllm_tokenizer_endpoints(server, gen):
+    """/tokenize, /detokenize and /tokenizer_info as vLLM answers them (lm-evaluation-harness's
+    remote tokenizer): the model's own tokenizer, special tokens written in the text included."""
+    text = "ROMEO: I say to thee"
+    ids = gen.tokenizer.encode(text)
+    r = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": text, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": 128, "tokens": ids}
+    r = httpx.post(server.url + "/detokenize", headers=AUTH, json={"tokens": ids, "model": "export"})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+    info = httpx.get(server.url + "/tokenizer_info", headers=AUTH).json()
+    assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 128
+    eos = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": info["eos_token"]}).json()["tokens"]
+    assert eos == [gen.eos_token_id]
+    for path, body, status, words in [("/detokenize", {"tokens": [1, 99999]}, 400, "vocabulary"),
+                                      ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+                                      ("/tokenize", {"prompt": 5}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
+                                      ("/tokenize", {"text": "x"}, 400, "text")]:
+        r = httpx.post(server.url + path, headers=AUTH, json=body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401

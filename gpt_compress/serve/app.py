@@ -1,4 +1,7 @@
-"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics`` and
+vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``. Request bodies are the pydantic
+models of ``protocol.py``, validated before a handler runs (400 naming the field); the OpenAPI
+schema (``openapi.py``) documents every field, status and content type.
 
 The model loads in a background thread after the server starts listening: ``/health``
 answers 503 ``{"status": "loading"}`` until the engine runs, then 200. Every endpoint but
@@ -28,9 +31,10 @@ from ..errors import ConfigError, GptcError
 from ..sections import ServeConfig
 from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
 from .metrics import Metrics
-from .openapi import ERRORS, SSE_EVENT, describe, errors
-from .protocol import (CompletionRequest, CompletionResponse, Health, Logprobs, ModelList, completion_body,
-                       completion_id, error_body, usage, validation_message)
+from .openapi import ERRORS, SSE_EVENT, TOKENIZER_ERRORS, describe, errors
+from .protocol import (CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, Health, Logprobs,
+                       ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo, completion_body, completion_id,
+                       error_body, usage, validation_message)
 
 log = logging.getLogger("gptc.serve")
 DISCONNECT_POLL = 0.5  # seconds between disconnect checks of a non-streaming request
@@ -147,19 +151,42 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
                                             "owned_by": "gpt-compress",
                                             "max_model_len": engine.gen.max_positions}]}
 
+    @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **TOKENIZER_ERRORS})
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's tokenizer endpoint: lets clients (lm-evaluation-harness) tokenize remotely."""
+        engine = _served(state, req.model)
+        ids = _tokenizer(engine).encode(req.prompt, allow_special=True)
+        return {"count": len(ids), "max_model_len": engine.gen.max_positions, "tokens": ids}
+
+    @app.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **TOKENIZER_ERRORS})
+    async def detokenize(req: DetokenizeRequest):
+        """vLLM's detokenizer endpoint: the text of token ids."""
+        engine = _served(state, req.model)
+        tok = _tokenizer(engine)
+        bad = [t for t in req.tokens if t >= engine.gen.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids outside the vocabulary [0, {engine.gen.vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @app.get("/tokenizer_info", response_model=None, responses={200: {"model": TokenizerInfo}, **TOKENIZER_ERRORS})
+    async def tokenizer_info():
+        """vLLM's tokenizer description (what lm-evaluation-harness's remote tokenizer reads)."""
+        engine = _engine(state)
+        tok = _tokenizer(engine)
+        eos = tok.decode([engine.eos]) if engine.eos is not None else None
+        return {"tokenizer_class": "GPT2TokenizerFast", "eos_token": eos, "bos_token": eos, "pad_token": eos,
+                "model_max_length": engine.gen.max_positions, "vocab_size": engine.gen.vocab_size}
+
     @app.post("/v1/completions", response_model=None, responses={
         200: {"model": CompletionResponse, "description": "the completion; with `stream`, server-sent events "
               "of CompletionResponse chunks ending with `data: [DONE]`",
               "content": {"text/event-stream": {"schema": SSE_EVENT}}}, **ERRORS})
     async def completions(req: CompletionRequest, request: HttpRequest):
         """OpenAI's (legacy) completions API."""
-        engine = _engine(state)
+        engine = _served(state, req.model)
         bad = req.unsupported()
         if bad is not None:
             raise ApiError(400, bad[1], bad[0])
-        if req.model is not None and req.model != model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
-                           "model")
         if req.n > cfg.max_n:
             raise ApiError(400, f"n={req.n} is more than this server allows (Serve.max_n={cfg.max_n})", "n")
         prompts = _encode(engine, req, cfg)
@@ -199,6 +226,20 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
 
     app.openapi = lambda: describe(app, state.engine, cfg)
     return app
+
+
+def _served(state: State, model: Optional[str]) -> Engine:
+    """The engine, when ``model`` (a request's field) is None or names the served model."""
+    engine = _engine(state)
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}", "model")
+    return engine
+
+
+def _tokenizer(engine: Engine):
+    if engine.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: send and read token ids")
+    return engine.tokenizer
 
 
 def _engine(state: State) -> Engine:

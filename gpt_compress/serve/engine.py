@@ -22,9 +22,11 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 5. runs one ``decode`` step for the rest.
 
 Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
-layer forwards them into its event loop). An exception while prefilling or sampling one
-request fails that request only; one in the batched decode step fails the requests of that
-step (it cannot be attributed to one of them) and the loop goes on serving.
+layer forwards them into its event loop), exactly one ``Finished`` or ``Failed`` per request.
+An exception while prefilling, setting up or sampling one request fails that request only (its
+row never joins, or leaves, the batch); one in the batched decode step fails the requests of
+that step (it cannot be attributed to one of them) and the loop goes on serving with an empty
+batch.
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ def errors(*statuses: int) -> dict:
 # non-streamed answer (nobody receives it).
 ERRORS = {**errors(400, 401, 404, 415, 429, 500, 503, 504),
           499: {"description": "the client closed the connection before the answer (logged only)"}}
+TOKENIZER_ERRORS = errors(400, 401, 404, 415, 503)
 
 
 def describe(app: FastAPI, engine, cfg) -> dict:
@@ -80,9 +81,9 @@ def describe(app: FastAPI, engine, cfg) -> dict:
 
 def _bound(components: dict, vocab: int, context: int, max_n: int) -> None:
     """Put the model's limits into the request schemas (see the module docstring)."""
-    for name in ("CompletionRequest",):
+    for name, ids in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")):
         props = components.get(name, {}).get("properties", {})
-        for node in _walk(props.get("prompt", {})):
+        for node in _walk(props.get(ids, {})):
             if node.get("type") == "integer":
                 node["maximum"] = vocab - 1
         for field in ("max_tokens", "min_tokens"):

@@ -86,6 +86,49 @@ class CompletionRequest(BaseModel):
         return list(p)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): the model's tokenizer on ``prompt``; special tokens written
+    in the text (``<|endoftext|>``) are their ids, as vLLM's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = Field(None, description="must name the served model when given")
+    prompt: str = Field(description="the text to tokenize")
+    add_special_tokens: bool = Field(True, description="accepted; this tokenizer adds no BOS or EOS")
+
+
+class TokenizeResponse(BaseModel):
+    """The token ids of the prompt."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = Field(None, description="must name the served model when given")
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(description="token ids in [0, vocab)")
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of the token ids."""
+
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's fields that lm-evaluation-harness reads)."""
+
+    tokenizer_class: str
+    eos_token: Optional[str]
+    bos_token: Optional[str]
+    pad_token: Optional[str]
+    model_max_length: int
+    vocab_size: int
+
+
 # Response bodies: documented in the OpenAPI schema (``app.py``), built as plain dicts.
 class Usage(BaseModel):
     """Token counts of a request."""
