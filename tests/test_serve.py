@@ -496,7 +496,7 @@ def test_vllm_tokenizer_endpoints(server, gen):
     info = httpx.get(server.url + "/tokenizer_info", headers=AUTH).json()
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 128
     eos = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": info["eos_token"]}).json()["tokens"]
-    assert eos == [gen.eos_token_id]
+    assert eos == [gen.tokenizer.eod_id]
     for path, body, status, words in [("/detokenize", {"tokens": [1, 99999]}, 400, "vocabulary"),
                                       ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
                                       ("/tokenize", {"prompt": 5}, 400, "prompt"),

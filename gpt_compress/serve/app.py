@@ -173,7 +173,8 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
         """vLLM's tokenizer description (what lm-evaluation-harness's remote tokenizer reads)."""
         engine = _engine(state)
         tok = _tokenizer(engine)
-        eos = tok.decode([engine.eos]) if engine.eos is not None else None
+        eod = engine.eos if engine.eos is not None else tok.eod_id  # the end-of-text token lm-eval prefixes
+        eos = tok.decode([eod]) if eod is not None else None
         return {"tokenizer_class": "GPT2TokenizerFast", "eos_token": eos, "bos_token": eos, "pad_token": eos,
                 "model_max_length": engine.gen.max_positions, "vocab_size": engine.gen.vocab_size}
 
