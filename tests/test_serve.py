@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -261,10 +262,23 @@ BAD = [  # (raw body or JSON, status, words the message must contain)
     ({"prompt": "ROMEO:", "top_k": -5}, 400, "top_k"),
     ({"prompt": "ROMEO:", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
-    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": ""}, 400, "at least 1"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [[1, 2], []]}, 400, "prompt.1"),
+    ({"prompt": "Hi", "max_tokens": 3, "seed": -1}, 400, "seed"),  # once an engine crash (np.random)
+    ({"prompt": "Hi", "seed": 2**64}, 400, "seed"),
+    (b'{"prompt": "\\ud800"}', 400, "unicode"),  # a lone surrogate: once a 500 with a traceback
+    (b'{"prompt": ["ok", "\\udfff"]}', 400, "prompt.1"),
+    (b'{"prompt": "Hi", "stop": "\\ud800"}', 400, "stop"),
+    ({"prompt": "Hi", "max_tokens": "4"}, 400, "max_tokens"),  # strict: a string is not a number
+    ({"prompt": "Hi", "max_tokens": True}, 400, "max_tokens"),
+    (b'{"prompt": "Hi", "temperature": NaN}', 400, "temperature"),
+    (b'{"prompt": "Hi", "repetition_penalty": Infinity}', 400, "repetition_penalty"),
+    (b'', 400, "JSON object"),
     ({"prompt": "ROMEO:", "max_tokns": 4}, 400, "max_tokns"),
     ({"prompt": "ROMEO:", "stream": "yes"}, 400, "stream"),
     ({"prompt": "ROMEO:", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "ROMEO:", "stop": ["a", ""]}, 400, "stop.1"),
     ({"prompt": "ROMEO:", "n": 100}, 400, "max_n"),
     ({"prompt": "ROMEO:", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "ROMEO:", "logprobs": 2, "echo": True}, 400, "echo"),
@@ -275,15 +289,20 @@ BAD = [  # (raw body or JSON, status, words the message must contain)
 def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_goes_on(server):
     assert len(BAD) >= 12
     for body, status, words in BAD:
-        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-        r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, **kw)
+        kw = {"content": body, "headers": {**AUTH, "Content-Type": "application/json"}} if isinstance(body, bytes) \
+            else {"json": body, "headers": AUTH}
+        r = httpx.post(server.url + "/v1/completions", timeout=60, **kw)
         assert r.status_code == status, (body, r.text)
-        assert words in r.json()["error"]["message"], (body, r.text)
+        error = r.json()["error"]
+        assert words in error["message"] and "Traceback" not in error["message"], (body, r.text)
         ok = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=2)
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
     assert "prompt 0 has 2 tokens and max_tokens is 127" in _complete(
         server.url, AUTH, prompt="ROMEO:", max_tokens=127).json()["error"]["message"]
     assert httpx.get(server.url + "/v1/completions", headers=AUTH).status_code == 405
+    for ctype in ({}, {"Content-Type": "text/plain"}):  # JSON only, as a browser cannot send it across sites
+        r = httpx.post(server.url + "/v1/completions", headers={**AUTH, **ctype}, content=b'{"prompt": "Hi"}')
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_api_key(server):
@@ -369,15 +388,20 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(export_dir, tmp_path):
         s.stop()
 
 
-def test_an_exception_in_one_request_fails_only_that_request(export_dir):
-    """In-process: a backend whose prefill raises for one prompt; the engine keeps serving."""
+@pytest.mark.parametrize("backend", ["onnx", "paddle"])
+def test_an_exception_in_one_request_fails_only_that_request(export_dir, backend):
+    """In-process, both batch decoders: a backend whose prefill raises for one prompt, and a
+    request whose sampling state cannot be made (a negative seed: ``np.random.default_rng``
+    raises; once, the row joined the batch without its request and every later step failed);
+    each fails alone, the others finish with their own tokens, and the engine serves on."""
+    import dataclasses
     import queue
 
     from gpt_compress.inference.runner import Generator
     from gpt_compress.serve.engine import Engine, Failed, Finished, Request, request_config
 
-    gen = Generator.from_dir(export_dir, backend="onnx")
-    prompts = [[5, 6, 7], [13, 14], [8, 9, 10, 11]]
+    gen = Generator.from_dir(export_dir, backend=backend)
+    prompts = [[5, 6, 7], [13, 14], [8, 9, 10, 11], [20, 21]]
     want = {i: gen.generate([prompts[i]], max_new_tokens=6, min_new_tokens=6).sequences[0] for i in (0, 2)}
     real_prefill = gen.backend.prefill
 
@@ -390,20 +414,31 @@ def test_an_exception_in_one_request_fails_only_that_request(export_dir):
     engine = Engine(gen, max_batch=4, max_queue=8).start()
     try:
         events = queue.Queue()
-        for i, p in enumerate(prompts):
-            engine.submit(Request(p, request_config(6, 0.0, 1.0, 0, 1.0, None, 6),
-                                  emit=lambda ev, i=i: events.put((i, ev))))
+        greedy = request_config(6, 0.0, 1.0, 0, 1.0, None, 6)
+        bad_seed = dataclasses.replace(greedy, seed=-1)  # the server refuses it (400); here it gets through
+        engine.submit_all([Request(p, bad_seed if i == 3 else greedy, emit=lambda ev, i=i: events.put((i, ev)))
+                           for i, p in enumerate(prompts)])  # admitted together
         ends, tokens = {}, {0: [], 2: []}
-        while len(ends) < 3:
+        while len(ends) < 4:
             i, ev = events.get(timeout=60)
+            assert i not in ends  # one last event per request
             if isinstance(ev, (Failed, Finished)):
                 ends[i] = ev
             else:
                 tokens[i].append(ev.token_id)
         assert isinstance(ends[1], Failed) and ends[1].status == 500 and "boom" in ends[1].message
+        assert isinstance(ends[3], Failed) and ends[3].status == 500 and "ValueError" in ends[3].message
         for i in (0, 2):
             assert isinstance(ends[i], Finished)
             assert tokens[i] == want[i]
+        # The engine goes on: a later request is served, and nothing is left in the batch.
+        engine.submit(Request(prompts[0], greedy, emit=lambda ev: events.put((0, ev))))
+        later = []
+        while not isinstance(ev := events.get(timeout=60)[1], (Failed, Finished)):
+            later.append(ev.token_id)
+        assert isinstance(ev, Finished) and later == want[0]
+        assert engine.running == 0 and len(engine.batch) == 0
+        assert events.empty()
     finally:
         engine.stop()
 
@@ -418,3 +453,63 @@ def test_serve_config_section_and_cli_errors(export_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gpt_compress", "serve", "--model-dir", str(tmp_path)],
                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "gptc serve: error:" in proc.stderr and "manifest.json" in proc.stderr
+
+
+def test_schemathesis_fuzzes_the_servers_own_schema(export_dir, tmp_path):
+    """schemathesis drives `gptc serve`'s OpenAPI schema (loopback only): over 1,000 generated
+    requests across every endpoint, valid and invalid (coverage and fuzzing phases,
+    deterministic generation), with every check but ``positive_data_acceptance`` (a schema-valid
+    prompt may still be too long for the context: a 400 the schema cannot express). Not one 5xx,
+    not one response outside the schema (status, content type, body, headers), and the server
+    healthy after. ``max_tokens`` is bounded by the schema (the model's context) and the
+    default is small, so that the run stays short."""
+    pytest.importorskip("schemathesis")
+    s = Server(export_dir, tmp_path / "fuzz.log", "--max-batch", "4", "--max-queue", "4",
+               "-o", "Serve.max_n=2", "-o", "Serve.max_tokens_default=2").ready()
+    try:
+        schema = httpx.get(s.url + "/openapi.json").json()
+        props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+        assert props["max_tokens"]["anyOf"][0]["maximum"] == 127  # the loaded model's context - 1
+        assert {"/health", "/metrics", "/v1/models", "/v1/completions", "/tokenize", "/detokenize",
+                "/tokenizer_info"} <= set(schema["paths"])
+        proc = subprocess.run([str(Path(sys.executable).parent / "st"), "run", s.url + "/openapi.json", "--checks", "all",
+                               "--exclude-checks", "positive_data_acceptance", "--max-examples", "700",
+                               "--phases", "coverage,fuzzing", "--generation-deterministic", "--continue-on-failure",
+                               "--max-time", "600", "--request-timeout", "120", "--no-color", "--workers", "1"],
+                              capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                              env=ENV)
+        out = proc.stdout + proc.stderr
+        generated = re.search(r"(\d+) generated, (\d+) passed", out)
+        assert proc.returncode == 0 and generated, out[-6000:]
+        assert int(generated.group(1)) >= 1000 and generated.group(1) == generated.group(2), out[-3000:]
+        metrics = httpx.get(s.url + "/metrics").text
+        assert not re.search(r'gptc_http_requests_total\{endpoint="[^"]*",status="5\d\d"\}', metrics)
+        assert httpx.get(s.url + "/health").status_code == 200
+        ok = _complete(s.url, prompt="ROMEO:", max_tokens=3, min_tokens=3, temperature=0)
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
+        assert s.metric("gptc_running_batch_size") == 0 and s.metric("gptc_queue_depth") == 0
+    finally:
+        s.stop()
+
+
+def test_vllm_tokenizer_endpoints(server, gen):
+    """/tokenize, /detokenize and /tokenizer_info as vLLM answers them (lm-evaluation-harness's
+    remote tokenizer): the model's own tokenizer, special tokens written in the text included."""
+    text = "ROMEO: I say to thee"
+    ids = gen.tokenizer.encode(text)
+    r = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": text, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": 128, "tokens": ids}
+    r = httpx.post(server.url + "/detokenize", headers=AUTH, json={"tokens": ids, "model": "export"})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+    info = httpx.get(server.url + "/tokenizer_info", headers=AUTH).json()
+    assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 128
+    eos = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": info["eos_token"]}).json()["tokens"]
+    assert eos == [gen.tokenizer.eod_id]
+    for path, body, status, words in [("/detokenize", {"tokens": [1, 99999]}, 400, "vocabulary"),
+                                      ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+                                      ("/tokenize", {"prompt": 5}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
+                                      ("/tokenize", {"text": "x"}, 400, "text")]:
+        r = httpx.post(server.url + path, headers=AUTH, json=body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401

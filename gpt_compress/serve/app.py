@@ -1,4 +1,7 @@
-"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics`` and
+vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``. Request bodies are the pydantic
+models of ``protocol.py``, validated before a handler runs (400 naming the field); the OpenAPI
+schema (``openapi.py``) documents every field, status and content type.
 
 The model loads in a background thread after the server starts listening: ``/health``
 answers 503 ``{"status": "loading"}`` until the engine runs, then 200. Every endpoint but
@@ -20,15 +23,18 @@ import time
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..errors import ConfigError, GptcError
 from ..sections import ServeConfig
 from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
 from .metrics import Metrics
-from .protocol import (CompletionRequest, Logprobs, completion_body, completion_id, error_body, usage,
-                       validation_message)
+from .openapi import ERRORS, SSE_EVENT, TOKENIZER_ERRORS, describe, errors
+from .protocol import (CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, Health, Logprobs,
+                       ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo, completion_body, completion_id,
+                       error_body, usage, validation_message)
 
 log = logging.getLogger("gptc.serve")
 DISCONNECT_POLL = 0.5  # seconds between disconnect checks of a non-streaming request
@@ -44,6 +50,9 @@ class ApiError(Exception):
 
 def _error(status: int, message: str, param: Optional[str] = None, headers=None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
+    # A message may quote the request (a field name, a model id): lone surrogates escaped, so
+    # that the UTF-8 body can always be written.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
 
 
@@ -105,32 +114,80 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
     async def api_error(request, e: ApiError):
         return _error(e.status, e.message, e.param, e.headers)
 
-    @app.get("/health")
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, e: RequestValidationError):
+        if isinstance(e.body, bytes) and e.body:  # not parsed: not sent as JSON (FastAPI's strict content type)
+            got = request.headers.get("content-type") or "no Content-Type"
+            return _error(415, f"send the body as JSON with 'Content-Type: application/json' (got {got})")
+        message, field = validation_message(list(e.errors()))
+        return _error(400, message, field)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # unknown path (404), wrong method (405)
+        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", headers=e.headers)
+
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {
+        "model": Health, "description": "the model is loading, or failed to load"}})
     async def health():
+        """Whether the model serves (no API key needed)."""
         if state.engine is not None:
             return {"status": "ok", "model": model_name, "decoder": type(state.engine.batch).__name__}
         if state.load_error is not None:
             return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+              "description": "Prometheus text exposition format"}, **errors(401)})
     async def metrics():
+        """The server's Prometheus metrics."""
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors(401, 503)})
     async def models():
+        """The served model (OpenAI's list of models)."""
         engine = _engine(state)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
                                             "owned_by": "gpt-compress",
                                             "max_model_len": engine.gen.max_positions}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: HttpRequest):
+    @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **TOKENIZER_ERRORS})
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's tokenizer endpoint: lets clients (lm-evaluation-harness) tokenize remotely."""
+        engine = _served(state, req.model)
+        ids = _tokenizer(engine).encode(req.prompt, allow_special=True)
+        return {"count": len(ids), "max_model_len": engine.gen.max_positions, "tokens": ids}
+
+    @app.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **TOKENIZER_ERRORS})
+    async def detokenize(req: DetokenizeRequest):
+        """vLLM's detokenizer endpoint: the text of token ids."""
+        engine = _served(state, req.model)
+        tok = _tokenizer(engine)
+        bad = [t for t in req.tokens if t >= engine.gen.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids outside the vocabulary [0, {engine.gen.vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @app.get("/tokenizer_info", response_model=None, responses={200: {"model": TokenizerInfo}, **TOKENIZER_ERRORS})
+    async def tokenizer_info():
+        """vLLM's tokenizer description (what lm-evaluation-harness's remote tokenizer reads)."""
         engine = _engine(state)
-        req = await _parse(request)
-        if req.model is not None and req.model != model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
-                           "model")
+        tok = _tokenizer(engine)
+        eod = engine.eos if engine.eos is not None else tok.eod_id  # the end-of-text token lm-eval prefixes
+        eos = tok.decode([eod]) if eod is not None else None
+        return {"tokenizer_class": "GPT2TokenizerFast", "eos_token": eos, "bos_token": eos, "pad_token": eos,
+                "model_max_length": engine.gen.max_positions, "vocab_size": engine.gen.vocab_size}
+
+    @app.post("/v1/completions", response_model=None, responses={
+        200: {"model": CompletionResponse, "description": "the completion; with `stream`, server-sent events "
+              "of CompletionResponse chunks ending with `data: [DONE]`",
+              "content": {"text/event-stream": {"schema": SSE_EVENT}}}, **ERRORS})
+    async def completions(req: CompletionRequest, request: HttpRequest):
+        """OpenAI's (legacy) completions API."""
+        engine = _served(state, req.model)
+        bad = req.unsupported()
+        if bad is not None:
+            raise ApiError(400, bad[1], bad[0])
         if req.n > cfg.max_n:
             raise ApiError(400, f"n={req.n} is more than this server allows (Serve.max_n={cfg.max_n})", "n")
         prompts = _encode(engine, req, cfg)
@@ -168,7 +225,22 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, reqs, events, echo, model_name, prompt_tokens, logprobs)
 
+    app.openapi = lambda: describe(app, state.engine, cfg)
     return app
+
+
+def _served(state: State, model: Optional[str]) -> Engine:
+    """The engine, when ``model`` (a request's field) is None or names the served model."""
+    engine = _engine(state)
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}", "model")
+    return engine
+
+
+def _tokenizer(engine: Engine):
+    if engine.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: send and read token ids")
+    return engine.tokenizer
 
 
 def _engine(state: State) -> Engine:
@@ -176,25 +248,6 @@ def _engine(state: State) -> Engine:
         raise ApiError(503, "the model is still loading" if state.load_error is None
                        else f"the model failed to load: {state.load_error}")
     return state.engine
-
-
-async def _parse(request: HttpRequest) -> CompletionRequest:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    try:
-        req = CompletionRequest.model_validate(data)
-    except ValidationError as e:
-        message, field = validation_message(e)
-        raise ApiError(400, message, field) from None
-    bad = req.unsupported()
-    if bad is not None:
-        raise ApiError(400, bad[1], bad[0])
-    return req
 
 
 def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[list[int]]:

@@ -22,9 +22,11 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 5. runs one ``decode`` step for the rest.
 
 Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
-layer forwards them into its event loop). An exception while prefilling or sampling one
-request fails that request only; one in the batched decode step fails the requests of that
-step (it cannot be attributed to one of them) and the loop goes on serving.
+layer forwards them into its event loop), exactly one ``Finished`` or ``Failed`` per request.
+An exception while prefilling, setting up or sampling one request fails that request only (its
+row never joins, or leaves, the batch); one in the batched decode step fails the requests of
+that step (it cannot be attributed to one of them) and the loop goes on serving with an empty
+batch.
 """
 from __future__ import annotations
 
@@ -105,6 +107,7 @@ class Request:
     rng: Optional[np.random.Generator] = None
     shown: int = 0  # characters of the decoded text already emitted
     last_token_at: float = 0.0
+    ended: bool = False  # its Finished or Failed event was emitted
 
 
 class Engine:
@@ -261,24 +264,34 @@ class Engine:
                    and (not taken or len(self._pending[0].prompt) <= budget)):
                 taken.append(self._pending.popleft())
                 budget -= len(taken[-1].prompt)
-        joining = self._prefill(taken)
-        if not joining:
-            return
         try:
-            self.batch.join([(req.id, state) for req, state in joining])
+            joining = [(req, state) for req, state in self._prefill(taken) if self._ready(req)]
+            if joining:
+                self.batch.join([(req.id, state) for req, state in joining])
         except Exception as e:
-            log.exception("joining the batch failed")
-            for req, _ in joining:
-                self._finish(req, Failed(500, f"joining the batch failed: {type(e).__name__}: {e}"))
+            log.exception("admitting %d requests failed", len(taken))
+            self.batch.remove([req.id for req in taken])
+            for req in taken:
+                self._finish(req, Failed(500, f"admission failed: {type(e).__name__}: {e}"))
             return
-        for req, _ in joining:
+        for req, _ in joining:  # nothing here can raise: a joined row always has its request
+            self._running[req.id] = req
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(req.prompt))
+
+    def _ready(self, req: Request) -> bool:
+        """Set up ``req``'s sampling state before it joins the batch; False (and the request
+        failed alone) if that raises, so that no row joins without its request."""
+        try:
             req.rng = np.random.default_rng(req.cfg.seed)
             req.seen = np.zeros((1, req.logits.shape[-1]), dtype=bool)
             if req.cfg.repetition_penalty != 1.0:
                 req.seen[0, req.prompt] = True
-            self._running[req.id] = req
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(req.prompt))
+        except Exception as e:
+            log.exception("request %d failed", req.id)
+            self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+            return False
+        return True
 
     def _prefill(self, reqs: list[Request]) -> list[tuple[Request, tuple]]:
         """Prefill ``reqs`` (setting their first logits); returns ``[(req, join state), ...]``.
@@ -364,6 +377,10 @@ class Engine:
 
     # ------------------------------------------------------------------ bookkeeping
     def _finish(self, req: Request, event) -> None:
+        """Emit ``req``'s last event (once: a request already ended is left alone)."""
+        if req.ended:
+            return
+        req.ended = True
         self._count("ok" if isinstance(event, Finished) else f"error_{event.status}")
         req.emit(event)
 
@@ -375,8 +392,10 @@ class Engine:
             self._running.pop(rid, None)
 
     def _fail_all(self, status: int, message: str) -> None:
+        """Fail every running request and empty the batch (rows of no running request too)."""
         reqs = list(self._running.values())
-        self._leave(list(self._running))
+        self._running.clear()
+        self.batch.remove(list(self.batch.keys))
         for req in reqs:
             self._finish(req, Failed(status, message))
 

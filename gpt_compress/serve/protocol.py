@@ -8,59 +8,65 @@ carries ``token_ids``, the generated ids (EOS included when produced), as an ext
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# a string, a list of strings, token ids or a list of token-id lists; none of them empty
+Prompt = Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds,
+               Annotated[list[TokenIds], Field(min_length=1)]]
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (``logprobs``), as vLLM
+MAX_SEED = 2**63 - 1  # seeds are int64, as OpenAI's
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage counts."""
 
-    model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = Field(False, description="add a last chunk with the usage counts")
 
 
 class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions``."""
+    """The body of ``POST /v1/completions``. Strict types (a string is not a number, a
+    bool is not an integer), no NaN or infinity and no lone surrogate in a string (pydantic
+    refuses them), so that what the schema allows is what the handler takes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    model: Optional[str] = None  # must name the served model when given
-    prompt: Prompt  # a string, a list of strings, token ids or a list of token-id lists
-    max_tokens: Optional[int] = Field(None, ge=1)  # None: Serve.max_tokens_default
-    min_tokens: int = Field(0, ge=0)  # extra: no EOS before this many tokens
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extra: 0 or -1 disables
-    repetition_penalty: float = Field(1.0, gt=0.0)  # extra: CTRL penalty, 1 disables
-    stop: Optional[Union[str, list[str]]] = None  # up to 4 strings that end the text (not included)
-    seed: Optional[int] = None  # sampling seed: same seed, same settings -> same text
-    n: int = Field(1, ge=1)  # choices per prompt
-    echo: StrictBool = False  # prepend the prompt to the text
-    stream: StrictBool = False  # server-sent events, ending with `data: [DONE]`
+    model: Optional[str] = Field(None, description="must name the served model when given")
+    prompt: Prompt = Field(description="a string, a list of strings, token ids or a list of token-id lists")
+    max_tokens: Optional[int] = Field(None, ge=1, description="tokens to generate; null: Serve.max_tokens_default; "
+                                      "prompt + max_tokens must fit the model's context")
+    min_tokens: int = Field(0, ge=0, description="extra: no EOS before this many tokens (<= max_tokens)")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables")
+    top_k: int = Field(0, ge=-1, description="extra: keep the k most likely tokens; 0 or -1 disables")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="extra: CTRL penalty; 1 disables")
+    stop: Optional[Union[Text, Annotated[list[Text], Field(max_length=4)]]] = Field(
+        None, description="up to 4 non-empty strings that end the text (not included)")
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED, description="sampling seed: same seed, same settings -> "
+                                "same text; choice j of n uses seed + j")
+    n: int = Field(1, ge=1, description="choices per prompt (<= Serve.max_n)")
+    echo: bool = Field(False, description="prepend the prompt to the text")
+    stream: bool = Field(False, description="server-sent events, ending with `data: [DONE]`")
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per generated token
-    best_of: Optional[int] = None  # only n (or null)
-    presence_penalty: float = 0.0  # not supported: must be 0
-    frequency_penalty: float = 0.0  # not supported: must be 0
-    logit_bias: Optional[dict[str, float]] = None  # not supported: must be null or empty
-    suffix: Optional[str] = None  # not supported: must be null
-    user: Optional[str] = None  # accepted and ignored
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per generated token")
+    best_of: Optional[int] = Field(None, ge=1, description="only n (or null)")
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: null or {}")
+    suffix: Optional[str] = Field(None, max_length=0, description="not supported: null or empty")
+    user: Optional[str] = Field(None, description="accepted and ignored")
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
+        return [v] if isinstance(v, str) else list(v or [])
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(field, message) for a set option this server does not implement, else None."""
@@ -68,13 +74,6 @@ class CompletionRequest(BaseModel):
             return "logprobs", "logprobs of the echoed prompt are not supported: use logprobs without echo"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of={self.best_of} is not supported (only best_of == n)"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                return name, f"{name} is not supported; use repetition_penalty"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
         return None
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -87,28 +86,167 @@ class CompletionRequest(BaseModel):
         return list(p)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): the model's tokenizer on ``prompt``; special tokens written
+    in the text (``<|endoftext|>``) are their ids, as vLLM's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = Field(None, description="must name the served model when given")
+    prompt: str = Field(description="the text to tokenize")
+    add_special_tokens: bool = Field(True, description="accepted; this tokenizer adds no BOS or EOS")
+
+
+class TokenizeResponse(BaseModel):
+    """The token ids of the prompt."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Optional[str] = Field(None, description="must name the served model when given")
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(description="token ids in [0, vocab)")
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of the token ids."""
+
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's fields that lm-evaluation-harness reads)."""
+
+    tokenizer_class: str
+    eos_token: Optional[str]
+    bos_token: Optional[str]
+    pad_token: Optional[str]
+    model_max_length: int
+    vocab_size: int
+
+
+# Response bodies: documented in the OpenAPI schema (``app.py``), built as plain dicts.
+class Usage(BaseModel):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class LogprobsBody(BaseModel):
+    """OpenAI's ``logprobs`` of one choice: one entry per token (``top_logprobs``: the top
+    alternatives and the chosen token, token text -> log-probability)."""
+
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    """One choice (or, streamed, one piece of it)."""
+
+    index: int
+    text: str
+    logprobs: Optional[LogprobsBody]
+    finish_reason: Optional[Literal["stop", "length"]]
+    token_ids: list[int] = Field(description="extra: the generated token ids (EOS included when produced)")
+
+
+class CompletionResponse(BaseModel):
+    """A ``text_completion`` object: the whole response, or one server-sent event's chunk."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    """The served model."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int = Field(description="the model's context in tokens")
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: ``param`` names the request field at fault, when one is."""
+
+    message: str
+    type: Literal["invalid_request_error", "server_error"]
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object, the body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    """``GET /health``: 200 ``ok`` once the model serves, else 503 ``loading`` or ``error``."""
+
+    status: Literal["ok", "loading", "error"]
+    model: Optional[str] = None
+    decoder: Optional[str] = Field(None, description="the batch decoder: SlotDecoder or BatchDecoder")
+    message: Optional[str] = Field(None, description="why the model failed to load")
+
+
 def error_body(message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
                code: Optional[str] = None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def validation_message(e: ValidationError) -> tuple[str, Optional[str]]:
-    """One line naming every invalid field, and the first field's name."""
+UNION_TAG = re.compile(r"^(constrained-)?(str|int|float|bool)$|^[\w-]+\[.*\]$")  # pydantic's union member names
+TYPE_ERRORS = {"string_type", "list_type", "int_type", "float_type", "bool_type", "dict_type", "model_type"}
+
+
+def _field_path(loc: tuple) -> tuple:
+    """A pydantic error location without FastAPI's leading "body" nor union member names."""
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    return loc[:1] + tuple(x for x in loc[1:] if not (isinstance(x, str) and UNION_TAG.match(x)))
+
+
+def validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
+    """One line naming every invalid field of a request body, and the first field's name.
+    ``errors``: pydantic's (or FastAPI's, whose locations start with "body") error list."""
+    # A union (``prompt``) fails once per member: where a field failed for more than a type
+    # mismatch (a lone surrogate, a bound), its type mismatches are left out.
+    specific = {_field_path(tuple(e.get("loc", ())))[:1] for e in errors if e.get("type") not in TYPE_ERRORS}
     parts, first = [], None
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        field = str(err["loc"][0]) if err.get("loc") else "body"
+    for err in errors:
+        loc = _field_path(tuple(err.get("loc", ())))
+        if err.get("type") == "json_invalid":
+            error = (err.get("ctx") or {}).get("error", "invalid JSON")
+            return f"malformed JSON body: {error} (at character {loc[0] if loc else '?'})", None
+        if not loc:  # the body itself: not an object (or no body)
+            return "the body must be a JSON object with the request's fields", None
+        if err.get("type") in TYPE_ERRORS and loc[:1] in specific:
+            continue
+        field = str(loc[0])
         first = first or field
-        msg = err.get("msg", "invalid")
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown field"
-        parts.append(f"{loc or field}: {msg}")
-    seen, unique = set(), []
-    for p in parts:
-        if p not in seen:
-            seen.add(p)
-            unique.append(p)
+        msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
+        parts.append(f"{'.'.join(str(x) for x in loc)}: {msg}")
+    unique = list(dict.fromkeys(parts))
     return "invalid request: " + "; ".join(unique[:6]), first
 
 
