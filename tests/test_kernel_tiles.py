@@ -24,8 +24,10 @@ import pytest
 from gpt_compress.export.fused import pack_int4
 
 HEADS, EPS, GELU_NEW = 2, 1e-5, 2
-LENGTHS = (17, 8, 7, 2)  # rows of the batch (left-padded to 17): M = 68, and 17, 8, 7, 2 alone
-HEAD_ROWS = 64           # a head's rows at once (then 17, 8, 7, 2 of them, and each alone)
+# rows of the batch (left-padded to 17): M = 85, and 17, 11, 8, 7, 2 alone; 11 and 23 leave 11 rows
+# after the AVX-512 float kernel's 12-row tiles (its widest remainder: 6 pairs, the last half empty)
+LENGTHS = (17, 11, 8, 7, 2)
+HEAD_ROWS = 64           # a head's rows at once (then 23, 17, 11, 8, 7, 2 of them, and each alone)
 
 # name -> (bits, hidden c, head dim d, FFN width f, act)
 LAYERS = {
@@ -130,7 +132,7 @@ def layer_case(ops, name: str) -> np.ndarray:
 def head_case(ops, name: str) -> np.ndarray:
     """gptc_head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
     one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
-    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 17, 8, 7 and 2 of the rows and each row alone give bitwise
+    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 11, 8, 7 and 2 of the rows and each row alone give bitwise
     the same logits, and that they are near the float64 product of the dequantized weights."""
     import paddle
 
@@ -156,7 +158,7 @@ def head_case(ops, name: str) -> np.ndarray:
 
     with _threads(2):
         many = head(range(HEAD_ROWS))
-        for m in (17, 8, 7, 2):
+        for m in (23, 17, 11, 8, 7, 2):
             rows = list(range(HEAD_ROWS - m, HEAD_ROWS))  # the last m rows: other offsets than the batch's
             assert np.array_equal(head(rows), many[rows]), f"{name}: {m} rows vs {HEAD_ROWS}"
         for i in range(HEAD_ROWS):

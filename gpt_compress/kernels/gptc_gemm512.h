@@ -116,7 +116,8 @@ inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, con
     const int64_t c1 = std::min(kc, c0 + chunk);
     int64_t m = 0;
     for (; m + 12 <= M; m += 12) tiles(std::integral_constant<int, 6>(), m, c0, c1);
-    switch ((M - m + 1) / 2) {  // the pairs left (the last one half empty for an odd M)
+    switch ((M - m + 1) / 2) {  // the pairs left, 0 to 6 (the last one half empty for an odd M)
+      case 6: tiles(std::integral_constant<int, 6>(), m, c0, c1); break;  // 11 rows left
       case 5: tiles(std::integral_constant<int, 5>(), m, c0, c1); break;
       case 4: tiles(std::integral_constant<int, 4>(), m, c0, c1); break;
       case 3: tiles(std::integral_constant<int, 3>(), m, c0, c1); break;
