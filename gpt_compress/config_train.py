@@ -126,7 +126,8 @@ class GenerationConfig:
                   ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
                    "> 0 (1 disables)"),
                   ("num_beams", self.num_beams >= 1, ">= 1"),
-                  ("length_penalty", math.isfinite(self.length_penalty), "a finite number")]
+                  ("length_penalty", math.isfinite(self.length_penalty), "a finite number"),
+                  ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "in [0, 2^63 - 1] (numpy's seeds)")]
         for key, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"Generation.{key} must be {rule}, got {getattr(self, key)}")

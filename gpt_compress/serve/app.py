@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from ..errors import ConfigError, GptcError
@@ -96,6 +97,14 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
     app = FastAPI(title="gpt-compress", lifespan=lifespan)
     app.state.serve = state
 
+    routes: set = set()  # the served paths; any other path is counted as "unknown", so a client
+    # sending random paths cannot grow the metrics' label sets without bound
+
+    def endpoint(path: str) -> str:
+        if not routes:
+            routes.update(route.path for route in app.routes if isinstance(route, APIRoute))
+        return path if path in routes else "unknown"
+
     @app.middleware("http")
     async def auth_and_count(request: HttpRequest, call_next):
         path = request.url.path
@@ -103,11 +112,11 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             header = request.headers.get("authorization", "")
             if header != f"Bearer {state.api_key}":
                 response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-                state.metrics.requests.labels(endpoint=path, status="401").inc()
+                state.metrics.requests.labels(endpoint=endpoint(path), status="401").inc()
                 return response
         response = await call_next(request)
         if path.startswith("/v1/"):
-            state.metrics.requests.labels(endpoint=path, status=str(response.status_code)).inc()
+            state.metrics.requests.labels(endpoint=endpoint(path), status=str(response.status_code)).inc()
         return response
 
     @app.exception_handler(ApiError)
