@@ -59,8 +59,8 @@ def run(args) -> int:
         if all("paddle" in programs.get(p, {}) for p in SCORE_PROGRAMS):
             # The scoring programs run the head only at the scored rows, with the log-softmax
             # inside; the fused program (the default otherwise) also takes chosen rows, but
-            # returns their logits, and its head kernel (made for decode's few rows) was ~5x slower
-            # than score_head on 2,048 rows (gpt-test, vocab 50,304).
+            # returns their logits, and its head kernel is made for decode's few rows, not for
+            # thousands of scored rows.
             options["fused"] = False
     gen = Generator.from_dir(args.model, backend=backend, tokenizer=args.tokenizer_dir, **options)
     if gen.tokenizer is None:

@@ -56,9 +56,9 @@ def _server_class():
 def _paddle_serving_options(options) -> dict:
     """Paddle Inference without oneDNN for prefill and decode: oneDNN builds its kernels per input
     shape, and under continuous batching the shapes change almost every step (rows join and
-    leave, prompts have any length). Rebuilds cost 0.5-1.4 s per new shape on the contended
-    2-core machine and made the batched server slower than one sequence at a time; MKL's
-    batched decode measured as fast as oneDNN's at 16 rows (89 vs 102 ms per step, contended)."""
+    leave, prompts have any length): the rebuilds would cost more than they save, while MKL's
+    batched decode is as fast as oneDNN's at the server's batch sizes
+    (docs/performance.md)."""
     from ..inference.predictor import ProgramOptions, default_options
 
     options = dict(options or default_options())

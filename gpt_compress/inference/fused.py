@@ -49,7 +49,7 @@ GREEDY_STEPS = 8
 # a step many times slower than one (a spinning thread waits out a descheduled one). When libgomp
 # was loaded before gpt_compress was imported (``import paddle`` first), the setting cannot take
 # effect: the default then is one thread, with a warning. On a quiet machine all cores decode
-# about twice as fast as one (bench/decode.py --fused-threads N compares them).
+# faster than one (bench/decode.py --fused-threads N compares them).
 DEFAULT_THREADS = 0
 
 

@@ -4,7 +4,7 @@ Predictors are created on first use (a generation-only server never loads ``forw
 per *role*, each with its own ``ProgramOptions``:
 
 ==================  ==========  =====================================================
-role                program     default on CPU (measured on 2 cores, ``bench/decode.py``)
+role                program     default on CPU (chosen by ``bench/decode.py``)
 ==================  ==========  =====================================================
 ``prefill``         prefill     oneDNN, all threads
 ``decode``          decode      batches < ``batched_from``: plain MKL, **1 thread**; replaced by
@@ -17,20 +17,19 @@ role                program     default on CPU (measured on 2 cores, ``bench/dec
 
 Why: a batch-1 step is ~250 small ops around GEMVs that stream the weights. MKL's GEMV is
 near memory speed on one core, while a second thread costs a fork/join and cache traffic per
-op (10.5 vs 14 ms per ``gpt-bench`` step); oneDNN is ~30% slower than MKL on (1, K) x (K, N).
-But one core cannot read memory at the machine's full rate, and the LM head is 64% of
-``gpt-bench``'s weights: MKL does not spread a single (1, K) x (K, N) product over threads
-(4.4 ms on one or two), while the exported ``lm_head`` program's batched form (K column blocks,
-one batched matmul) runs on two in 2.4 ms. So the head gets its own predictor with all threads
-and the body keeps one.
-From a few rows on, MKL's small-M GEMM is ~2x slower than oneDNN's on this CPU, so batched
-decode uses oneDNN, whose per-shape kernel rebuilds the bucketed cache avoids (see below).
+op; oneDNN is slower than MKL on (1, K) x (K, N). But one core cannot read memory at the
+machine's full rate, and the LM head is most of ``gpt-bench``'s weights: MKL does not spread a
+single (1, K) x (K, N) product over threads, while the exported ``lm_head`` program's batched
+form (K column blocks, one batched matmul) does. So the head gets its own predictor with all
+threads and the body keeps one.
+From a few rows on, MKL's small-M GEMM is slower than oneDNN's, so batched decode uses oneDNN,
+whose per-shape kernel rebuilds the bucketed cache avoids (see below).
 
 Inputs and outputs are ``paddle.Tensor``s passed to ``Predictor.run(list)``: no numpy round
 trip for the KV cache. But the returned tensors share memory with the predictor's own
 variables, which its next run overwrites in place once they are large enough (a second
 generation then read a cache being written: wrong tokens from the 4th step on). So cache
-outputs we keep are cloned, once per step (~0.2 ms at batch 1), or, on the bucketed path,
+outputs we keep are cloned, once per step, or, on the bucketed path,
 only the new positions are copied into our own buffers. The (B, V) logits go to numpy.
 
 Threads: a Paddle predictor keeps per-thread state (oneDNN kernel caches, the math library's

@@ -60,8 +60,8 @@ ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=g
 ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"})}
 # GCC's OpenMP runtime (libgomp), a second one beside the Intel runtime Paddle loads: Paddle's
 # set_cpu_math_library_num_threads does not reach it, so the ops take their thread count from
-# $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (Linking libiomp5 instead made
-# a batch-1 step 4x slower on a busy machine: its threads spin 200 ms after every region.)
+# $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (libiomp5 is not linked instead:
+# its threads spin for KMP_BLOCKTIME after every region, which stalls a busy machine.)
 LDFLAGS = ["-fopenmp"]
 OPS = ("gptc_generate", "gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head")
 
