@@ -44,3 +44,18 @@ def test_classifier_pools_last_real_token():
     alone = model(paddle.to_tensor(ids[1:, :6])).numpy()
     np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
     assert padded.shape == (2, 3)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-38])
+def test_sampling_at_a_tiny_temperature_is_its_greedy_limit(temperature):
+    """A temperature that overflows the scaled scores (inf, or 0 in float32: NaN) samples the
+    top score, as the limit T -> 0 does, never a NaN distribution's arbitrary token."""
+    from gpt_compress.config_train import GenerationConfig
+    from gpt_compress.model.generation import next_tokens
+
+    logits = np.array([[1.0, 3.0, 2.0, -np.inf], [-2.0, -5.0, -1.0, -3.0]], np.float32)
+    cfg = GenerationConfig(decode_strategy="sampling", temperature=temperature)
+    seen = np.zeros(logits.shape, bool)
+    with np.errstate(invalid="raise"):  # no NaN made on the way
+        for seed in range(8):
+            assert next_tokens(logits, seen, 5, cfg, None, np.random.default_rng(seed)).tolist() == [1, 2]

@@ -158,7 +158,15 @@ def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: Generation
     scores = _processed(logits, seen, step, cfg, eos_token_id)
     if cfg.decode_strategy == "greedy":
         return np.argmax(scores, axis=-1)
-    scores = apply_top_p(apply_top_k(scores / cfg.temperature, cfg.top_k), cfg.top_p)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = scores / cfg.temperature
+    # A temperature so small that a row overflows (inf, or NaN where it rounds to 0 in float32)
+    # gets its limit, greedy: its top scores alone, equally likely.
+    bad = ~np.isfinite(np.max(scaled, axis=-1))
+    if bad.any():
+        top = scores[bad]
+        scaled[bad] = np.where(top == np.max(top, axis=-1, keepdims=True), 0.0, NEG_INF)
+    scores = apply_top_p(apply_top_k(scaled, cfg.top_k), cfg.top_p)
     return _sample(_softmax(scores), rng)
 
 
