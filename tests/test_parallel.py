@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -61,11 +63,22 @@ def _overrides(tok_dir, prefix, out, micro, parallel=()):
             *[x for p in parallel for x in ("-o", p)]]
 
 
-def _launch(nproc, args, log_dir, timeout=600):
-    """``python -m paddle.distributed.launch --nproc_per_node N gptc ...``; fails with the rank logs."""
+def _launch(nproc, args, log_dir, timeout=600, out=None):
+    """``python -m paddle.distributed.launch --nproc_per_node N gptc ...``; fails with the rank logs.
+
+    Four gloo processes: a rank killed by a signal inside Paddle (a segfault seen about once in
+    ten 4-process launches, while fleet broadcasts the mp parameters) is launched once more from
+    scratch (``out`` removed first); any other failure, or a second crash, fails the test."""
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
            "--log_dir", str(log_dir), GPTC, *args]
-    res = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    for attempt in (1, 2):
+        res = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        crashed = re.search(r"status failed cmd .* (code -\d+)", res.stderr)
+        if res.returncode == 0 or not (nproc == 4 and crashed and attempt == 1 and out is not None):
+            break
+        print(f"retrying after a rank crashed ({crashed.group(1)})", file=sys.stderr)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(log_dir, ignore_errors=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-2000:]}\n{log_tail(log_dir)}"
     return res
 
@@ -131,7 +144,7 @@ def parallel_runs(shakespeare, tmp_path_factory):
             nproc, par, micro = LAYOUTS[name]
             out = tmp_path_factory.mktemp(f"parallel_{name}")
             _launch(nproc, ["pretrain", "--no-progress", *_overrides(tok_dir, prefix, str(out / "run"), micro, par)],
-                    out / "logs")
+                    out / "logs", out=out / "run")
             done[name] = str(out / "run")
         return done[name]
 
@@ -162,7 +175,7 @@ def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, 
     out = str(tmp_path / "run")
     mid = os.path.join(base, "checkpoints", f"step_{STEPS // 2:08d}")
     _launch(nproc, ["pretrain", "--no-progress", *_overrides(tok_dir, prefix, out, micro, par), "--resume", mid],
-            tmp_path / "logs")
+            tmp_path / "logs", out=out)
     np.testing.assert_allclose(_losses(out), _losses(base)[STEPS // 2:], rtol=1e-6, atol=0)
     got, want = load_weights(_final_checkpoint(out)), load_weights(_final_checkpoint(base))
     assert max(float(np.max(np.abs(got[k] - want[k]))) for k in want) <= 1e-6

@@ -416,7 +416,8 @@ def test_an_exception_in_one_request_fails_only_that_request(export_dir, backend
     try:
         events = queue.Queue()
         greedy = request_config(6, 0.0, 1.0, 0, 1.0, None, 6)
-        bad_seed = dataclasses.replace(greedy, seed=-1)  # the server refuses it (400); here it gets through
+        bad_seed = dataclasses.replace(greedy)
+        bad_seed.seed = -1  # the config and the server refuse it (400); set past their checks, it gets through
         engine.submit_all([Request(p, bad_seed if i == 3 else greedy, emit=lambda ev, i=i: events.put((i, ev)))
                            for i, p in enumerate(prompts)])  # admitted together
         ends, tokens = {}, {0: [], 2: []}
