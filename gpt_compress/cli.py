@@ -39,6 +39,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "text -> pretrain -> prune + distill -> QAT -> export -> evaluate -> report"),
 }
 
+# Commands that run for hours on inputs of every size: they keep glibc's own malloc policy
+# (``runtime.tune_cpu(malloc=False)``). The heap-only policy that speeds up training never gives
+# freed memory back, and a server's ever-changing batch and prompt shapes fragment that heap, so
+# its resident size grew for as long as it served.
+SERVICE_COMMANDS = frozenset({"serve"})
+
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The `-c config.yaml -o Section.key=value` pair every config-driven command takes."""
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     from . import runtime
 
     if runtime.enabled():  # before any matmul: see runtime.py (GPTC_TUNE_CPU=0 turns it off)
-        runtime.tune_cpu()
+        runtime.tune_cpu(malloc=name not in SERVICE_COMMANDS)
     from . import locks, signals
     from .errors import ConfigError, GptcError
 

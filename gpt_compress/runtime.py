@@ -31,7 +31,12 @@ each can be turned off.
 * ``malloc``: glibc serves blocks above its mmap threshold (128 KB to 32 MB) with fresh pages
   whose faults cost more than the op (an out-of-place ``exp`` of 26 MB takes 3x the in-place one).
   ``M_MMAP_MAX=0`` serves every block from the heap and a 1 GB trim threshold keeps freed memory
-  for reuse. The price: memory freed by the process is not returned to the OS until it exits.
+  for reuse. The price: memory freed by the process is not returned to the OS until it exits,
+  and blocks of many sizes fragment the heap. A long-running process whose shapes keep changing
+  (``gptc serve``: batches and prompts of every length) grows without bound under it: in-use
+  memory stays flat while the heap's free holes cannot serve the next shapes. Such commands
+  leave glibc's adaptive policy in place (``cli.SERVICE_COMMANDS``), which maps large blocks
+  until a freed one raises its threshold and trims the heap's top.
 """
 from __future__ import annotations
 
