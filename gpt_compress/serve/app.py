@@ -57,6 +57,35 @@ def _error(status: int, message: str, param: Optional[str] = None, headers=None)
     return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
 
 
+class AuthAndCount:
+    """The API key check and the request counter, as plain ASGI middleware: the endpoints get the
+    server's own ``receive``, so a non-streaming request sees its client's disconnect
+    (``request.is_disconnected``). Starlette's ``@app.middleware("http")`` hands them a
+    ``receive`` that never reports it, and a request whose client had left ran to its end."""
+
+    def __init__(self, app, state: "State", endpoint: Callable[[str], str]):
+        self.app, self.state, self.endpoint = app, state, endpoint
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        requests = self.state.metrics.requests
+        if self.state.api_key and path != "/health":
+            header = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+            if header != f"Bearer {self.state.api_key}":
+                requests.labels(endpoint=self.endpoint(path), status="401").inc()
+                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                return await response(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start" and path.startswith("/v1/"):
+                requests.labels(endpoint=self.endpoint(path), status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 class State:
     """What the endpoints share: the loaded generator and engine (None while loading)."""
 
@@ -105,19 +134,7 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             routes.update(route.path for route in app.routes if isinstance(route, APIRoute))
         return path if path in routes else "unknown"
 
-    @app.middleware("http")
-    async def auth_and_count(request: HttpRequest, call_next):
-        path = request.url.path
-        if state.api_key and path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {state.api_key}":
-                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-                state.metrics.requests.labels(endpoint=endpoint(path), status="401").inc()
-                return response
-        response = await call_next(request)
-        if path.startswith("/v1/"):
-            state.metrics.requests.labels(endpoint=endpoint(path), status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthAndCount, state=state, endpoint=endpoint)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
@@ -354,14 +371,19 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
     reasons: list[Optional[str]] = [None] * len(reqs)
     completion_tokens = 0
     open_ = len(reqs)
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL
     try:
         while open_:
+            # The client is checked every DISCONNECT_POLL seconds whether or not tokens keep coming.
             try:
-                index, ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+                index, ev = await asyncio.wait_for(events.get(), max(check_at - loop.time(), 1e-3))
             except asyncio.TimeoutError:
+                ev = None
+            if loop.time() >= check_at:
                 if await request.is_disconnected():
                     return Response(status_code=499)
-                continue
+                check_at = loop.time() + DISCONNECT_POLL
             if isinstance(ev, Token):
                 texts[index] += ev.text
                 token_ids[index].append(ev.token_id)
