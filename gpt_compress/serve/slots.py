@@ -71,6 +71,7 @@ class SlotDecoder:
         self.max_rows = 0  # the largest running batch so far (stats)
         self._tensors = backend._call(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
         self._views = backend._call(self._check_views)
+        self._row_views: dict[int, list] = {}  # rows -> views of the first rows of _tensors
 
     # ------------------------------------------------------------------ state
     def __len__(self) -> int:
@@ -90,6 +91,19 @@ class SlotDecoder:
 
         return [paddle.zeros([self.max_batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
                 for layer in self.layers for _ in range(2)]
+
+    def _first_rows(self, rows: int) -> list:
+        """Views of the first ``rows`` slots of every cache tensor, made once per row count and
+        cache. Paddle 3.3.1's eager ``Tensor(DenseTensor)`` constructor, which ``_slice`` calls,
+        never frees a Python list it creates, so views made per step grew a server's memory for
+        as long as it ran (``docs/PADDLE_CPU.md``); the same views also spare the backend a
+        rebinding of its inputs."""
+        if rows == self.max_batch:
+            return self._tensors
+        views = self._row_views.get(rows)
+        if views is None:
+            views = self._row_views[rows] = self.backend._call(lambda: [t._slice(0, rows) for t in self._tensors])
+        return views
 
     def _check_views(self) -> bool:
         t = self._tensors[0]
@@ -174,9 +188,7 @@ class SlotDecoder:
         self._mask[:n, s] = 1
         ids = np.zeros((rows, 1), np.int64)
         ids[:n, 0] = [tokens[k] for k in self.keys]
-        tensors = self._tensors if rows == self.max_batch else self.backend._call(
-            lambda: [t._slice(0, rows) for t in self._tensors])
-        logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(tensors, s))
+        logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s))
         return {k: logits[i] for i, k in enumerate(self.keys)}
 
     # ------------------------------------------------------------------ leave
@@ -230,4 +242,5 @@ class SlotDecoder:
                 dst[r, :, width - m:width] = (src[r, :, cols[0]:cols[-1] + 1] if contiguous
                                          else paddle.index_select(src[r], idx, axis=1))
         self._tensors, self._mask = new, mask
+        self._row_views = {}
         self.relayouts += 1
