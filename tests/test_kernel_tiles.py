@@ -146,11 +146,44 @@ def head_case(ops, name: str) -> np.ndarray:
             assert np.array_equal(head(rows), many[rows]), f"{name}: {m} rows vs {HEAD_ROWS}"
         for i in range(HEAD_ROWS):
             assert np.array_equal(head([i])[0], many[i]), f"{name} row {i}: alone vs with the others"
-    h = (x[0] - x[0].mean(-1, keepdims=True)) / np.sqrt(x[0].var(-1, keepdims=True) + EPS)
-    ref = h.astype(np.float64) @ deq.T
-    # int8 inputs: ~1% of the largest logit (a step of 1/127 of each block's max per input); float: float32 rounding
-    assert np.abs(many - ref).max() < (0.02 if bits < 32 else 1e-4) * np.abs(ref).max()
+    x64 = x[0].astype(np.float64)
+    h = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + EPS)
+    ref = h @ deq.T
+    err, bound = np.abs(many - ref), head_error_bound(x64, h, deq, bits)
+    assert (err <= bound).all(), f"{name}: |logit - float64| {err.max():.3g}, {np.max(err / bound):.3g} x its bound"
     return many
+
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n float32 roundings."""
+    return n * U / (1 - n * U)
+
+
+def head_error_bound(x, h, deq, bits: int) -> np.ndarray:
+    """Per logit (rows, V), the most gptc_head's logits can differ from the float64 product of the
+    layer-normed rows ``h`` (of inputs ``x`` (rows, K), unit gain, no bias) and the dequantized
+    weights ``deq`` (V, K), from the arithmetic alone:
+
+    * the float32 layer norm: the mean and the variance are K-term sums, so each output is off
+      by at most gamma_(2K + 8) (|x - mean| + mean|x|) / sigma (a few operations more per element);
+    * float weights: a K-term float32 dot, gamma_K sum |h||w|;
+    * int weights: each input is rounded to an int8 code of its block of 32 (scale s = max|h| / 127
+      of the block), at most s / 2 off, then exact int32 dots, each times its scale product
+      (2 roundings), added in block order (K / 32 roundings): gamma_(K / 32 + 2) sum |h||w|.
+
+    A wrong scale, a lost block or a stale row is off by far more (a 1.01 scale on one block of
+    64-row heads: about 0.5 x |that block's dot| / (its rounding bound), well above 1)."""
+    k = x.shape[-1]
+    sigma = np.sqrt(x.var(-1, keepdims=True) + EPS)
+    dh = _gamma(2 * k + 8) * (np.abs(x - x.mean(-1, keepdims=True)) + np.abs(x).mean(-1, keepdims=True)) / sigma
+    aw = np.abs(deq).T  # (K, V)
+    if bits == 32:
+        return _gamma(k) * (np.abs(h) @ aw) + dh @ aw
+    s = np.repeat(np.abs(h).reshape(len(h), -1, 32).max(-1) / 127, 32, axis=1)  # each input's block scale
+    return (s / 2 + dh) @ aw + _gamma(k // 32 + 2) * ((np.abs(h) + s / 2 + dh) @ aw)
 
 
 def case(ops, name: str) -> np.ndarray:
