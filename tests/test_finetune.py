@@ -204,15 +204,17 @@ def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, sha
     assert sorted(model.state_dict()) == sorted(before)  # the base model's names, nothing else
     with paddle.no_grad():
         merged = model(ids).numpy()
-    np.testing.assert_allclose(merged, unmerged, atol=1e-5, rtol=0)
+    # x @ (W + s A @ B) vs x @ W + s (x @ A) @ B, float32: measured 2.4e-6 .. 4.5e-6 at |logit| <= 17
+    # (init seeds 0-3, ~2 ulps there); 2e-5 is 4.4x the largest.
+    np.testing.assert_allclose(merged, unmerged, atol=2e-5, rtol=0)
     assert np.abs(merged - model_logits_of_base(before, ids)).max() > 1e-3  # merging changed the weights
     # The adapter file alone rebuilds the same model on the base weights.
     base = _tiny()
     base.set_state_dict({k: paddle.to_tensor(v) for k, v in before.items()})
     load_adapters(base, adapter_dir)
     base.eval()
-    with paddle.no_grad():
-        np.testing.assert_allclose(base(ids).numpy(), unmerged, atol=1e-6, rtol=0)
+    with paddle.no_grad():  # the same weights and adapters, the same ops: bitwise (measured, seeds 0-3)
+        np.testing.assert_array_equal(base(ids).numpy(), unmerged)
 
 
 def model_logits_of_base(state, ids):
@@ -535,7 +537,7 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     assert diff < EXPORT_LOGIT_ATOL, diff
     with paddle.no_grad():  # and the merged dygraph model, against the same reference: float32 rounding of
         # W + s*A@B vs x@W + s*(x@A)@B, within 1e-5 of the largest |logit| (measured 1.25e-5 absolute;
-        # the 1e-5 absolute check after a short run: test_lora_trains_only_adapters_and_merges_exactly)
+        # after a short run: test_lora_trains_only_adapters_and_merges_exactly)
         got_merged = merged(paddle.to_tensor(ids[:1, :len(rows[0])])).numpy()
         scale = float(np.abs(ref[:1, :len(rows[0])]).max())
         assert np.abs(got_merged - ref[:1, :len(rows[0])]).max() < 1e-5 * scale
