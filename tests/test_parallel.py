@@ -195,7 +195,7 @@ def test_layout_matches_single_process(layout, references, parallel_runs):
 def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, tmp_path):
     """Resume the layout's step-5 checkpoint (single-process layout) in the same layout: every
     rank takes its blocks of the weights and (sharded) optimizer moments; steps 6-10 and the final
-    weights equal the uninterrupted run."""
+    weights are bitwise those of the uninterrupted run."""
     from gpt_compress.checkpoint import load_weights
 
     tok_dir, prefix = shakespeare
@@ -205,9 +205,11 @@ def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, 
     mid = os.path.join(base, "checkpoints", f"step_{STEPS // 2:08d}")
     _launch(nproc, ["pretrain", "--no-progress", *_overrides(tok_dir, prefix, out, micro, par), "--resume", mid],
             tmp_path / "logs", out=out)
-    np.testing.assert_allclose(_losses(out), _losses(base)[STEPS // 2:], rtol=1e-6, atol=0)
+    # The same layout and reduction order from the same state: bitwise the same run (measured for
+    # these four layouts with seeds 1234, 1, 2: every loss and weight equal).
+    np.testing.assert_array_equal(_losses(out), _losses(base)[STEPS // 2:])
     got, want = load_weights(_final_checkpoint(out)), load_weights(_final_checkpoint(base))
-    assert max(float(np.max(np.abs(got[k] - want[k]))) for k in want) <= 1e-6
+    assert all(np.array_equal(got[k], want[k]) for k in want), [k for k in want if not np.array_equal(got[k], want[k])]
 
 
 def test_parallel_config_checks_the_launch():
