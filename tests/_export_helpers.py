@@ -12,12 +12,21 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
 PRUNED_HEADS = [4, 2]  # layer 1 keeps heads 1 and 3 of 4
 PRUNED_FFN = [256, 96]
-LOGIT_ATOL = 1e-4
+# Float programs (Paddle Inference fused and unfused, onnxruntime) vs dygraph, absolute logits: the
+# same float32 math summed in another order. Each dot product on a logit's path (6 a layer, K <= 256,
+# then the head's K = 64) is off by about sqrt(K) u of its absolute sum (u = 2^-24), which comes to
+# a few ulps of the largest logit. Measured (max |diff| over prefill + 32 decode steps of PROMPTS
+# and scoring, train_tiny seeds 1234, 1, 2, dense and pruned, each runtime): 1.9e-6 .. 3.8e-6 at
+# |logit| <= 9.8 (float32 ulp 9.5e-7 there), 4 ulps at most. 2e-5 is 5x the largest, 21 ulps.
+# The export's own gate (export/validate.py) is relative and wider. A wrong position, mask or
+# scale moves logits by 1e-2 and more (tests/mutations.py).
+LOGIT_ATOL = 2e-5
 
 
-def train_tiny(tok_dir: str, prefix: str, out: Path, steps: int = 200) -> str:
+def train_tiny(tok_dir: str, prefix: str, out: Path, steps: int = 200, seed: int = 1234) -> str:
     """Train a gpt-tiny for ``steps`` AdamW steps on random 64-token windows of the shakespeare
-    fixture and save it with its tokenizer; returns the checkpoint directory.
+    fixture (initialization and windows drawn from ``seed``) and save it with its tokenizer;
+    returns the checkpoint directory.
 
     A plain loop on purpose: these tests are about export and inference, and must not break
     while the training stack (``train/``) is being changed. A trained model matters here: its
@@ -31,8 +40,8 @@ def train_tiny(tok_dir: str, prefix: str, out: Path, steps: int = 200) -> str:
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.model.gpt import GPTForCausalLM
 
-    paddle.seed(1234)
-    rng = np.random.default_rng(1234)
+    paddle.seed(seed)
+    rng = np.random.default_rng(seed)
     data = open_dataset(prefix)
     tokens = np.concatenate([np.asarray(data[i], dtype=np.int64) for i in range(len(data))])
     cfg = ModelConfig.from_preset("gpt-tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -48,9 +48,11 @@ def test_beam_search_parity(dirs, which):
     gens = _generators(dirs, which)
     outs = {b: g.generate(PROMPTS[:2], max_new_tokens=12, decode_strategy="beam_search", num_beams=4)
             for b, g in gens.items()}
+    # A beam's score is its length-normalised sum of at most 12 log-softmax values, each off by at
+    # most 2 LOGIT_ATOL (its logit and the log-sum-exp, each within LOGIT_ATOL): at most 24 LOGIT_ATOL.
     for b in ("paddle", "onnx"):
         assert outs[b].sequences == outs["dygraph"].sequences, b
-        np.testing.assert_allclose(outs[b].scores, outs["dygraph"].scores, atol=1e-4)
+        np.testing.assert_allclose(outs[b].scores, outs["dygraph"].scores, rtol=0, atol=2 * 12 * LOGIT_ATOL)
     assert_step_parity(gens, LOGIT_ATOL)
 
 
@@ -329,5 +331,9 @@ def test_split_lm_head_decode_matches_single_decode_program(dirs, batch):
         logits[name] = gen.backend.logits
     assert outs["split"] == outs["single"]
     assert {"decode_hidden", "lm_head"} <= set(split._predictors) and "decode" not in split._predictors
+    # Each logit is the same K = 64 float32 dot product in both programs: measured bitwise equal
+    # (train_tiny seeds 1234, 1, 2; batch 1 and 3). A oneDNN build that blocks the dot's K by the
+    # column count sums it in another order: about sqrt(K) u sum |h w| (~20 here), 1e-5 (10 ulps
+    # of the largest logit, ~9).
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(logits["split"], logits["single"])]
     assert max(diffs) < 1e-5, diffs

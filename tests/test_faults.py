@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_bad_inputs import CORPUS, ENV, gptc, ok, snapshot
+from _cli_helpers import CORPUS, ENV, gptc, ok, snapshot
 
 WAIT = 300  # seconds any one wait for a subprocess may take before the test fails
 

@@ -26,6 +26,7 @@ from gpt_compress.finetune.metrics import finetune_loss, poem_form, score_genera
 from gpt_compress.train.loss import lm_head_loss
 
 from _compress_helpers import gptc, teacher_ckpt
+from _stats_helpers import chance_floor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -93,8 +94,11 @@ def test_packed_and_unpacked_batches_give_the_same_loss(shakespeare, shared_data
         a, b = float(finetune_loss(model, packed)), float(finetune_loss(model, padded))
         # Without the segment mask the examples would see each other: the test can fail.
         leaky = float(finetune_loss(model, {k: v for k, v in packed.items() if k != "segment_ids"}))
+    # The same per-token losses averaged in another order: measured bitwise equal (init seeds 0-4);
+    # 1e-5 is 20 float32 ulps of the loss (~6.9). Leaking across examples moves it by 7.0e-4 ..
+    # 1.6e-3 over the same seeds, 7x above 1e-4 and 70x above the equality bound.
     assert abs(a - b) < 1e-5, (a, b)
-    assert abs(leaky - b) > 1e-4  # measured 8e-4 on this random-init model; a - b is ~1e-7
+    assert abs(leaky - b) > 1e-4
 
 
 def test_malformed_rows_and_truncation_rule(tmp_path, shakespeare):
@@ -200,15 +204,17 @@ def test_lora_trains_only_adapters_and_merges_exactly(tmp_path, shakespeare, sha
     assert sorted(model.state_dict()) == sorted(before)  # the base model's names, nothing else
     with paddle.no_grad():
         merged = model(ids).numpy()
-    np.testing.assert_allclose(merged, unmerged, atol=1e-5, rtol=0)
+    # x @ (W + s A @ B) vs x @ W + s (x @ A) @ B, float32: measured 2.4e-6 .. 4.5e-6 at |logit| <= 17
+    # (init seeds 0-3, ~2 ulps there); 2e-5 is 4.4x the largest.
+    np.testing.assert_allclose(merged, unmerged, atol=2e-5, rtol=0)
     assert np.abs(merged - model_logits_of_base(before, ids)).max() > 1e-3  # merging changed the weights
     # The adapter file alone rebuilds the same model on the base weights.
     base = _tiny()
     base.set_state_dict({k: paddle.to_tensor(v) for k, v in before.items()})
     load_adapters(base, adapter_dir)
     base.eval()
-    with paddle.no_grad():
-        np.testing.assert_allclose(base(ids).numpy(), unmerged, atol=1e-6, rtol=0)
+    with paddle.no_grad():  # the same weights and adapters, the same ops: bitwise (measured, seeds 0-3)
+        np.testing.assert_array_equal(base(ids).numpy(), unmerged)
 
 
 def model_logits_of_base(state, ids):
@@ -270,7 +276,7 @@ def test_generation_scores_against_reference_values():
 
 
 # ----------------------------------------------------------------------------- 2. SST-2 as generation
-SST_TRAIN_ROWS, SST_STEPS, SST_MIN_ACCURACY = 6000, 150, 0.60
+SST_TRAIN_ROWS, SST_STEPS = 6000, 150
 
 
 def _finetune_args(out, train, eval_file, steps, batch=16, lr=3e-3, extra=()):
@@ -299,9 +305,10 @@ def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespear
     acc = float(np.mean([h.strip() == r.response.strip() for h, r in zip(hyps, dev_rows)]))
     print("sst2 generation accuracy", acc, res["eval_before"], res["eval_after"])
     assert len(hyps) == 872 and res["generation"]["exact_match"] == pytest.approx(100 * acc)
-    # Measured 0.646 (majority class 0.509). The GLUE head on the same model, same schedule
-    # (`gptc finetune-glue`, 150 steps of 16, LR 3e-3): 0.509.
-    assert acc > SST_MIN_ACCURACY
+    # Above chance (``chance_floor``): the majority class is 0.509 of the 872 rows, the floor 0.560;
+    # measured 0.646. The GLUE head on the same model and schedule (`gptc finetune-glue`) stays at 0.509.
+    majority, floor = chance_floor(r.response for r in dev_rows)
+    assert acc > floor, (acc, majority, floor)
 
 
 # ----------------------------------------------------------------------------- 3/4. Chinese: Tang poems
@@ -310,12 +317,23 @@ def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespear
 # step), prompts fixed at 24 tokens (Finetune.prompt_tokens): see the Tang test.
 ZH_VOCAB, ZH_HIDDEN, ZH_PRETRAIN_STEPS, TANG_STEPS, TANG_BATCH, TANG_LR = 8192, 32, 80, 600, 1, 1e-2
 TANG_HELDOUT, TANG_PROMPT_TOKENS = 30, 24
-ZH_MIN_ALIGNED = 0.8  # share of the Tang 5/7-character clauses that are one token a character (measured 0.85)
+# Share of the Tang 5/7-character clauses that are one token a character: how many of the verse's
+# characters the 8,192 tokens hold whole (0.8474 of the clauses have every character one token
+# alone; 2 of those lose it to a character merged with the punctuation after it). Deterministic:
+# the BPE trainer has no seed, the same text and vocabulary size give the same merges; measured
+# 0.8468 (2,608 of 3,080 clauses). The floor keeps "most" (the Tang test's verse form needs one
+# token a character), 144 clauses below the measured value, for a tokenizers release that breaks
+# frequency ties another way.
+ZH_MIN_ALIGNED = 0.8
 TANG_SAMPLING = ["Generation.decode_strategy=sampling", "Generation.temperature=0.7", "Generation.seed=0"]
 TANG_MIN_FORM = 25.0  # % of the generated poems' clauses in form (sampling, seed 0): see the Tang test
 TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 1.4, 0.6
 REFERENCE_MIN_FORM = 80.0  # % of the 30 held-out references' clauses in form (measured 91.8: some lines have 3, 4, 6 characters)
-EXPORT_LOGIT_ATOL = 1e-4  # the float export's own tolerance vs dygraph (gpt_compress/export/api.py)
+# The merged LoRA model's ONNX export vs the unmerged dygraph model, absolute logits: float32
+# rounding of the same math in another order (the merge folds s A @ B into W). Measured 1.9e-5
+# (max over 4 held-out poems, 100 positions); 8e-5 is 4x that. The export's own gate
+# (export/api.py FLOAT_ATOL, 1e-4 x max |logit|) is wider.
+EXPORT_LOGIT_ATOL = 8e-5
 LORA = ["Finetune.lora.enabled=true", "Finetune.lora.rank=4", "Finetune.lora.alpha=8",
         'Finetune.lora.targets=["gpt.blocks.*","gpt.wte"]']
 
@@ -519,7 +537,7 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     assert diff < EXPORT_LOGIT_ATOL, diff
     with paddle.no_grad():  # and the merged dygraph model, against the same reference: float32 rounding of
         # W + s*A@B vs x@W + s*(x@A)@B, within 1e-5 of the largest |logit| (measured 1.25e-5 absolute;
-        # the 1e-5 absolute check after a short run: test_lora_trains_only_adapters_and_merges_exactly)
+        # after a short run: test_lora_trains_only_adapters_and_merges_exactly)
         got_merged = merged(paddle.to_tensor(ids[:1, :len(rows[0])])).numpy()
         scale = float(np.abs(ref[:1, :len(rows[0])]).max())
         assert np.abs(got_merged - ref[:1, :len(rows[0])]).max() < 1e-5 * scale

@@ -14,7 +14,8 @@ import numpy as np
 import paddle
 import pytest
 
-from _export_helpers import ENV, LOGIT_ATOL, ROOT, model_dirs
+from _export_helpers import ENV, LOGIT_ATOL, model_dirs
+from _kernel_helpers import batch_invariant_logits, build_pair, compare_builds, other_build_outputs
 from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol, left_padded
 from gpt_compress.inference.runner import Generator
 
@@ -410,54 +411,6 @@ def test_a_corrupt_cached_library_is_detected(dirs, tmp_path):
     assert kernels.cached_library_problem(str(copy)) is None  # missing: simply built
 
 
-def batch_invariant_logits(ckpt: str, mode: str) -> np.ndarray:
-    """The logits (B, positions, V) of PROMPTS (left-padded) + 3 steps on the fused model of ``ckpt``
-    (``mode``: fp32, or weight-only int8 / int4) on 2 threads, after asserting each row's are
-    bitwise the same run alone (1 thread) and, for one row, fed token by token."""
-    from gpt_compress.checkpoint import load_model
-    from gpt_compress.config import QuantConfig
-    from gpt_compress.data.tokenizer import Tokenizer
-    from gpt_compress.export.fused import FusedLM, fused_weights
-    from gpt_compress.qat.quantize import quantize_model
-    from test_kernel_tiles import _threads
-
-    model = load_model(ckpt)
-    if mode != "fp32":  # int4: one or two rows read the packed weights, more unpack them first
-        model = quantize_model(model, QuantConfig(targets=[], weight_only=["*"], weight_bits=int(mode[3:])))
-    model.eval()
-    fused, cfg = FusedLM(fused_weights(model)), model.config
-    ids, mask = left_padded(Tokenizer.load(ckpt), PROMPTS)
-    steps = np.random.default_rng(0).integers(0, cfg.vocab_size, (len(PROMPTS), 3))
-
-    def run(ids, mask, new, chunks):
-        """Feed ids (B, T) + new (B, 3) in chunks of ``chunks`` columns: logits (B, positions, V)."""
-        b, t = ids.shape
-        ids, mask = np.concatenate([ids, new], 1), np.concatenate([mask, np.ones_like(new)], 1)
-        caches = [paddle.zeros([b, cfg.heads(i), ids.shape[1], cfg.dim_head]) for i in range(cfg.num_layers)
-                  for _ in "kv"]
-        out, s = [], 0
-        for n in chunks:
-            with paddle.no_grad():
-                got = fused(paddle.to_tensor(ids[:, s:s + n]), paddle.to_tensor(mask[:, :s + n]),
-                            paddle.to_tensor(np.arange(b * n)), caches).numpy()
-            out.append(got.reshape(b, n, -1))
-            s += n
-        return np.concatenate(out, 1)
-
-    t = ids.shape[1]
-    with _threads(2):
-        batch = run(ids, mask, steps, [t, 1, 1, 1])
-    with _threads(1):
-        for i in range(len(PROMPTS)):
-            n = int(mask[i].sum())
-            alone = run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1], [n, 1, 1, 1])[0]
-            assert np.array_equal(alone, batch[i, t - n:]), f"{mode} row {i}: batch vs alone"
-            if i == 1:  # the prompt token by token: every position's logits as from the prefill
-                assert np.array_equal(run(ids[i:i + 1, t - n:], mask[i:i + 1, t - n:], steps[i:i + 1],
-                                          [1] * (n + 3))[0], alone), f"{mode} row {i}: token by token"
-    return batch
-
-
 @pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
 def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(dirs, mode):
     """Batch invariance (what ``gptc serve``'s continuous batching relies on): a sequence's logits
@@ -472,7 +425,7 @@ import numpy as np
 from gpt_compress import runtime
 runtime.prefer_mkl_avx2()  # as conftest.py does for the test session
 sys.path.insert(0, sys.argv[2])
-import test_fused as t
+import _kernel_helpers as t
 np.savez(sys.argv[1], **{m: t.batch_invariant_logits(sys.argv[3], m) for m in ("fp32", "int8", "int4")})
 print("{}")
 """
@@ -482,8 +435,6 @@ def test_the_fused_models_logits_are_bitwise_the_same_in_the_avx2_and_native_bui
     """The batch-invariance test above under the other instruction-set build too (a subprocess,
     ``GPTC_KERNEL_ISA``), on a host whose native build has AVX-512 or VNNI paths: each build
     asserts its own invariance, and the two give bitwise the same logits (float32, int8, int4)."""
-    from test_kernel_tiles import build_pair, compare_builds, other_build_outputs
-
     this, other, _ = build_pair()
     ours = {m: batch_invariant_logits(dirs["ckpt"], m) for m in ("fp32", "int8", "int4")}
     script = OTHER_BUILD.replace("sys.argv[3]", repr(dirs["ckpt"]))

@@ -152,7 +152,11 @@ def test_kv_cache_matches_full_recompute(ours):
         for t in range(8, 40):
             logits, cache = ours(paddle.to_tensor(ids[:, t:t + 1]), past_key_values=cache, use_cache=True)
             worst = max(worst, np.abs(logits.numpy()[:, 0] - full[:, t]).max())
-    assert worst < 1e-5
+    # The same math in another order again (SDPA over the whole row vs one query on the cache):
+    # LOGIT_ATOL's derivation holds as for torch vs Paddle. Measured 8.8e-6 (the former bound,
+    # 1e-5, sat on it; a model without a residual exceeded it by rounding alone).
+    print("kv cache vs full recompute: max |logit diff|", worst)
+    assert worst < LOGIT_ATOL
 
 
 def test_batched_generation_equals_one_by_one(ours):

@@ -11,16 +11,12 @@ in a subprocess: on a host whose native build has wider paths (AVX-512, VNNI) th
 the two builds' outputs are compared (see test_the_avx2_and_native_builds_agree).
 
 The op library is the one tests/test_fused.py builds (cached per machine, source and ISA)."""
-import contextlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from _kernel_helpers import build_pair, compare_builds, other_build_outputs, threads
 from gpt_compress.export.fused import pack_int4
 
 HEADS, EPS, GELU_NEW = 2, 1e-5, 2
@@ -47,19 +43,6 @@ LAYERS = {
 HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96), "head_fp32_long_k": (32, 640),
               "head_int8_long_k": (8, 640), "head_int4_long_k": (4, 640)}
 FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k")  # float dot products (the rest: exact int32 dots)
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    old = os.environ.get("GPTC_THREADS")
-    os.environ["GPTC_THREADS"] = str(n)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("GPTC_THREADS", None)
-        else:
-            os.environ["GPTC_THREADS"] = old
 
 
 def _weights(rng, c: int, d: int, f: int, bits: int, channel: bool = False) -> list:
@@ -111,9 +94,9 @@ def layer_case(ops, name: str) -> np.ndarray:
     mask = np.zeros((len(LENGTHS), t), np.int64)
     for i, n in enumerate(LENGTHS):
         mask[i, t - n:] = 1
-    with _threads(2):
+    with threads(2):
         batch = _layer(ops, weights, x, mask, d, bits, act)
-    with _threads(1):
+    with threads(1):
         for i, n in enumerate(LENGTHS):
             row = x[i:i + 1, t - n:]
             alone = _layer(ops, weights, row, np.ones((1, n), np.int64), d, bits, act)[0]
@@ -156,18 +139,51 @@ def head_case(ops, name: str) -> np.ndarray:
                             paddle.to_tensor(scales), EPS, bits, 0.0 if bits < 32 else -1.0)
         return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
 
-    with _threads(2):
+    with threads(2):
         many = head(range(HEAD_ROWS))
         for m in (23, 17, 11, 8, 7, 2):
             rows = list(range(HEAD_ROWS - m, HEAD_ROWS))  # the last m rows: other offsets than the batch's
             assert np.array_equal(head(rows), many[rows]), f"{name}: {m} rows vs {HEAD_ROWS}"
         for i in range(HEAD_ROWS):
             assert np.array_equal(head([i])[0], many[i]), f"{name} row {i}: alone vs with the others"
-    h = (x[0] - x[0].mean(-1, keepdims=True)) / np.sqrt(x[0].var(-1, keepdims=True) + EPS)
-    ref = h.astype(np.float64) @ deq.T
-    # int8 inputs: ~1% of the largest logit (a step of 1/127 of each block's max per input); float: float32 rounding
-    assert np.abs(many - ref).max() < (0.02 if bits < 32 else 1e-4) * np.abs(ref).max()
+    x64 = x[0].astype(np.float64)
+    h = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + EPS)
+    ref = h @ deq.T
+    err, bound = np.abs(many - ref), head_error_bound(x64, h, deq, bits)
+    assert (err <= bound).all(), f"{name}: |logit - float64| {err.max():.3g}, {np.max(err / bound):.3g} x its bound"
     return many
+
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n float32 roundings."""
+    return n * U / (1 - n * U)
+
+
+def head_error_bound(x, h, deq, bits: int) -> np.ndarray:
+    """Per logit (rows, V), the most gptc_head's logits can differ from the float64 product of the
+    layer-normed rows ``h`` (of inputs ``x`` (rows, K), unit gain, no bias) and the dequantized
+    weights ``deq`` (V, K), from the arithmetic alone:
+
+    * the float32 layer norm: the mean and the variance are K-term sums, so each output is off
+      by at most gamma_(2K + 8) (|x - mean| + mean|x|) / sigma (a few operations more per element);
+    * float weights: a K-term float32 dot, gamma_K sum |h||w|;
+    * int weights: each input is rounded to an int8 code of its block of 32 (scale s = max|h| / 127
+      of the block), at most s / 2 off, then exact int32 dots, each times its scale product
+      (2 roundings), added in block order (K / 32 roundings): gamma_(K / 32 + 2) sum |h||w|.
+
+    A wrong scale, a lost block or a stale row is off by far more (a 1.01 scale on one block of
+    64-row heads: about 0.5 x |that block's dot| / (its rounding bound), well above 1)."""
+    k = x.shape[-1]
+    sigma = np.sqrt(x.var(-1, keepdims=True) + EPS)
+    dh = _gamma(2 * k + 8) * (np.abs(x - x.mean(-1, keepdims=True)) + np.abs(x).mean(-1, keepdims=True)) / sigma
+    aw = np.abs(deq).T  # (K, V)
+    if bits == 32:
+        return _gamma(k) * (np.abs(h) @ aw) + dh @ aw
+    s = np.repeat(np.abs(h).reshape(len(h), -1, 32).max(-1) / 127, 32, axis=1)  # each input's block scale
+    return (s / 2 + dh) @ aw + _gamma(k // 32 + 2) * ((np.abs(h) + s / 2 + dh) @ aw)
 
 
 def case(ops, name: str) -> np.ndarray:
@@ -205,64 +221,6 @@ print(json.dumps({"isa": kernels.isa(), "macros": kernels.isa_macros(), "library
 """
 
 
-def other_build_outputs(tmp_path: Path, isa: str, script: str = OTHER_BUILD) -> tuple:
-    """(outputs {case: array}, build info) of ``script`` run under GPTC_KERNEL_ISA=``isa``."""
-    env = {**os.environ, "GPTC_KERNEL_ISA": isa, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    out = tmp_path / f"{isa}.npz"
-    proc = subprocess.run([sys.executable, "-c", script, str(out), str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    with np.load(out) as f:
-        return {k: f[k] for k in f.files}, info
-
-
-def build_pair():
-    """(this process's ISA, the other one), or a skip naming why the other build adds nothing here."""
-    from gpt_compress import kernels
-
-    this = kernels.isa()
-    other = "avx2" if this == "native" else "native"
-    problem = kernels.isa_problem("avx2")
-    if problem:
-        pytest.skip(f"no avx2 build on this host: {problem}")
-    macros = {isa: _macros(isa) for isa in (this, other)}
-    if macros[this] == macros[other]:
-        have = ", ".join(k for k, v in macros[this].items() if v) or "none"
-        pytest.skip(f"this host's native build has no vector path beyond the avx2 build's (both: {have}): "
-                    "one build covers them")
-    return this, other, macros
-
-
-def _macros(isa: str) -> dict:
-    from gpt_compress import kernels
-
-    old = os.environ.get("GPTC_KERNEL_ISA")
-    os.environ["GPTC_KERNEL_ISA"] = isa
-    try:
-        return kernels.isa_macros()
-    finally:
-        if old is None:
-            os.environ.pop("GPTC_KERNEL_ISA")
-        else:
-            os.environ["GPTC_KERNEL_ISA"] = old
-
-
-def compare_builds(ours: dict, theirs: dict, float_cases) -> dict:
-    """Per case: the largest difference between the builds relative to the output's largest value.
-    Integer dots are exact int32 sums per block, each added by one fma per block in block order,
-    and the float micro-kernels keep the 8-lane accumulation order of the AVX2 tiles (an AVX-512
-    register holds two rows' 8 lanes, not 16 k positions): every case is asserted bitwise equal."""
-    figures = {}
-    for name, a in ours.items():
-        b = theirs[name]
-        assert a.shape == b.shape, name
-        rel = float(np.max(np.abs(a.astype(np.float64) - b))) / max(float(np.max(np.abs(a))), 1e-30)
-        figures[name] = {"kind": "float" if name in float_cases else "int", "max_abs": float(np.max(np.abs(a))),
-                         "max_rel_diff": rel, "bitwise": bool(np.array_equal(a, b))}
-    return figures
-
-
 def test_the_avx2_and_native_builds_agree(tmp_path, capsys):
     """On a host whose native build has AVX-512 or VNNI paths, every case above runs under both
     builds (this process's and, in a subprocess, the other), each asserting its own invariance,
@@ -272,7 +230,7 @@ def test_the_avx2_and_native_builds_agree(tmp_path, capsys):
     this, other, macros = build_pair()
     ops = kernels.load_ops()
     ours = {name: case(ops, name) for name in CASES}
-    theirs, info = other_build_outputs(tmp_path, other)
+    theirs, info = other_build_outputs(tmp_path, other, OTHER_BUILD)
     figures = compare_builds(ours, theirs, FLOAT_CASES)
     with capsys.disabled():
         print(f"\nbuilds: {this} {json.dumps({k for k, v in macros[this].items() if v}, default=sorted)}, "

@@ -1,6 +1,9 @@
 """The package's layering, read from the source with ``ast`` (imports inside functions included):
 the core (model, data, train, parallel) never reaches into the deployment wing or the CLI, and
-no two subpackages (or top-level modules) import each other, directly or around a circle."""
+no two subpackages (or top-level modules) import each other, directly or around a circle. In the
+tests, no test module imports another: what two of them share lives in a ``tests/_*_helpers.py``
+module (a test file imported elsewhere would have its tests collected and its fixtures shared by
+accident, and would change whenever the other test changes)."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +11,7 @@ import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gpt_compress"
+TESTS = Path(__file__).resolve().parent
 CORE = ("model", "data", "train", "parallel")
 ABOVE_CORE = ("export", "inference", "commands")
 
@@ -97,3 +101,17 @@ def test_no_import_cycle_between_subpackages():
         if node not in state:
             circle = visit(node)
             assert circle is None, "import cycle:\n" + "\n".join(circle)
+
+
+def test_no_test_module_imports_another():
+    bad = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"tests/{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not bad, "move what is shared into a tests/_*_helpers.py module:\n" + "\n".join(bad)

@@ -3,8 +3,8 @@
 Every layout trains gpt-tiny on tinyshakespeare for 10 steps through the real CLI
 (``gptc pretrain`` started by Paddle's launcher, gloo, one thread per process) on the same
 global batch as a single-process reference computed once per model (pp4 x vpp2 needs 8 layers):
-each step's loss must match within 1e-5 relative and every parameter after 10 steps within 1e-5
-(``_assert_close``). Checkpoints written under mp2, pp2 and pp2 x mp2 (single-process layout,
+each step's loss must match within LOSS_RTOL relative and every parameter after 10 steps within
+PARAM_ATOL, the key biases within KEY_BIAS_ATOL (``_assert_close``). Checkpoints written under mp2, pp2 and pp2 x mp2 (single-process layout,
 gathered by the ranks) load into one process and, resharded back into the layout, give the same
 logits, and an mp2 inference export generates the tokens of the single-card export.
 """
@@ -20,16 +20,29 @@ import sys
 import numpy as np
 import pytest
 
-from gpt_compress.config import ConfigError, ParallelConfig
+from gpt_compress.config import ConfigError, ModelConfig, ParallelConfig
 from gpt_compress.parallel.launch import log_tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 GPTC = os.path.join(os.path.dirname(sys.executable), "gptc")
 STEPS = 10
-LOSS_RTOL = 1e-5  # per-step loss, relative
-PARAM_ATOL = 1e-5  # parameters after STEPS steps, absolute (they are O(0.02-1))
-LOGIT_ATOL = 1e-5
+HEADS = ModelConfig.from_preset("gpt-tiny").num_attention_heads  # every layout trains gpt-tiny's heads
+# Measured over every layout and seeds 1234, 1, 2 (-o Global.seed, 33 runs; the test runs 1234),
+# each tolerance about 4x the largest:
+# per-step loss, relative: <= 1.6e-7 (about 2 float32 ulps of a loss near 7).
+LOSS_RTOL = 1e-6
+# Parameters after STEPS steps, absolute: the same AdamW steps on gradients summed in another
+# order. Every parameter but the key bias: <= 9.6e-7 (pp2 x mp2; 1.2e-7, 1 ulp of the LayerNorm
+# gains near 1, in most layouts). The key bias's gradient is zero in exact arithmetic (a shift
+# shared by all keys of a query leaves its softmax unchanged), so AdamW steps it on float32
+# rounding noise, normalized to a fraction of the learning rate, a different walk for every
+# summation order: <= 5.5e-6 (dp2, seed 2).
+PARAM_ATOL = 4e-6  # every parameter but the key bias
+KEY_BIAS_ATOL = 2.5e-5  # the key third of each qkv bias
+# Logits of a checkpoint in one process vs resharded into the layout: <= 4.2e-7 at |logit| <= 1.44
+# (mp2, pp2 x mp2; pp2 is exact).
+LOGIT_ATOL = 2e-6
 
 # name -> (processes, Parallel overrides, Engine.micro_batch_size per rank). Global batch 8 everywhere:
 # the reference takes micro-batches of 4 with 2 accumulation steps; data-parallel ranks split each
@@ -110,8 +123,15 @@ def _assert_close(got_losses, ref_losses, got_w, ref_w):
     rel = np.abs(got_losses - ref_losses) / np.abs(ref_losses)
     assert rel.max() <= LOSS_RTOL, (rel, got_losses, ref_losses)
     assert sorted(got_w) == sorted(ref_w)
-    worst = max((float(np.max(np.abs(got_w[k] - ref_w[k]))), k) for k in ref_w)
-    assert worst[0] <= PARAM_ATOL, worst
+    worst = {"other": (0.0, ""), "key_bias": (0.0, "")}
+    for k, ref in ref_w.items():
+        diff = np.abs(got_w[k] - ref)
+        if re.fullmatch(r"gpt\.blocks\.\d+\.attn\.qkv\.bias", k):  # head-major (H, 3, D): q, k, v
+            split = diff.reshape(HEADS, 3, -1)
+            worst["key_bias"] = max(worst["key_bias"], (float(split[:, 1].max()), k))
+            diff = np.concatenate([split[:, 0], split[:, 2]])
+        worst["other"] = max(worst["other"], (float(diff.max()), k))
+    assert worst["other"][0] <= PARAM_ATOL and worst["key_bias"][0] <= KEY_BIAS_ATOL, worst
 
 
 def _model_overrides(par):
@@ -175,7 +195,7 @@ def test_layout_matches_single_process(layout, references, parallel_runs):
 def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, tmp_path):
     """Resume the layout's step-5 checkpoint (single-process layout) in the same layout: every
     rank takes its blocks of the weights and (sharded) optimizer moments; steps 6-10 and the final
-    weights equal the uninterrupted run."""
+    weights are bitwise those of the uninterrupted run."""
     from gpt_compress.checkpoint import load_weights
 
     tok_dir, prefix = shakespeare
@@ -185,9 +205,11 @@ def test_resume_in_layout_continues_exactly(layout, shakespeare, parallel_runs, 
     mid = os.path.join(base, "checkpoints", f"step_{STEPS // 2:08d}")
     _launch(nproc, ["pretrain", "--no-progress", *_overrides(tok_dir, prefix, out, micro, par), "--resume", mid],
             tmp_path / "logs", out=out)
-    np.testing.assert_allclose(_losses(out), _losses(base)[STEPS // 2:], rtol=1e-6, atol=0)
+    # The same layout and reduction order from the same state: bitwise the same run (measured for
+    # these four layouts with seeds 1234, 1, 2: every loss and weight equal).
+    np.testing.assert_array_equal(_losses(out), _losses(base)[STEPS // 2:])
     got, want = load_weights(_final_checkpoint(out)), load_weights(_final_checkpoint(base))
-    assert max(float(np.max(np.abs(got[k] - want[k]))) for k in want) <= 1e-6
+    assert all(np.array_equal(got[k], want[k]) for k in want), [k for k in want if not np.array_equal(got[k], want[k])]
 
 
 def test_parallel_config_checks_the_launch():
