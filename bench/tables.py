@@ -187,8 +187,9 @@ def block_headline(results: list[Result]) -> list[str]:
             continue
         name = DECODE_ROWS[theirs].replace(" (peer)", "").replace("*", "")
         rows.append(f"| {label} | {_f(a)} | {name}: {_f(b)} | **{(a / b if higher else b / a):.2f}x** |")
-    return rows + ["", f"From one run: `{r.path}` (host `{r.host}`, {r.date}); the full table and command are "
-                       "under [Performance](#performance)."]
+    cpu = r.run.get("cpu")
+    return rows + ["", f"From one run: [`{r.path}`]({r.path}) (host `{r.host}`{', ' + cpu if cpu else ''}, {r.date}); "
+                       "the full table and its command are under [Performance](#performance)."]
 
 
 def block_decode_summary(results: list[Result]) -> list[str]:
