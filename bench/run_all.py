@@ -134,13 +134,13 @@ def load_average() -> list[float] | None:
 def conditions(start: list[float] | None, end: list[float] | None, cores: int) -> str:
     """What the load says about the timings: other work on the host slows every contender of a
     run, unevenly, so only ratios within the run are comparable."""
-    busiest = max((x[0] for x in (start, end) if x), default=None)
+    busiest = max((v for x in (start, end) if x for v in x), default=None)
     if busiest is None:
         return "load not recorded"
     if busiest > 0.5 * cores:
-        return (f"host shared with other work (1-minute load up to {busiest} on {cores} cores): absolute timings "
-                "are noisy; compare ratios within this run")
-    return f"host quiet (1-minute load at most {busiest} on {cores} cores)"
+        return (f"host shared with other work (load average up to {busiest} on {cores} cores): every figure is "
+                "low and the contenders are slowed unequally; a run on idle cores gives the figures to rely on")
+    return f"host quiet (load average at most {busiest} on {cores} cores)"
 
 
 def result_path(root: str, host: str, bench: str, when: time.struct_time) -> str:

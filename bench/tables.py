@@ -84,9 +84,22 @@ def _f(v, spec: str = "{:.1f}") -> str:
     return "" if v is None else spec.format(v) if isinstance(v, (int, float)) else str(v)
 
 
+def load_note(r: Result) -> str:
+    """The run's load, as the reader of its figures needs it ("" where the file has none)."""
+    start, end, cores = r.run.get("load_avg_start"), r.run.get("load_avg_end"), r.run.get("cores")
+    if not start or not end or not cores:
+        return ""
+    note = (f"load average (1, 5, 15 minutes) {'/'.join(map(str, start))} at the start and "
+            f"{'/'.join(map(str, end))} at the end, on {cores} cores")
+    if max(*start, *end) > 0.5 * cores:
+        note += (": other work shared the host, so every figure is low and the contenders are slowed "
+                 "unequally; a run on idle cores gives the figures to rely on")
+    return note
+
+
 def _source(r: Result) -> list[str]:
     run = r.run
-    load = f"; {run['conditions']}" if run.get("conditions") else ""
+    load = f"; {load_note(r)}" if load_note(r) else ""
     return [f"Host `{r.host}` ({run.get('cpu', 'CPU not recorded')}), {r.date}{load}; results file "
             f"[`{r.path}`](../{r.path}); command:", "", "```bash", run.get("command", "(not recorded)"), "```", ""]
 
@@ -187,9 +200,10 @@ def block_headline(results: list[Result]) -> list[str]:
             continue
         name = DECODE_ROWS[theirs].replace(" (peer)", "").replace("*", "")
         rows.append(f"| {label} | {_f(a)} | {name}: {_f(b)} | **{(a / b if higher else b / a):.2f}x** |")
-    cpu = r.run.get("cpu")
-    return rows + ["", f"From one run: [`{r.path}`]({r.path}) (host `{r.host}`{', ' + cpu if cpu else ''}, {r.date}); "
-                       "the full table and its command are under [Performance](#performance)."]
+    cpu, load = r.run.get("cpu"), load_note(r)
+    return rows + ["", f"From one run: [`{r.path}`]({r.path}) (host `{r.host}`{', ' + cpu if cpu else ''}, {r.date}"
+                       f"{'; ' + load if load else ''}); the full table and its command are under "
+                       "[Performance](#performance)."]
 
 
 def block_decode_summary(results: list[Result]) -> list[str]:
