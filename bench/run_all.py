@@ -131,13 +131,13 @@ def load_average() -> list[float] | None:
         return None
 
 
-def conditions(start: list[float] | None, end: list[float] | None, cores: int) -> str:
+def conditions(start: list[float] | None, end: list[float] | None, cores: int, threads: int) -> str:
     """What the load says about the timings: other work on the host slows every contender of a
-    run, unevenly, so only ratios within the run are comparable."""
-    busiest = max((v for x in (start, end) if x for v in x), default=None)
-    if busiest is None:
+    run, unevenly (``tables.busy`` decides)."""
+    if not start or not end:
         return "load not recorded"
-    if busiest > 0.5 * cores:
+    busiest = max(*start, *end)
+    if tables.busy(start, end, cores, threads):
         return (f"host shared with other work (load average up to {busiest} on {cores} cores): every figure is "
                 "low and the contenders are slowed unequally; a run on idle cores gives the figures to rely on")
     return f"host quiet (load average at most {busiest} on {cores} cores)"
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
         record = {"run": {**info, "date": time.strftime("%Y-%m-%d", when),
                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", when), "command": cmd,
                           "load_avg_start": load_start, "load_avg_end": load_end,
-                          "conditions": conditions(load_start, load_end, info["cores"] or 1)}, **out}
+                          "conditions": conditions(load_start, load_end, info["cores"] or 1, info["threads"])}, **out}
         path = result_path(ROOT, info["host"], name, when)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"

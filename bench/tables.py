@@ -84,6 +84,12 @@ def _f(v, spec: str = "{:.1f}") -> str:
     return "" if v is None else spec.format(v) if isinstance(v, (int, float)) else str(v)
 
 
+def busy(start: list[float], end: list[float], cores: int, threads: int) -> bool:
+    """Whether other work shared the host: a load above half the cores before the run, or at its
+    end above the run's own threads plus half the cores (the end counts the run itself)."""
+    return max(start) > 0.5 * cores or max(end) > threads + 0.5 * cores
+
+
 def load_note(r: Result) -> str:
     """The run's load, as the reader of its figures needs it ("" where the file has none)."""
     start, end, cores = r.run.get("load_avg_start"), r.run.get("load_avg_end"), r.run.get("cores")
@@ -91,7 +97,7 @@ def load_note(r: Result) -> str:
         return ""
     note = (f"load average (1, 5, 15 minutes) {'/'.join(map(str, start))} at the start and "
             f"{'/'.join(map(str, end))} at the end, on {cores} cores")
-    if max(*start, *end) > 0.5 * cores:
+    if busy(start, end, cores, r.run.get("threads") or cores):
         note += (": other work shared the host, so every figure is low and the contenders are slowed "
                  "unequally; a run on idle cores gives the figures to rely on")
     return note

@@ -114,6 +114,7 @@ def test_bench_twice_adds_a_file_each_deletes_nothing_and_tables_follow_the_newe
         text = (root / page).read_text()
         assert "1002.0" in text and added[1] in text, page
         assert "1001.0" not in text, page
+        assert "load average (1, 5, 15 minutes)" in text, page  # the run's load under its table
     assert tables.regenerate(str(root), check=True) == []
 
 
@@ -122,3 +123,10 @@ def test_file_names_of_runs_within_one_minute_sort_in_order():
     assert sorted(names, key=tables.run_order) == ["2026-11-24", "2026-11-24T0930", "2026-11-24T0930-2",
                                                    "2026-11-24T0930-10", "2026-11-25"]
     assert tables.NAME_RE.match("2026-11-24T0930-2_decode.json").groups() == ("2026-11-24T0930-2", "decode")
+
+
+def test_a_run_counts_as_busy_from_the_load_of_other_work():
+    # 2 cores, a 2-thread run: idle before it, its own load at the end, is quiet.
+    assert not tables.busy([0.1, 0.2, 0.3], [2.0, 1.2, 0.5], cores=2, threads=2)
+    assert tables.busy([3.29, 1.82, 0.76], [2.0, 1.2, 0.5], cores=2, threads=2)  # busy before
+    assert tables.busy([0.1, 0.2, 0.3], [8.0, 12.03, 11.01], cores=2, threads=2)  # busy during
