@@ -35,7 +35,8 @@ demo: $(DEMO_STAMP)
 
 # Adds bench/results/<host>/<date>_<bench>.json for each benchmark, then regenerates the
 # performance tables of README.md and docs/performance.md (bench/tables.py); deletes nothing.
-# `make bench`: the default set, gpt-bench decode against its peers (10-15 minutes on 2 cores);
+# `make bench`: the default set, gpt-bench decode against its peers (sized for 10-15 minutes on 2
+# idle cores; the wall time of a run is the `seconds` of its results file);
 # `make bench BENCH=train,decode`: a chosen subset; `make bench-full` (BENCH=all): every benchmark,
 # hours the first time.
 BENCH ?=

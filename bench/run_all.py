@@ -1,7 +1,7 @@
 """Run the benchmarks behind the performance tables and add their results files.
 
-Each result is added as ``bench/results/<host>/<date>_<bench>.json`` and the tables of README.md and docs/performance.md
-are regenerated from the newest results.
+Each result is added as ``bench/results/<host>/<date>_<bench>.json`` and the tables of README.md
+and docs/performance.md are regenerated from the newest results.
 
     OMP_NUM_THREADS=2 python bench/run_all.py                    # the default set: decode (gpt-bench)
     OMP_NUM_THREADS=2 python bench/run_all.py --only all         # train, decode, compress, parallel
