@@ -9,7 +9,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench bench-full clean
 
 venv: $(STAMP)
 
@@ -35,8 +35,16 @@ demo: $(DEMO_STAMP)
 
 # Adds bench/results/<host>/<date>_<bench>.json for each benchmark, then regenerates the
 # performance tables of README.md and docs/performance.md (bench/tables.py); deletes nothing.
+# `make bench`: the default set, gpt-bench decode against its peers (sized for 10-15 minutes on 2
+# idle cores; the wall time of a run is the `seconds` of its results file);
+# `make bench BENCH=train,decode`: a chosen subset; `make bench-full` (BENCH=all): every benchmark,
+# hours the first time.
+BENCH ?=
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/run_all.py $(if $(BENCH),--only $(BENCH))
+
+bench-full: $(STAMP)
+	$(BIN)/python bench/run_all.py --only all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo_out

@@ -41,7 +41,9 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER = os.path.join(ROOT, "..", "shared", "bench", "peer_hf.py")
+# The peers' scripts: ``../shared/bench`` beside the clone, or the directory $GPTC_BENCH_PEERS names.
+PEERS = os.environ.get("GPTC_BENCH_PEERS") or os.path.join(ROOT, "..", "shared", "bench")
+PEER = os.path.join(PEERS, "peer_hf.py")
 # Contenders: name -> (backend, export variant, Generator.from_dir options). "paddle" runs the fused
 # program (our CPU operators, the default on CPU); "paddle_unfused" the plain Paddle programs.
 CONTENDERS = {
@@ -56,7 +58,7 @@ CONTENDERS = {
     "onnx_int4": ("onnx", "int4", {}),
 }
 BACKENDS = ("dygraph", "paddle", "paddle_unfused", "onnx", "paddle_int8", "onnx_int8", "paddle_int4", "onnx_int4")
-PEER_CT2 = os.path.join(ROOT, "..", "shared", "bench", "peer_ct2.py")
+PEER_CT2 = os.path.join(PEERS, "peer_ct2.py")
 
 # The peer at batch > 1 (peer_hf.py measures batch-1 decode only): same model and settings.
 PEER_BATCH = r"""
@@ -266,7 +268,7 @@ def prepare_fused_int(workdir: str, preset: str, ckpt: str, bits: int, base: str
 
 
 def run_ct2(cfg, a, threads: int, env: dict) -> dict[str, dict]:
-    """CTranslate2 (``../shared/bench/peer_ct2.py``) float32 and int8 on the same shape:
+    """CTranslate2 (``peer_ct2.py`` in ``PEERS``) float32 and int8 on the same shape:
     {"ct2_float32": {...}, "ct2_int8": {...}} with batch-1 and batch-N tokens/s."""
     cmd = [sys.executable, PEER_CT2, "--layers", str(cfg.num_layers), "--hidden", str(cfg.hidden_size),
            "--heads", str(cfg.num_attention_heads), "--vocab", str(cfg.vocab_size), "--prompt", str(a.prompt),

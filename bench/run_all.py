@@ -1,13 +1,19 @@
-"""Every benchmark in one go: training, decode, compression and parallel training, each with its
-peer and the machine's limits; each result is added as ``bench/results/<host>/<date>_<bench>.json``
-and the performance tables (README.md, docs/performance.md) are regenerated from the newest ones.
+"""Run the benchmarks behind the performance tables and add their results files.
 
-    OMP_NUM_THREADS=2 python bench/run_all.py                 # all four
-    OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode   # about 12 minutes on 2 cores
-    python bench/run_all.py --only ""                          # only regenerate the tables
+Each result is added as ``bench/results/<host>/<date>_<bench>.json`` and the tables of README.md
+and docs/performance.md are regenerated from the newest results.
 
-The compression benchmark pretrains and compresses its own model on first use (about an hour
-on 2 cores; ``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
+    OMP_NUM_THREADS=2 python bench/run_all.py                    # the default set: decode (gpt-bench)
+    OMP_NUM_THREADS=2 python bench/run_all.py --only all         # train, decode, compress, parallel
+    OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode
+    python bench/run_all.py --only ""                             # only regenerate the tables
+
+The default set is what the README's table needs: gpt-bench decode of the fused float32, int8
+and int4 programs, the unfused Paddle program and onnxruntime float32/int8/int4, with the
+transformers and CTranslate2 peers, two rounds. Its exports are kept in ``output/bench_decode``
+and reused by the next run (``make bench`` / ``make bench-full`` in the Makefile). The
+compression benchmark pretrains and compresses its own model on first use
+(``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
 
 Each benchmark runs as its own subprocess, one after another (never two at once: they would
 share the cores), and prints one JSON object, written whole with a ``run`` record (host, CPU,
@@ -32,10 +38,12 @@ import tables  # noqa: E402  (bench/tables.py, beside this script)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = {  # name -> script and arguments
     "train": ["bench/train.py"],
-    "decode": ["bench/decode.py", "--rounds", "2"],
+    "decode": ["bench/decode.py", "--workdir", "output/bench_decode", "--rounds", "2", "--reps", "2", "--backends",
+               "paddle,paddle_unfused,onnx,paddle_int8,onnx_int8,paddle_int4,onnx_int4"],
     "compress": ["bench/compress.py", "--rounds", "1"],
     "parallel": ["bench/parallel.py"],
 }
+DEFAULT = ("decode",)  # `make bench`; `--only all` (`make bench-full`) runs every one of BENCHES
 
 
 def run_bench(name: str, extra: list[str]) -> dict:
@@ -94,15 +102,45 @@ def host_name() -> str:
     return re.sub(r"[^a-z0-9]+", "-", (platform.machine() or "unknown").lower())
 
 
+# CPU flags a reader of a result needs: the fused operators' paths depend on them.
+FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16")
+
+
 def machine() -> dict:
+    """The host as a results file records it: short name, CPU (``lscpu``'s model name, family,
+    model and the flags of ``FLAGS`` present), cores, threads and Python."""
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     if "avx512_vnni" in flags or "avx_vnni" in flags:
         isa += " + VNNI"
+    if "avx512_bf16" in flags:
+        isa += " + BF16"
     return {"host": host_name(), "cpu": f"{info.get('model name', platform.processor())}, {isa}, "
                                          f"{os.cpu_count()} cores",
+            "cpu_model_name": info.get("model name", platform.processor()), "cpu_family": info.get("cpu family"),
+            "cpu_model": info.get("model"), "cpu_flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": int(os.environ.get("OMP_NUM_THREADS", "2")), "python": platform.python_version()}
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def conditions(start: list[float] | None, end: list[float] | None, cores: int, threads: int) -> str:
+    """What the load says about the timings: other work on the host slows every contender of a
+    run, unevenly (``tables.busy`` decides)."""
+    if not start or not end:
+        return "load not recorded"
+    busiest = max(*start, *end)
+    if tables.busy(start, end, cores, threads):
+        return (f"host shared with other work (load average up to {busiest} on {cores} cores): every figure is "
+                "low and the contenders are slowed unequally; a run on idle cores gives the figures to rely on")
+    return f"host quiet (load average at most {busiest} on {cores} cores)"
 
 
 def result_path(root: str, host: str, bench: str, when: time.struct_time) -> str:
@@ -120,10 +158,11 @@ def result_path(root: str, host: str, bench: str, when: time.struct_time) -> str
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ", ".join(BENCHES))
+    p.add_argument("--only", default=",".join(DEFAULT),
+                   help=f"comma-separated subset of {', '.join(BENCHES)}, or 'all' (default: {','.join(DEFAULT)})")
     p.add_argument("--host", default=None, help="results directory name (default: from /proc/cpuinfo)")
     a = p.parse_args(argv)
-    names = [n for n in a.only.split(",") if n]
+    names = list(BENCHES) if a.only == "all" else [n for n in a.only.split(",") if n]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
@@ -134,14 +173,18 @@ def main(argv=None) -> None:
     for name in names:
         print(f"[run_all] {name} ...", file=sys.stderr, flush=True)
         when = time.gmtime()
+        load_start = load_average()
         out = run_bench(name, [])
+        load_end = load_average()
         print(f"[run_all] {name}: {out.get('error', 'ok')} in {out['seconds']} s", file=sys.stderr, flush=True)
         if "error" in out:
             print(out.get("stderr_tail") or out.get("stdout_tail", ""), file=sys.stderr)
             continue
         cmd = " ".join(["OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"], "python", *BENCHES[name]])
-        record = {"run": {"host": info["host"], "cpu": info["cpu"], "date": time.strftime("%Y-%m-%d", when),
-                          "command": cmd, "threads": info["threads"], "python": info["python"]}, **out}
+        record = {"run": {**info, "date": time.strftime("%Y-%m-%d", when),
+                          "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", when), "command": cmd,
+                          "load_avg_start": load_start, "load_avg_end": load_end,
+                          "conditions": conditions(load_start, load_end, info["cores"] or 1, info["threads"])}, **out}
         path = result_path(ROOT, info["host"], name, when)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join("bench", "results")
-NAME_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}(?:T\d{4})?)_([A-Za-z0-9_.-]+)\.json$")
+# <date>, <date>T<HHMM> for a second run that day, <date>T<HHMM>-<n> for one within the same minute.
+NAME_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}(?:T\d{4}(?:-\d+)?)?)_([A-Za-z0-9_.-]+)\.json$")
 # README/docs page -> the generated blocks it holds.
 PAGES = {"README.md": ("headline", "decode-summary"), os.path.join("docs", "performance.md"): ("performance", "result-files")}
 # Decode rows: the bench's contender name -> the name a reader knows.
@@ -62,7 +63,15 @@ def load_results(root: str = ROOT) -> list[Result]:
             rel = os.path.join(RESULTS, host, name)
             with open(os.path.join(root, rel), encoding="utf-8") as f:
                 out.append(Result(rel.replace(os.sep, "/"), host, m.group(1), m.group(2), json.load(f)))
-    return sorted(out, key=lambda r: (r.date, r.host, r.bench))
+    return sorted(out, key=lambda r: (run_order(r.date), r.host, r.bench))
+
+
+def run_order(date: str) -> tuple:
+    """Sort key of a file name's date part: the day, then the time of a later run that day, then
+    its number within the minute (``2026-11-24`` < ``2026-11-24T0930`` < ``...T0930-2`` < ``...T0930-10``)."""
+    day, _, rest = date.partition("T")
+    hhmm, _, n = rest.partition("-")
+    return day, hhmm, int(n or 1)
 
 
 def newest(results: list[Result], bench: str) -> Result | None:
@@ -75,9 +84,29 @@ def _f(v, spec: str = "{:.1f}") -> str:
     return "" if v is None else spec.format(v) if isinstance(v, (int, float)) else str(v)
 
 
+def busy(start: list[float], end: list[float], cores: int, threads: int) -> bool:
+    """Whether other work shared the host: a load above half the cores before the run, or at its
+    end above the run's own threads plus half the cores (the end counts the run itself)."""
+    return max(start) > 0.5 * cores or max(end) > threads + 0.5 * cores
+
+
+def load_note(r: Result) -> str:
+    """The run's load, as the reader of its figures needs it ("" where the file has none)."""
+    start, end, cores = r.run.get("load_avg_start"), r.run.get("load_avg_end"), r.run.get("cores")
+    if not start or not end or not cores:
+        return ""
+    note = (f"load average (1, 5, 15 minutes) {'/'.join(map(str, start))} at the start and "
+            f"{'/'.join(map(str, end))} at the end, on {cores} cores")
+    if busy(start, end, cores, r.run.get("threads") or cores):
+        note += (": other work shared the host, so every figure is low and the contenders are slowed "
+                 "unequally; a run on idle cores gives the figures to rely on")
+    return note
+
+
 def _source(r: Result) -> list[str]:
     run = r.run
-    return [f"Host `{r.host}` ({run.get('cpu', 'CPU not recorded')}), {r.date}; results file "
+    load = f"; {load_note(r)}" if load_note(r) else ""
+    return [f"Host `{r.host}` ({run.get('cpu', 'CPU not recorded')}), {r.date}{load}; results file "
             f"[`{r.path}`](../{r.path}); command:", "", "```bash", run.get("command", "(not recorded)"), "```", ""]
 
 
@@ -169,15 +198,18 @@ def block_headline(results: list[Result]) -> list[str]:
     if r is None:
         return ["No decode results yet: run `make bench`."]
     res = r.data.get("results", {})
-    rows = ["| measure (gpt-bench, 2 threads) | gpt-compress | alternative | advantage |", "|---|---:|---|---:|"]
+    rows = [f"| measure ({r.data.get('preset', 'gpt-bench')}, {r.data.get('threads', '?')} threads) | gpt-compress "
+            "| alternative | advantage |", "|---|---:|---|---:|"]
     for label, ours, theirs, key, higher in HEADLINE:
         a, b = res.get(ours, {}).get(key), res.get(theirs, {}).get(key)
         if a is None or b is None:
             continue
         name = DECODE_ROWS[theirs].replace(" (peer)", "").replace("*", "")
         rows.append(f"| {label} | {_f(a)} | {name}: {_f(b)} | **{(a / b if higher else b / a):.2f}x** |")
-    return rows + ["", f"From one run: `{r.path}` (host `{r.host}`, {r.date}); the full table and command are "
-                       "under [Performance](#performance)."]
+    cpu, load = r.run.get("cpu"), load_note(r)
+    return rows + ["", f"From one run: [`{r.path}`]({r.path}) (host `{r.host}`{', ' + cpu if cpu else ''}, {r.date}"
+                       f"{'; ' + load if load else ''}); the full table and its command are under "
+                       "[Performance](#performance)."]
 
 
 def block_decode_summary(results: list[Result]) -> list[str]:
