@@ -37,6 +37,7 @@ import numpy as np
 from ..config import GenerationConfig
 from ..data.tokenizer import encode_prompts
 from ..model.generation import beam_search, stream_tokens
+from ..model.speculative import DRAFT_TOKENS, ModelDraft, NgramDraft, SpeculationStats, speculative_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
 Prompt = Union[str, Sequence[int]]
@@ -52,6 +53,7 @@ class Generated:
     prompt_tokens: list[int]  # prompt lengths after encoding (and truncation)
     scores: Optional[list[float]]  # beam search: length-normalised log-probability of each result
     seconds: float
+    speculation: Optional[dict] = None  # with a draft: ``SpeculationStats.as_dict()``
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,7 +92,9 @@ class Generator:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.tokenizer = tokenizer
         self.name = name
+        self.kind = name.partition(":")[0]  # the backend name of ``from_dir``, else ""
         self._lock = threading.Lock()
+        self._drafts: dict = {}  # draft path -> its Generator (``draft_for``)
 
     @classmethod
     def from_dir(cls, path: str, backend: str = "paddle", tokenizer=None, verify: bool = True,
@@ -167,25 +171,57 @@ class Generator:
         eos, pad = special_ids(cfg, self.eos_token_id, self.pad_token_id, self.vocab_size)
         return cfg, ids, eos, pad
 
+    # ------------------------------------------------------------------ speculative decoding
+    def draft_for(self, draft: Union[str, "Generator"]):
+        """The speculative draft named by ``draft``: ``"ngram"`` (prompt lookup), the path of an
+        export or checkpoint with the same tokenizer (loaded once, on this generator's backend),
+        or a ``Generator``."""
+        if isinstance(draft, str) and draft == "ngram":
+            return NgramDraft()
+        if isinstance(draft, (str, os.PathLike)):
+            path = os.fspath(draft)
+            if path not in self._drafts:
+                if not os.path.isdir(path):
+                    raise InputError(f"draft {path!r} is neither 'ngram' nor a model directory")
+                self._drafts[path] = Generator.from_dir(path, backend=self.kind or "paddle")
+            draft = self._drafts[path]
+        if not isinstance(draft, Generator):
+            raise InputError(f"draft must be 'ngram', a model directory or a Generator, got {type(draft).__name__}")
+        if draft.vocab_size != self.vocab_size:
+            raise InputError(f"draft {draft.name} has a vocabulary of {draft.vocab_size} tokens, the model "
+                             f"{self.vocab_size}: a draft needs the same tokenizer")
+        if (draft.tokenizer is not None and self.tokenizer is not None
+                and draft.tokenizer.to_json() != self.tokenizer.to_json()):
+            raise InputError(f"draft {draft.name} has another tokenizer than {self.name}")
+        return ModelDraft(draft.backend)
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
                  truncate: bool = False, on_tokens: Optional[Callable[[np.ndarray], None]] = None,
-                 **sampling: Any) -> Generated:
+                 draft: Union[str, "Generator", None] = None, draft_tokens: int = DRAFT_TOKENS,
+                 adaptive: bool = True, **sampling: Any) -> Generated:
         """Generate for one prompt or a batch (strings or token-id lists, any lengths).
         ``sampling``: ``GenerationConfig`` fields (decode_strategy, max_new_tokens, temperature,
         top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, ...).
         ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search).
-        ``truncate`` keeps the end of a prompt too long for the context instead of raising."""
+        ``truncate`` keeps the end of a prompt too long for the context instead of raising.
+        ``draft`` (``draft_for``): speculative decoding, up to ``draft_tokens`` proposals per
+        target step (``adaptive``: fewer while they are rejected); greedy output is the same token
+        for token, sampled output has the same distribution (``model/speculative.py``)."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
+        proposer = self.draft_for(draft) if draft is not None else None
+        stats = SpeculationStats()
         with self._lock:
             t0 = time.perf_counter()
-            if cfg.decode_strategy == "beam_search":
+            if cfg.decode_strategy == "beam_search" and proposer is None:
                 out = beam_search(self.backend, ids, cfg, eos, pad)
                 seqs, scores = out.sequences, out.scores
             else:
                 seqs, scores = [[] for _ in ids], None
                 alive = [True] * len(ids)
-                for step in stream_tokens(self.backend, ids, cfg, eos, pad):
+                steps = (stream_tokens(self.backend, ids, cfg, eos, pad) if proposer is None else
+                         speculative_tokens(self.backend, proposer, ids, cfg, eos, pad, draft_tokens, adaptive, stats))
+                for step in steps:
                     if on_tokens is not None:
                         on_tokens(step)
                     for i, t in enumerate(step):
@@ -195,7 +231,7 @@ class Generator:
             seconds = time.perf_counter() - t0
         texts = [self.tokenizer.decode(s) for s in seqs] if self.tokenizer is not None else None
         return Generated(sequences=seqs, texts=texts, prompt_tokens=[len(p) for p in ids], scores=scores,
-                         seconds=seconds)
+                         seconds=seconds, speculation=stats.as_dict() if proposer is not None else None)
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
                truncate: bool = False, **sampling: Any) -> Iterator[np.ndarray]:

@@ -1,0 +1,228 @@
+"""Speculative decoding (model/speculative.py): greedy output token for token the output without a
+draft, sampled output with the target's distribution, the cache after rollbacks the cache built
+without speculation.
+
+A numpy language model (``TableLM``: logits from the last two unmasked tokens and the position,
+honouring the mask as the real backends do) makes the exactness and distribution checks fast;
+the real backends (fused Paddle, unfused Paddle, onnxruntime) run on the trained tiny GPT of
+tests/_export_helpers.py, with its pruned copy, itself and prompt lookup as drafts."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from gpt_compress.config import GenerationConfig
+from gpt_compress.errors import InputError
+from gpt_compress.model.generation import _sample, sampling_probs, stream_tokens
+from gpt_compress.model.speculative import (AdaptiveK, ModelDraft, NgramDraft, SpeculationStats, accept_sampled,
+                                            speculative_tokens)
+
+
+class TableLM:
+    """A ``VerifyBackend`` over a random table: the logits of a position depend on its token, the
+    previous unmasked token and its position (count of unmasked columns), so masked holes and
+    left padding must be skipped exactly as attention and positions skip them."""
+
+    def __init__(self, vocab: int, seed: int, sharp: float = 3.0):
+        rng = np.random.default_rng(seed)
+        self.a, self.b = rng.normal(0, sharp, (vocab, vocab)), rng.normal(0, sharp / 2, (vocab, vocab))
+        self.c = rng.normal(0, 1.0, (64, vocab))
+
+    def _logits(self, ids, mask, cols):
+        out = []
+        for b in range(ids.shape[0]):
+            real = [int(ids[b, j]) for j in range(ids.shape[1]) if mask[b, j]]
+            row = []
+            for c in cols:
+                n = int(mask[b, :c + 1].sum())
+                last = real[n - 1] if n else 0
+                prev = real[n - 2] if n > 1 else 0
+                row.append(self.a[last] + self.b[prev] + self.c[n % 64])
+            out.append(row)
+        return np.asarray(out, dtype=np.float32)  # (B, len(cols), V)
+
+    def prefill(self, ids, mask):
+        return self._logits(ids, mask, [ids.shape[1] - 1])[:, 0], ids.copy()
+
+    def decode_positions(self, ids, mask, cache):
+        assert mask.shape[1] == cache.shape[1] + ids.shape[1]
+        full = np.concatenate([cache, ids], axis=1)
+        s = cache.shape[1]
+        return self._logits(full, mask, range(s, full.shape[1])), full
+
+    def decode(self, ids, mask, cache):
+        logits, cache = self.decode_positions(ids, mask, cache)
+        return logits[:, -1], cache
+
+    def truncate_cache(self, cache, length):
+        assert 0 < length <= cache.shape[1]
+        return cache[:, :length]
+
+    def reorder_cache(self, cache, rows):
+        return cache[rows]
+
+
+def _cfg(**kw) -> GenerationConfig:
+    return GenerationConfig(**{"max_new_tokens": 12, "decode_strategy": "greedy", **kw})
+
+
+def _plain(backend, prompts, cfg, eos, pad=0):
+    return _collect(stream_tokens(backend, prompts, cfg, eos, pad), len(prompts), eos)
+
+
+def _spec(backend, draft, prompts, cfg, eos, pad=0, k=4, stats=None, adaptive=True):
+    return _collect(speculative_tokens(backend, draft, prompts, cfg, eos, pad, k, adaptive, stats), len(prompts), eos)
+
+
+def _collect(steps, n, eos):
+    out, alive = [[] for _ in range(n)], [True] * n
+    for step in steps:
+        for i, t in enumerate(step):
+            if alive[i]:
+                out[i].append(int(t))
+                alive[i] = eos is None or int(t) != eos
+    return out
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]  # left-padded batch of 3
+
+
+@pytest.mark.parametrize("draft", ["self", "other", "ngram"])
+@pytest.mark.parametrize("eos", [None, "inside"])
+def test_greedy_with_a_draft_is_token_for_token_greedy_without(draft, eos):
+    """Batch of 3 left-padded prompts, k = 4; ``self`` (the target as its own draft: every token
+    kept) puts the EOS and ``max_new_tokens`` inside accepted runs."""
+    target = TableLM(11, 0)
+    cfg = _cfg(max_new_tokens=13)
+    ref = _plain(target, PROMPTS, cfg, None)
+    eos_id = None
+    if eos == "inside":  # a token first produced mid-run by row 0
+        eos_id = next(t for j, t in enumerate(ref[0]) if j >= 2 and t not in ref[0][:j] and t not in (0,))
+        ref = _plain(target, PROMPTS, cfg, eos_id)
+        assert len(ref[0]) < 13 and ref[0][-1] == eos_id
+    proposer = {"self": lambda: ModelDraft(target), "other": lambda: ModelDraft(TableLM(11, 5)),
+                "ngram": lambda: NgramDraft(2)}[draft]()
+    stats = SpeculationStats()
+    assert _spec(target, proposer, PROMPTS, cfg, eos_id, stats=stats) == ref
+    assert stats.proposed > 0
+    if draft == "self":
+        assert stats.accepted == stats.proposed  # every run accepted: EOS / the limit fell inside one
+        assert stats.target_steps < 13 // 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 7])
+def test_min_new_tokens_and_short_limits_agree(k):
+    target = TableLM(9, 3)
+    for limit, floor in [(1, 0), (2, 1), (5, 3), (9, 9)]:
+        cfg = _cfg(max_new_tokens=limit, min_new_tokens=floor)
+        eos = _plain(target, PROMPTS, _cfg(max_new_tokens=limit), None)[1][0]  # row 1's first token
+        ref = _plain(target, PROMPTS, cfg, eos)
+        for proposer in (ModelDraft(TableLM(9, 4)), ModelDraft(target), NgramDraft()):
+            assert _spec(target, proposer, PROMPTS, cfg, eos, k=k) == ref, (limit, floor, proposer)
+
+
+def test_ngram_lookup_proposes_the_latest_continuation_of_the_longest_suffix():
+    ng = NgramDraft(3)
+    assert ng.lookup([5, 1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], 2) == [8, 7]
+    assert ng.lookup([4, 2, 6, 9, 2], 3) == [6, 9, 2]  # only the 1-token suffix occurs earlier
+    assert ng.lookup([1, 2, 3], 4) == []
+    with pytest.raises(InputError, match="n must be"):
+        NgramDraft(0)
+
+
+def _reference_rule(p, q, drafts, n, rng):
+    """The rejection rule written out plainly (one uniform per draft, then an inverse-CDF draw)."""
+    for j in range(n):
+        d = drafts[j]
+        qd = q[j][d] if q is not None else 1.0
+        if rng.random() < p[j][d] / qd:
+            continue
+        if q is None:
+            q_j = np.zeros(p.shape[1])
+            q_j[d] = 1.0
+        else:
+            q_j = q[j]
+        r = np.array([max(pi - qi, 0.0) for pi, qi in zip(p[j].astype(np.float64), q_j)])
+        if r.sum() <= 0:
+            r = p[j].astype(np.float64)
+        return j, int(_sample((r / r.sum())[None], rng)[0])
+    return n, int(_sample(p[n][None], rng)[0])
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_seeded_acceptance_equals_the_reference_rule(with_q):
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        v, n = 6, int(rng.integers(0, 5))
+        p = rng.dirichlet(np.ones(v) * 0.5, n + 1).astype(np.float32)
+        q = rng.dirichlet(np.ones(v) * 0.5, max(n, 1)).astype(np.float32) if with_q else None
+        drafts = (np.array([_sample(q[j][None], rng)[0] for j in range(n)]) if with_q
+                  else rng.integers(0, v, n))
+        got = accept_sampled(p, q, drafts, n, np.random.default_rng(trial))
+        assert got == _reference_rule(p, q, drafts, n, np.random.default_rng(trial)), trial
+
+
+def _target_distribution(target, prompt, cfg, length):
+    """Exact probabilities of every continuation of ``length`` tokens under ``cfg``'s warpers."""
+    vocab = target.a.shape[0]
+    dist = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        ids = np.array([prompt + list(seq)])
+        logits = target._logits(ids, np.ones_like(ids), range(len(prompt) - 1, ids.shape[1] - 1))[0]
+        probs = sampling_probs(logits, cfg)
+        dist[seq] = float(np.prod([probs[j, t] for j, t in enumerate(seq)]))
+    return dist
+
+
+@pytest.mark.parametrize("draft,warp", [("other", {}), ("other", {"temperature": 0.7, "top_k": 3}),
+                                        ("ngram", {"top_p": 0.9})])
+def test_sampling_with_a_draft_has_the_targets_distribution(draft, warp):
+    """Chi-square over 3-token continuations (vocabulary 4: 64 outcomes) of 2,500 seeded runs."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    target, vocab, n, length = TableLM(4, 11, sharp=1.0), 4, 2500, 3
+    prompt = [0, 1, 2, 0, 1, 2, 0, 1]  # quotes itself: prompt lookup proposes
+    cfg = _cfg(decode_strategy="sampling", max_new_tokens=length, **warp)
+    expected = _target_distribution(target, prompt, cfg, length)
+    counts, stats = dict.fromkeys(expected, 0), SpeculationStats()
+    for seed in range(n):
+        proposer = ModelDraft(TableLM(4, 12, sharp=1.0)) if draft == "other" else NgramDraft()
+        seq = _spec(target, proposer, [prompt], dataclasses.replace(cfg, seed=seed), None, k=2, stats=stats)[0]
+        counts[tuple(seq)] += 1
+    keys = [s for s in expected if expected[s] > 0]
+    assert sum(counts[s] for s in counts if expected[s] == 0) == 0  # nothing outside top-k / top-p
+    obs = np.array([counts[s] for s in keys], dtype=np.float64)
+    exp = np.array([expected[s] for s in keys]) * n
+    # Pool the outcomes expected fewer than 5 times (the test's validity condition).
+    small = exp < 5
+    if small.any():
+        obs, exp = np.append(obs[~small], obs[small].sum()), np.append(exp[~small], exp[small].sum())
+    p_value = scipy_stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p_value > 1e-3, (p_value, stats)
+    assert 0 < stats.accepted < stats.proposed  # the rule both kept and rejected
+
+
+def test_adaptive_k_backs_off_and_pauses():
+    k = AdaptiveK(4)
+    k.update(4, 4)
+    assert k.next() == 4
+    k.update(4, 0)
+    assert k.next() == 3
+    for _ in range(3):
+        k.update(3, 0)
+    assert k.next() == 0  # paused: plain steps
+    fixed = AdaptiveK(4, adaptive=False)
+    fixed.update(4, 0)
+    assert fixed.next() == 4
+
+
+def test_bad_settings_are_one_line_errors():
+    target = TableLM(5, 0)
+    with pytest.raises(InputError, match="repetition_penalty"):
+        _spec(target, NgramDraft(), PROMPTS, _cfg(repetition_penalty=1.2), None)
+    with pytest.raises(InputError, match="beam_search"):
+        _spec(target, NgramDraft(), PROMPTS, _cfg(decode_strategy="beam_search", num_beams=2), None)
+    with pytest.raises(InputError, match="decode_positions"):
+        _spec(object(), NgramDraft(), PROMPTS, _cfg(), None)
