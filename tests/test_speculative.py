@@ -226,3 +226,108 @@ def test_bad_settings_are_one_line_errors():
         _spec(target, NgramDraft(), PROMPTS, _cfg(decode_strategy="beam_search", num_beams=2), None)
     with pytest.raises(InputError, match="decode_positions"):
         _spec(object(), NgramDraft(), PROMPTS, _cfg(), None)
+
+
+# --------------------------------------------------------------------------------------
+# The real backends: the trained tiny GPT, its pruned copy as the draft
+# --------------------------------------------------------------------------------------
+BACKENDS = {"fused": ("paddle", {"fused": True}), "unfused": ("paddle", {"fused": False}), "onnx": ("onnx", {})}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, shakespeare):
+    from _export_helpers import model_dirs
+
+    return model_dirs(tmp_path_factory, shakespeare)
+
+
+@pytest.fixture(scope="module")
+def generators(dirs):
+    from gpt_compress.inference.runner import Generator
+
+    made = {}
+
+    def get(which: str, model: str = "export"):
+        if (which, model) not in made:
+            kind, opts = BACKENDS[which]
+            made[which, model] = Generator.from_dir(dirs[model], backend=kind, **opts)
+        return made[which, model]
+
+    return get
+
+
+def _texts():
+    from _parity_helpers import PROMPTS as TEXTS
+
+    return TEXTS
+
+
+@pytest.mark.parametrize("which", list(BACKENDS))
+def test_greedy_with_each_draft_equals_greedy_on_each_backend(generators, which):
+    """Batch of 3 left-padded prompts: the pruned export, the model itself (every proposal kept,
+    so the EOS and ``max_new_tokens`` fall inside accepted runs) and prompt lookup as drafts."""
+    gen = generators(which)
+    prompts = gen.encode(_texts())
+    ref = gen.generate(prompts, max_new_tokens=20).sequences
+    # EOS: a token row 0 first produces at step 5 or later (the reference stops there).
+    eos = next(t for j, t in enumerate(ref[0]) if j >= 5 and t not in ref[0][:j])
+    ref_eos = gen.generate(prompts, max_new_tokens=20, eos_token_id=eos).sequences
+    assert ref_eos[0][-1] == eos and len(ref_eos[0]) < 20
+    for draft in (generators(which, "pruned_export"), gen, "ngram"):
+        for k in (3, 6):
+            out = gen.generate(prompts, max_new_tokens=20, draft=draft, draft_tokens=k)
+            assert out.sequences == ref, (draft, k)
+            assert out.speculation["proposed"] > 0
+            assert gen.generate(prompts, max_new_tokens=20, eos_token_id=eos, draft=draft,
+                                draft_tokens=k).sequences == ref_eos, (draft, k)
+    itself = gen.generate(prompts, max_new_tokens=20, draft=gen, draft_tokens=6, adaptive=False)
+    assert itself.speculation["acceptance_rate"] == 1.0
+
+
+class _Spy:
+    """A fused backend proxy that keeps a copy of the cache (and the mask over it) each verify step
+    starts from."""
+
+    def __init__(self, backend):
+        self.backend, self.seen = backend, []
+
+    def prefill(self, ids, mask):
+        return self.backend.prefill(ids, mask)
+
+    def decode(self, ids, mask, cache):
+        return self.backend.decode(ids, mask, cache)
+
+    def decode_positions(self, ids, mask, cache):
+        s = cache.length
+        self.seen.append(([t.numpy()[:, :, :s].copy() for t in cache.tensors], mask[:, :s].copy()))
+        return self.backend.decode_positions(ids, mask, cache)
+
+    def truncate_cache(self, cache, length):
+        return self.backend.truncate_cache(cache, length)
+
+
+def test_the_cache_after_rollbacks_is_bitwise_the_cache_built_without_speculation(generators):
+    """Fused program: at every verify step, each row's unmasked cache columns (prompt + tokens so
+    far; rejected proposals masked or cut) are bitwise the cache of prefilling those tokens."""
+    from gpt_compress.model.generation import pad_left
+    from gpt_compress.model.speculative import DRAFT_TOKENS
+
+    gen = generators("fused")
+    prompts = gen.encode(_texts())
+    cfg = _cfg(max_new_tokens=16)
+    for draft in (ModelDraft(generators("fused", "pruned_export").backend), NgramDraft()):
+        spy, stats = _Spy(gen.backend), SpeculationStats()
+        out = _spec(spy, draft, prompts, cfg, None, pad=gen.pad_token_id, k=DRAFT_TOKENS, stats=stats)
+        assert 0 < stats.accepted < stats.proposed  # rollbacks happened, holes too (rows differ)
+        full = [p + o for p, o in zip(prompts, out)]
+        ids, mask = pad_left(full, gen.pad_token_id)
+        _, ref = gen.backend.prefill(ids, mask)
+        ref = [t.numpy() for t in ref.tensors]
+        width = ids.shape[1]
+        for tensors, seen_mask in spy.seen:
+            for b in range(len(prompts)):
+                cols = np.nonzero(seen_mask[b])[0]
+                n = len(cols)  # the row's first n real tokens
+                start = width - len(full[b])
+                for got, want in zip(tensors, ref):
+                    assert np.array_equal(got[b][:, cols], want[b][:, start:start + n])
