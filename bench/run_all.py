@@ -1,8 +1,9 @@
-"""Every benchmark in one go: training, decode, compression and parallel training, each with its
-peer and the machine's limits; each result is added as ``bench/results/<host>/<date>_<bench>.json``
-and the performance tables (README.md, docs/performance.md) are regenerated from the newest ones.
+"""Every benchmark in one go: training, decode, compression, parallel training and speculative
+decoding, each with its peer and the machine's limits; each result is added as
+``bench/results/<host>/<date>_<bench>.json`` and the performance tables (README.md,
+docs/performance.md) are regenerated from the newest ones.
 
-    OMP_NUM_THREADS=2 python bench/run_all.py                 # all four
+    OMP_NUM_THREADS=2 python bench/run_all.py                 # all five
     OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode   # about 12 minutes on 2 cores
     python bench/run_all.py --only ""                          # only regenerate the tables
 
@@ -35,6 +36,7 @@ BENCHES = {  # name -> script and arguments
     "decode": ["bench/decode.py", "--rounds", "2"],
     "compress": ["bench/compress.py", "--rounds", "1"],
     "parallel": ["bench/parallel.py"],
+    "speculative": ["bench/speculative.py"],
 }
 
 

@@ -331,3 +331,36 @@ def test_the_cache_after_rollbacks_is_bitwise_the_cache_built_without_speculatio
                 start = width - len(full[b])
                 for got, want in zip(tensors, ref):
                     assert np.array_equal(got[b][:, cols], want[b][:, start:start + n])
+
+
+def _gptc(*args):
+    import subprocess
+    import sys
+
+    from _export_helpers import ENV, ROOT
+
+    return subprocess.run([sys.executable, "-m", "gpt_compress", *args], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True)
+
+
+def test_cli_infer_and_generate_report_the_speculation(dirs):
+    import json
+
+    prompt = "ROMEO:\nBut, soft! what light\nROMEO:\nBut, soft!"  # quotes itself: prompt lookup proposes
+    proc = _gptc("infer", "--model-dir", dirs["export"], "--prompt", prompt, "--draft", dirs["pruned_export"],
+                 "--num-speculative-tokens", "3", "--measure-speedup", "--no-stream",
+                 "-o", "Generation.max_new_tokens=12")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spec = json.loads(proc.stdout.strip().splitlines()[-1])["speculation"]
+    assert spec["draft"] == dirs["pruned_export"] and spec["same_output"] is True
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["proposed"] > 0 and "speedup" in spec
+    proc = _gptc("generate", "--model", dirs["ckpt"], "--prompt", prompt, "--draft", "ngram", "--measure-speedup",
+                 "--no-stream", "-o", "Generation.max_new_tokens=8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spec = json.loads(proc.stdout.strip().splitlines()[-1])["speculation"]
+    assert spec["draft"] == "ngram" and spec["same_output"] is True
+    for bad, message in [(["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1"),
+                         (["--measure-speedup"], "--measure-speedup needs --draft"),
+                         (["--draft", "/nonexistent"], "not found: /nonexistent")]:
+        proc = _gptc("infer", "--model-dir", dirs["export"], "--prompt", "x", *bad)
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
