@@ -158,7 +158,7 @@ class NgramDraft:
                 return [int(t) for t in h[start:start + k]]
         return []
 
-    def propose(self, histories, ids, mask, k, steps, active, pick):
+    def propose(self, histories, ids, mask, k, steps, active, pick, suppress=None, eos=None):
         """(drafts (B, k) int64 padded with -1, None): each active row's lookup."""
         drafts = np.full((len(histories), k), -1, dtype=np.int64)
         for b, hist in enumerate(histories):
@@ -191,11 +191,16 @@ class ModelDraft:
             self.cache = self.backend.truncate_cache(self.cache, length)
             self.length = length
 
-    def propose(self, histories, ids, mask, k, steps, active, pick):
+    def propose(self, histories, ids, mask, k, steps, active, pick, suppress=None, eos=None):
         """Feed the layout's columns not yet cached, then ``k`` tokens one at a time, each chosen
         by ``pick(logits (B, V), steps (B,))`` -> (tokens (B,), probs (B, V) or None).
-        Returns drafts (B, k) and their probabilities (B, k, V) (None for greedy)."""
+        Returns drafts (B, k) and their probabilities (B, k, V) (None for greedy).
+        ``suppress`` (greedy only): the first steps that never propose ``eos`` (``min_new_tokens``);
+        given, a backend with ``greedy_steps`` proposes all ``k`` in one ``decode_greedy_steps``
+        run (``generation.DecodeBackend``'s optional interface)."""
         b, width = ids.shape
+        if suppress is not None and k > 1 and getattr(self.backend, "greedy_steps", 1) > 1:
+            return self._greedy_run(ids, mask, k, active, suppress, eos), None
         drafts, probs = np.zeros((b, k), dtype=np.int64), []
         logits, self.cache = self.backend.decode(ids[:, self.length:], mask, self.cache)
         self.length, col = width, active.astype(np.int64)[:, None]
@@ -207,6 +212,18 @@ class ModelDraft:
                 logits, self.cache = self.backend.decode(drafts[:, j:j + 1], mask, self.cache)
                 self.length += 1
         return drafts, (np.stack(probs, axis=1) if probs and probs[0] is not None else None)
+
+    def _greedy_run(self, ids, mask, k, active, suppress, eos):
+        """``k`` greedy proposals from one program run (the columns before the newest fed first).
+        Rows already finished, or by a proposed EOS, are fed padding with mask ones there: those
+        columns are never kept."""
+        width = ids.shape[1]
+        if width - 1 > self.length:
+            _, self.cache = self.backend.decode(ids[:, self.length:width - 1], mask[:, :width - 1], self.cache)
+        drafts, self.cache = self.backend.decode_greedy_steps(ids[:, width - 1:], mask, self.cache, k, eos, 0,
+                                                              ~active, min(suppress, k))
+        self.length = width + k - 1
+        return drafts
 
 
 # --------------------------------------------------------------------------------------
@@ -317,8 +334,9 @@ def speculative_tokens(backend: VerifyBackend, draft, prompts: Sequence[Sequence
         steps = np.array([len(o) for o in out], dtype=np.int64)  # generation step of the newest column + 1
         room = np.where(active, limit - steps - 1, 0)  # drafts a row may still keep
         kk = min(schedule.next(), int(room.max()))
-        drafts, q = (draft.propose(histories, ids, mask, kk, steps, active, pick) if kk > 0
-                     else (np.zeros((batch, 0), np.int64), None))
+        suppress = max(0, cfg.min_new_tokens - int(steps[active].min())) if eos is not None else 0
+        drafts, q = (draft.propose(histories, ids, mask, kk, steps, active, pick, suppress if greedy else None, eos)
+                     if kk > 0 else (np.zeros((batch, 0), np.int64), None))
         stats.draft_steps += kk if isinstance(draft, ModelDraft) else 0
         counts = np.minimum((drafts >= 0).sum(axis=1) if drafts.size else np.zeros(batch, np.int64), room)
         t = 1 + int(counts.max(initial=0))
