@@ -364,3 +364,40 @@ def test_cli_infer_and_generate_report_the_speculation(dirs):
                          (["--draft", "/nonexistent"], "not found: /nonexistent")]:
         proc = _gptc("infer", "--model-dir", dirs["export"], "--prompt", "x", *bad)
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_auto_uses_the_draft_the_manifest_records(dirs, tmp_path):
+    import json
+    import os
+    import shutil
+
+    from gpt_compress.inference.manifest import record_draft
+    from gpt_compress.inference.runner import Generator
+
+    base = tmp_path / "base"
+    shutil.copytree(dirs["export"], base)
+    plain = Generator.from_dir(str(base), backend="paddle")
+    with pytest.raises(InputError, match="records no draft"):
+        plain.generate([[1, 2, 3]], max_new_tokens=4, draft="auto")
+    entry = record_draft(str(base), dirs["pruned_export"], {"acceptance_rate": 0.5, "k": 5})
+    assert entry["path"] == os.path.relpath(dirs["pruned_export"], base)
+    assert json.loads((base / "manifest.json").read_text())["draft"] == entry
+    gen = Generator.from_dir(str(base), backend="paddle")  # checksums verified
+    assert gen.recorded_draft == os.path.normpath(dirs["pruned_export"])
+    prompts = gen.encode(_texts())
+    out = gen.generate(prompts, max_new_tokens=12, draft="auto")
+    assert out.sequences == gen.generate(prompts, max_new_tokens=12).sequences and out.speculation["proposed"] > 0
+
+
+def test_sampling_with_the_model_as_its_own_draft_keeps_every_proposal(generators):
+    """p == q bitwise on the fused program (the verify step's rows are the decode steps' numbers),
+    so the rule keeps every proposal; a seed gives the same tokens twice."""
+    gen = generators("fused")
+    prompts = gen.encode(_texts())
+    kw = dict(max_new_tokens=16, decode_strategy="sampling", top_k=20, temperature=0.8, seed=3, draft=gen,
+              draft_tokens=4, adaptive=False)
+    out = gen.generate(prompts, **kw)
+    assert out.speculation["acceptance_rate"] == 1.0 and out.speculation["proposed"] > 0
+    assert gen.generate(prompts, **kw).sequences == out.sequences
+    ngram = gen.generate(prompts, **{**kw, "draft": "ngram"})
+    assert [len(s) for s in ngram.sequences] == [16, 16, 16] or gen.eos_token_id is not None

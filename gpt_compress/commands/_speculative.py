@@ -8,9 +8,10 @@ from ..model.speculative import DRAFT_TOKENS
 def add_draft_arguments(parser) -> None:
     """--draft, --num-speculative-tokens, --fixed-k, --measure-speedup."""
     parser.add_argument("--draft", default=None,
-                        help="speculative decoding: 'ngram' (prompt lookup, no model) or a model directory with "
-                             "the same tokenizer, run on the same backend (greedy output unchanged; sampled "
-                             "output has the same distribution)")
+                        help="speculative decoding: 'ngram' (prompt lookup, no model), 'auto' (the draft an "
+                             "export's manifest records: gptc pipeline) or a model directory with the same "
+                             "tokenizer, run on the same backend (greedy output unchanged; sampled output has "
+                             "the same distribution)")
     parser.add_argument("--num-speculative-tokens", type=int, default=DRAFT_TOKENS,
                         help=f"draft tokens proposed per target step, at most (default {DRAFT_TOKENS})")
     parser.add_argument("--fixed-k", action="store_true",

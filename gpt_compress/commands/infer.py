@@ -86,9 +86,9 @@ def run(args) -> int:
                     shown[0] = text
         else:
             on_tokens = None
-        draft = None
-        if args.draft and args.draft != "ngram":  # loaded like the model: same backend and options
-            draft = Generator.from_dir(args.draft, backend=args.backend, verify=not args.no_verify,
+        draft, path = None, gen.recorded_draft if args.draft == "auto" else args.draft
+        if args.draft != "ngram" and path:  # loaded like the model: same backend and options
+            draft = Generator.from_dir(path, backend=args.backend, verify=not args.no_verify,
                                        **_backend_options(args))
         spec = dict(draft=draft or args.draft, draft_tokens=args.num_speculative_tokens,
                     adaptive=not args.fixed_k) if args.draft else {}

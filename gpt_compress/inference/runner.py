@@ -84,7 +84,8 @@ class Generator:
     """Generation and scoring over one ``DecodeBackend`` (+ ``score``)."""
 
     def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
-                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0):
+                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0,
+                 recorded_draft: Optional[str] = None):
         self.backend = backend
         # > 0: the model was finetuned with prompts fixed to this many tokens; text prompts get the same.
         self.prompt_tokens = prompt_tokens
@@ -93,6 +94,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.name = name
         self.kind = name.partition(":")[0]  # the backend name of ``from_dir``, else ""
+        self.recorded_draft = recorded_draft  # the draft an export's manifest names (``draft="auto"``)
         self._lock = threading.Lock()
         self._drafts: dict = {}  # draft path -> its Generator (``draft_for``)
 
@@ -132,6 +134,8 @@ class Generator:
                         eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id,
                         prompt_tokens=manifest.prompt_tokens)
             has_tok = bool(manifest.data.get("tokenizer"))
+            recorded = manifest.data.get("draft", {}).get("path")  # `gptc pipeline`'s draft stage
+            info["recorded_draft"] = os.path.normpath(os.path.join(path, recorded)) if recorded else None
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = _load_tokenizer(tokenizer)
         elif tokenizer is None and has_tok:
@@ -173,11 +177,16 @@ class Generator:
 
     # ------------------------------------------------------------------ speculative decoding
     def draft_for(self, draft: Union[str, "Generator"]):
-        """The speculative draft named by ``draft``: ``"ngram"`` (prompt lookup), the path of an
-        export or checkpoint with the same tokenizer (loaded once, on this generator's backend),
-        or a ``Generator``."""
+        """The speculative draft named by ``draft``: ``"ngram"`` (prompt lookup), ``"auto"`` (the
+        draft the export's manifest records: `gptc pipeline`), the path of an export or checkpoint
+        with the same tokenizer (loaded once, on this generator's backend), or a ``Generator``."""
         if isinstance(draft, str) and draft == "ngram":
             return NgramDraft()
+        if isinstance(draft, str) and draft == "auto":
+            if not self.recorded_draft:
+                raise InputError(f"{self.name} records no draft (gptc pipeline's draft stage writes one); "
+                                 "pass a model directory or 'ngram'")
+            draft = self.recorded_draft
         if isinstance(draft, (str, os.PathLike)):
             path = os.fspath(draft)
             if path not in self._drafts:
