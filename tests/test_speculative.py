@@ -226,6 +226,11 @@ def test_bad_settings_are_one_line_errors():
         _spec(target, NgramDraft(), PROMPTS, _cfg(decode_strategy="beam_search", num_beams=2), None)
     with pytest.raises(InputError, match="decode_positions"):
         _spec(object(), NgramDraft(), PROMPTS, _cfg(), None)
+    from gpt_compress.config import ConfigError
+    from gpt_compress.sections import ServeConfig
+
+    with pytest.raises(ConfigError, match="Serve.speculative_tokens must be >= 0"):
+        ServeConfig(speculative_tokens=-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -401,3 +406,50 @@ def test_sampling_with_the_model_as_its_own_draft_keeps_every_proposal(generator
     assert gen.generate(prompts, **kw).sequences == out.sequences
     ngram = gen.generate(prompts, **{**kw, "draft": "ngram"})
     assert [len(s) for s in ngram.sequences] == [16, 16, 16] or gen.eos_token_id is not None
+
+
+def test_the_server_engine_with_prompt_lookup_gives_each_requests_tokens(generators, monkeypatch):
+    """In-process engine on the fused program, ``speculative_tokens=4``: greedy requests (self-
+    quoting prompts of different lengths, an EOS mid-run, ``max_tokens`` inside a run, a sampled
+    request next to them, joined as slots free up; a slot cache of 40 columns at first, so verify
+    steps meet repacks) get the tokens of generating each alone, and the proposals are counted."""
+    import queue
+
+    from gpt_compress.serve.engine import Engine, Failed, Finished, Request, request_config
+    from gpt_compress.serve import slots
+    from gpt_compress.serve.metrics import Metrics
+
+    monkeypatch.setattr(slots, "INITIAL_CAPACITY", 40)
+    gen = generators("fused")
+    base = gen.encode(["ROMEO:\nBut, soft! what light through yonder window breaks?\nROMEO:\nBut, soft!",
+                       "To be, or not to be, that is the question. To be, or not",
+                       "First Citizen:\nBefore we proceed any further, hear me speak."])
+    jobs = [(base[0], 24, 0.0), (base[1], 7, 0.0), (base[2], 20, 0.0), (base[0][3:], 16, 0.0), (base[1], 12, 0.8)]
+    cfgs = [request_config(n, temp, 1.0, 0, 1.0, 5, 0) for _, n, temp in jobs]
+    # EOS: a token job 3 first produces at step 4 or later (the engine's EOS for every request).
+    ref3 = gen.generate([jobs[3][0]], config=cfgs[3]).sequences[0]
+    eos = next(t for j, t in enumerate(ref3) if j >= 4 and t not in ref3[:j])
+    want = [gen.generate([p], config=dataclasses.replace(c, eos_token_id=eos)).sequences[0]
+            for (p, _, _), c in zip(jobs, cfgs)]
+    assert want[3][-1] == eos and len(want[3]) < 16
+    metrics = Metrics()
+    engine = Engine(gen, max_batch=4, max_queue=8, metrics=metrics, speculative_tokens=4)
+    engine.eos = eos
+    events = queue.Queue()
+    engine.start()
+    try:
+        for i, ((prompt, _, _), cfg) in enumerate(zip(jobs, cfgs)):
+            engine.submit(Request(prompt, cfg, emit=lambda ev, i=i: events.put((i, ev))))
+        tokens, ends = {i: [] for i in range(len(jobs))}, {}
+        while len(ends) < len(jobs):
+            i, ev = events.get(timeout=120)
+            if isinstance(ev, (Failed, Finished)):
+                ends[i] = ev
+            else:
+                tokens[i].append(ev.token_id)
+    finally:
+        engine.stop()
+    assert all(isinstance(e, Finished) for e in ends.values()), ends
+    assert [tokens[i] for i in range(len(jobs))] == want
+    assert engine.proposed > 0 and 0 < engine.accepted <= engine.proposed
+    assert metrics.draft_tokens._value.get() == engine.proposed and engine.batch.relayouts >= 1
