@@ -346,4 +346,18 @@ class Generator:
         return input_ids, attention_mask
 
 
+def measure_draft(base: str, draft: str, prompts: Sequence[Sequence[int]], k: int = DRAFT_TOKENS,
+                  new_tokens: int = 32) -> dict:
+    """The export ``draft`` as the speculative draft of the export ``base`` (Paddle, greedy, ``k``
+    proposals a step, not adaptive) over ``prompts``: the figures ``record_draft`` keeps."""
+    gen = Generator.from_dir(base, backend="paddle")
+    new_tokens = max(1, min(new_tokens, gen.max_positions - max(len(p) for p in prompts)))
+    out = gen.generate(list(prompts), max_new_tokens=new_tokens, draft=Generator.from_dir(draft, backend="paddle"),
+                       draft_tokens=k, adaptive=False)
+    spec = out.speculation
+    return {"acceptance_rate": spec["acceptance_rate"], "tokens_per_target_step": spec["tokens_per_target_step"],
+            "k": k, "measured_on": f"{len(prompts)} held-out windows of up to {max(len(p) for p in prompts)} tokens, "
+                                   f"{new_tokens} greedy tokens each"}
+
+
 __all__ = ["Generator", "Generated", "InputError", "ModelDirError", "BACKENDS"]

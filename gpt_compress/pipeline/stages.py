@@ -288,29 +288,24 @@ class Pipeline(EvalStages, StageRunner):
         ``DRAFT_NEW_TOKENS`` greedy tokens each, ``DRAFT_K`` proposals a step (not adaptive)."""
         import numpy as np
 
-        from ..inference.manifest import record_draft
-        from ..inference.runner import Generator
+        from ..inference.manifest import read_manifest, record_draft
+        from ..inference.runner import measure_draft
 
         base, draft = self.outputs("export_base")["export"], self.outputs(src_stage)["export"]
-        gen = Generator.from_dir(base, backend="paddle")
         text_path = self.outputs("data").get("heldout") or self._ppl_text
         if not text_path:
             raise PipelineError("the draft stage needs held-out text: set Pipeline.heldout_fraction > 0 "
                                 "or Pipeline.eval_wikitext")
+        from ..data.tokenizer import Tokenizer
+
         with open(text_path, encoding="utf-8") as f:
-            ids = gen.tokenizer.encode(f.read(200_000))
-        width = max(1, min(32, gen.max_positions - DRAFT_NEW_TOKENS))
+            ids = Tokenizer.load(base).encode(f.read(200_000))
+        width = max(1, min(32, read_manifest(base).max_positions - DRAFT_NEW_TOKENS))
         if len(ids) < 2 * width:
             raise PipelineError(f"{text_path} is too short for the draft measurement ({len(ids)} tokens)")
         starts = np.linspace(0, len(ids) - width, DRAFT_PROMPTS).astype(int)
-        out = gen.generate([ids[s:s + width] for s in starts], max_new_tokens=DRAFT_NEW_TOKENS,
-                           draft=Generator.from_dir(draft, backend="paddle"), draft_tokens=DRAFT_K, adaptive=False)
-        spec = out.speculation
-        entry = record_draft(base, draft, {"acceptance_rate": spec["acceptance_rate"],
-                                           "tokens_per_target_step": spec["tokens_per_target_step"], "k": DRAFT_K,
-                                           "measured_on": f"{DRAFT_PROMPTS} held-out windows of {width} tokens, "
-                                                          f"{DRAFT_NEW_TOKENS} greedy tokens each"})
-        return {"export": base, "draft": draft, "source": src_stage, **entry}
+        figures = measure_draft(base, draft, [ids[s:s + width] for s in starts], DRAFT_K, DRAFT_NEW_TOKENS)
+        return {"export": base, "draft": draft, "source": src_stage, **record_draft(base, draft, figures)}
 
     def _run_export(self, src_stage: str, name: str) -> dict:
         out = self.path("export", name)
