@@ -392,6 +392,8 @@ def test_auto_uses_the_draft_the_manifest_records(dirs, tmp_path):
     prompts = gen.encode(_texts())
     out = gen.generate(prompts, max_new_tokens=12, draft="auto")
     assert out.sequences == gen.generate(prompts, max_new_tokens=12).sequences and out.speculation["proposed"] > 0
+    text = "".join(gen.stream_text(_texts()[1], max_new_tokens=12, draft="auto"))
+    assert text == "".join(gen.stream_text(_texts()[1], max_new_tokens=12))
 
 
 def test_sampling_with_the_model_as_its_own_draft_keeps_every_proposal(generators):

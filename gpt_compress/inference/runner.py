@@ -243,18 +243,25 @@ class Generator:
                          seconds=seconds, speculation=stats.as_dict() if proposer is not None else None)
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
-               truncate: bool = False, **sampling: Any) -> Iterator[np.ndarray]:
+               truncate: bool = False, draft: Union[str, "Generator", None] = None,
+               draft_tokens: int = DRAFT_TOKENS, adaptive: bool = True, **sampling: Any) -> Iterator[np.ndarray]:
         """Iterator over each step's new tokens (B,) as they are produced (greedy/sampling);
         rows that already finished yield the pad id. Inputs are checked now; the iterator holds
-        the lock from its first step until it is exhausted or closed."""
+        the lock from its first step until it is exhausted or closed. ``draft``: as ``generate``
+        (a step's tokens come once every unfinished row has them)."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
         if cfg.decode_strategy == "beam_search":
             raise InputError("beam search does not stream; call generate()")
-        return self._locked_stream(ids, cfg, eos, pad)
+        proposer = self.draft_for(draft) if draft is not None else None
+        return self._locked_stream(ids, cfg, eos, pad, proposer, draft_tokens, adaptive)
 
-    def _locked_stream(self, ids, cfg, eos, pad) -> Iterator[np.ndarray]:
+    def _locked_stream(self, ids, cfg, eos, pad, proposer=None, k: int = DRAFT_TOKENS,
+                       adaptive: bool = True) -> Iterator[np.ndarray]:
         with self._lock:
-            yield from stream_tokens(self.backend, ids, cfg, eos, pad)
+            if proposer is None:
+                yield from stream_tokens(self.backend, ids, cfg, eos, pad)
+            else:
+                yield from speculative_tokens(self.backend, proposer, ids, cfg, eos, pad, k, adaptive)
 
     def stream_text(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
         """Iterator over decoded text pieces of one prompt's continuation (needs the tokenizer).
