@@ -10,6 +10,7 @@
         logprob, argmax = gen.head_scores(hidden[sel], labels[sel])  # (N,) each
     if gen.scores_rows:                                         # the fused program: head at flat rows
         logits = gen.logits_at(input_ids, attention_mask, rows) # (n, V)
+    out = gen.generate(prompts, draft="ngram")                  # speculative: "ngram", "auto", a dir
 
 Decoding itself (greedy, sampling, top-k/top-p, repetition penalty, beam search) is
 ``model/generation.py``, shared by all backends; a backend only runs the network.
