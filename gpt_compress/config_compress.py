@@ -114,6 +114,7 @@ class PipelineConfig:
     speed_prompt_tokens: int = 32  # decode speed: prompt length (batch 1, greedy)
     speed_new_tokens: int = 32  # decode speed: generated tokens per run
     speed_reps: int = 3  # decode speed: timed runs (median)
+    draft: bool = True  # with prune: the compressed export (int8 with qat) becomes the base export's draft
 
     def __post_init__(self) -> None:
         if not self.corpus and not self.init_from:

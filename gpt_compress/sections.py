@@ -88,6 +88,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a batch slot; more get 429 with Retry-After
     prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request; no limit when none runs)
     admit_wait_steps: int = 4  # steps a lone arrival may wait for others (serve/batch.py: onnx, unfused)
+    speculative_tokens: int = 0  # greedy requests: up to N prompt-lookup draft tokens a step (fused program); 0: off
     request_timeout: float = 300.0  # seconds a request may take (queued + generating); 0: no limit
     max_tokens_default: int = 16  # max_tokens of a request that gives none (as OpenAI)
     max_n: int = 8  # most choices (n) per prompt
@@ -102,7 +103,7 @@ class ServeConfig:
         for key in ("max_batch", "max_n", "max_tokens_default", "prefill_budget"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"Serve.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_queue", "admit_wait_steps"):
+        for key in ("max_queue", "admit_wait_steps", "speculative_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"Serve.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.port <= 65535:

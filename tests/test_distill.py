@@ -216,3 +216,25 @@ def test_pruned_distilled_model_exports_with_backend_parity(pipeline, tmp_path):
     assert len(gens["dygraph"].backend.logits) == PROMPT_TOKENS
     assert outs["paddle"] == outs["dygraph"] and outs["onnx"] == outs["dygraph"]
     assert_step_parity(gens, LOGIT_ATOL)
+
+
+def test_distill_records_the_student_as_the_teacher_exports_draft(tmp_path_factory, shakespeare, tmp_path):
+    """`gptc distill --draft-for EXPORT` (the teacher as its own student, 2 steps): the student is
+    exported beside the run and recorded in the teacher export's manifest with its measured
+    acceptance rate; `draft="auto"` then runs it."""
+    from gpt_compress.export import export
+    from gpt_compress.inference.runner import Generator
+
+    teacher = teacher_ckpt(tmp_path_factory, shakespeare)
+    base = export(teacher, str(tmp_path / "teacher_export"), formats=("paddle",))
+    out = gptc("distill", "--no-progress", "-c", TINY_YAML, "-o", f"Distill.teacher={teacher}",
+               "-o", f"Distill.student={teacher}", "--draft-for", base,
+               *data_overrides(shakespeare, tmp_path / "run", max_steps=2, eval_freq=0, save_steps=0))
+    draft = out["draft"]
+    assert os.path.isfile(os.path.join(draft["export"], "manifest.json")) and 0 <= draft["acceptance_rate"] <= 1
+    recorded = json.loads(open(os.path.join(base, "manifest.json")).read())["draft"]
+    assert os.path.normpath(os.path.join(base, recorded["path"])) == os.path.normpath(draft["export"])
+    gen = Generator.from_dir(base, backend="paddle")
+    prompts = gen.encode(PROMPTS)
+    got = gen.generate(prompts, max_new_tokens=12, draft="auto")
+    assert got.sequences == gen.generate(prompts, max_new_tokens=12).sequences

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL = {"data", "pretrain", "prune", "distill", "qat", "export_base", "export_compressed",
+ALL = {"data", "pretrain", "prune", "distill", "qat", "export_base", "export_compressed", "draft",
        "eval_base", "eval_compressed", "eval_int8", "report"}
 
 
@@ -77,6 +77,11 @@ def test_pipeline_runs_skips_and_reruns_what_follows(tiny_config):
         assert abs(p - o) / p < 1e-3, (name, p, o)
     md = (out / "report" / "report.md").read_text()
     assert md.count("| QAT int8 |") == 2 and "prune (taylor" in md
+    # The int8 export is the base export's speculative draft, with its measured acceptance.
+    draft = json.loads((out / "export" / "base" / "manifest.json").read_text())["draft"]
+    assert (out / "export" / "base" / draft["path"]).resolve() == (out / "qat" / "int8").resolve(), draft
+    assert 0 <= draft["acceptance_rate"] <= 1 and draft["k"] == 5
+    assert f"acceptance rate {draft['acceptance_rate']}" in md
     for png in ("loss_curves.png", "size_vs_quality.png", "speed_vs_quality.png"):
         w, h = _png_size(out / "report" / png)
         assert w > 300 and h > 200 and os.path.getsize(out / "report" / png) > 10_000, png

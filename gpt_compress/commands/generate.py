@@ -9,6 +9,7 @@ import time
 
 from ..errors import DataError, InputError
 from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, print_json
+from ._speculative import add_draft_arguments, check_draft_arguments, speedup_report
 
 
 def add_arguments(parser) -> None:
@@ -20,6 +21,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--input-file", help="JSONL file with one {\"prompt\": ...} per line")
     parser.add_argument("--tokenizer-dir", default="", help="tokenizer directory (default: the checkpoint's)")
     parser.add_argument("--no-stream", action="store_true", help="print only the final text")
+    add_draft_arguments(parser)
 
 
 def read_prompts_jsonl(path: str) -> list[str]:
@@ -72,6 +74,7 @@ def run(args) -> int:
     gen = cfg.generation
     if gen.seed is None:
         gen.seed = cfg.global_.seed
+    check_draft_arguments(args)
     model = load_model(args.model)
     if not hasattr(model, "logits"):
         raise InputError(f"{args.model} holds a sequence classifier (finetune-glue output); it cannot generate text")
@@ -109,9 +112,24 @@ def run(args) -> int:
 
     if stream:
         sys.stdout.write(texts[0] if texts else tok.decode(prompts[0]))
+    backend, spec = DygraphBackend(model), None
     t0 = time.perf_counter()
-    out = generate(DygraphBackend(model), prompts, gen, eos, pad, on_tokens=on_tokens)
+    if args.draft:
+        from ..model.speculative import ModelDraft, NgramDraft, speculative_generate
+
+        draft = NgramDraft() if args.draft == "ngram" else ModelDraft(DygraphBackend(_draft_model(args.draft, model)))
+        t0 = time.perf_counter()
+        out, stats = speculative_generate(backend, draft, prompts, gen, eos, pad, args.num_speculative_tokens,
+                                          not args.fixed_k, on_tokens)
+        spec = {"draft": args.draft, **stats.as_dict()}
+    else:
+        out = generate(backend, prompts, gen, eos, pad, on_tokens=on_tokens)
     seconds = time.perf_counter() - t0
+    if spec is not None and args.measure_speedup:
+        t1 = time.perf_counter()
+        plain = generate(backend, prompts, gen, eos, pad)
+        spec.update(speedup_report((out.sequences, seconds), (plain.sequences, time.perf_counter() - t1),
+                                   gen.decode_strategy == "greedy"))
     if stream:
         sys.stdout.write("\n")
     results = []
@@ -123,5 +141,21 @@ def run(args) -> int:
                 print((texts[i] if i < len(texts) else "") + item["text"])
         results.append(item)
     n_new = sum(len(s) for s in out.sequences)
-    print_json({"results": results, "seconds": round(seconds, 3), "tokens_per_s": round(n_new / seconds, 1)})
+    summary = {"results": results, "seconds": round(seconds, 3), "tokens_per_s": round(n_new / seconds, 1)}
+    if spec is not None:
+        summary["speculation"] = spec
+    print_json(summary)
     return 0
+
+
+def _draft_model(path: str, model):
+    """The checkpoint at ``path`` as a draft of ``model``: a causal LM of the same vocabulary."""
+    from ..checkpoint import load_model
+
+    draft = load_model(path)
+    if not hasattr(draft, "logits"):
+        raise InputError(f"--draft {path} holds a sequence classifier; a draft must generate text")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise InputError(f"--draft {path} has a vocabulary of {draft.config.vocab_size} tokens, the model "
+                         f"{model.config.vocab_size}: a draft needs the same tokenizer")
+    return draft

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ._common import add_config_arguments, config_from_args, fail, print_json
+from ._speculative import add_draft_arguments, check_draft_arguments, speedup_report
 from .generate import parse_prompt_ids, read_prompts_jsonl
 
 
@@ -26,6 +27,7 @@ def add_arguments(parser) -> None:
                         help="paddle: run the unfused programs, not the fused CPU operators (kernels/)")
     parser.add_argument("--no-stream", action="store_true", help="print only the final text")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+    add_draft_arguments(parser)
 
 
 def _backend_options(args) -> dict:
@@ -54,6 +56,7 @@ def run(args) -> int:
     except (OSError, ValueError) as e:
         return fail(str(e))
     ids = [parse_prompt_ids(p) for p in args.prompt_ids]
+    check_draft_arguments(args)
     if not texts and not ids:
         return fail("give --prompt, --prompt-ids or --input-file")
     from ..memory import check_fits, model_config_of
@@ -83,7 +86,15 @@ def run(args) -> int:
                     shown[0] = text
         else:
             on_tokens = None
-        out = gen.generate(prompts, config=gen_cfg, truncate=args.truncate, on_tokens=on_tokens)
+        draft, path = None, gen.recorded_draft if args.draft == "auto" else args.draft
+        if args.draft != "ngram" and path:  # loaded like the model: same backend and options
+            draft = Generator.from_dir(path, backend=args.backend, verify=not args.no_verify,
+                                       **_backend_options(args))
+        spec = dict(draft=draft or args.draft, draft_tokens=args.num_speculative_tokens,
+                    adaptive=not args.fixed_k) if args.draft else {}
+        out = gen.generate(prompts, config=gen_cfg, truncate=args.truncate, on_tokens=on_tokens, **spec)
+        if args.measure_speedup:
+            plain = gen.generate(prompts, config=gen_cfg, truncate=args.truncate)
     except (InputError, ModelDirError) as e:
         return fail(str(e))
     if stream:
@@ -98,6 +109,12 @@ def run(args) -> int:
         if out.scores is not None:
             item["score"] = out.scores[i]
         results.append(item)
-    print_json({"backend": args.backend, "results": results, "seconds": round(out.seconds, 3),
-                "new_tokens": sum(len(s) for s in out.sequences), "tokens_per_s": round(out.tokens_per_s, 1)})
+    summary = {"backend": args.backend, "results": results, "seconds": round(out.seconds, 3),
+               "new_tokens": sum(len(s) for s in out.sequences), "tokens_per_s": round(out.tokens_per_s, 1)}
+    if out.speculation is not None:
+        summary["speculation"] = {"draft": args.draft, **out.speculation}
+        if args.measure_speedup:
+            summary["speculation"].update(speedup_report((out.sequences, out.seconds), (plain.sequences, plain.seconds),
+                                                         gen_cfg.decode_strategy == "greedy"))
+    print_json(summary)
     return 0

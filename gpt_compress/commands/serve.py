@@ -16,7 +16,7 @@ from .infer import _backend_options
 # flag -> Serve field
 FLAGS = {"backend": "backend", "host": "host", "port": "port", "max_batch": "max_batch", "max_queue": "max_queue",
          "timeout": "request_timeout", "model_name": "model_name", "threads": "threads",
-         "grace_period": "grace_period", "step_delay": "step_delay"}
+         "grace_period": "grace_period", "step_delay": "step_delay", "speculative_tokens": "speculative_tokens"}
 
 
 def add_arguments(parser) -> None:
@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of every program (0: defaults)")
     parser.add_argument("--grace-period", type=float, default=None,
                         help="seconds SIGTERM waits for in-flight requests")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="greedy requests: up to N prompt-lookup draft tokens a step, checked in one verify "
+                             "step (fused Paddle program; default Serve.speculative_tokens, 0: off)")
     parser.add_argument("--step-delay", type=float, default=None, help=argparse.SUPPRESS)  # tests and demos only: Serve.step_delay
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $GPTC_API_KEY, see Serve.api_key_env)")

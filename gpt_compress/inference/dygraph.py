@@ -31,6 +31,16 @@ class DygraphBackend:
         """New tokens (B, 1) with the full mask (B, S + 1) -> logits (B, V), cache."""
         return self._step(input_ids, attention_mask, cache)
 
+    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache):
+        """New tokens (B, T), full mask (B, S + T) -> logits at every new position (B, T, V), cache."""
+        from ..model.speculative import decode_each
+
+        return decode_each(self.decode, input_ids, attention_mask, cache)
+
+    def truncate_cache(self, cache, length: int):
+        """The cache cut to its first ``length`` positions."""
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in cache]
+
     def reorder_cache(self, cache, rows: np.ndarray):
         """Gather cache rows (beam search)."""
         idx = paddle.to_tensor(np.asarray(rows, dtype=np.int64))

@@ -214,7 +214,21 @@ class FusedBackend:
         control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)
         return self._call(self._decode, input_ids, attention_mask, cache, True, control)
 
-    def _decode(self, input_ids, attention_mask, cache, tokens: bool = False, control=None):
+    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
+        """New tokens (B, T) with the full mask (B, S + T) -> logits at every new position (B, T, V)
+        in one program run (speculative decoding's verify step: the arithmetic of each position is
+        bitwise that of feeding them one by one), the cache (updated in place)."""
+        return self._call(self._decode, input_ids, attention_mask, cache, False, None, True)
+
+    def truncate_cache(self, cache: FusedCache, length: int) -> FusedCache:
+        """The cache cut to ``length`` positions: only its length changes (the next run overwrites
+        the positions past it)."""
+        if not 0 < length <= cache.length:
+            raise ValueError(f"cannot cut a cache of {cache.length} positions to {length}")
+        cache.length = length
+        return cache
+
+    def _decode(self, input_ids, attention_mask, cache, tokens: bool = False, control=None, every: bool = False):
         b, t = input_ids.shape
         steps = int(control[0]) if control is not None else t  # positions the cache gains
         if attention_mask.shape[1] != cache.length + t:
@@ -226,9 +240,10 @@ class FusedBackend:
             for new, old in zip(grown, cache.tensors):
                 new[:, :, :cache.length] = old[:, :, :cache.length]
             cache = FusedCache(grown, cache.length)
-        out = self._run(input_ids, attention_mask, np.arange(b) * t + t - 1, cache.tensors, tokens, control)
+        rows = np.arange(b * t) if every else np.arange(b) * t + t - 1
+        out = self._run(input_ids, attention_mask, rows, cache.tensors, tokens, control)
         cache.length = need
-        return out, cache
+        return (out.reshape(b, t, -1) if every else out), cache
 
     def reorder_cache(self, cache: FusedCache, rows: np.ndarray) -> FusedCache:
         """Gather cache rows (beam search): new tensors."""

@@ -265,6 +265,22 @@ def write_manifest(path: str, manifest: dict) -> None:
     write_json_atomic(os.path.join(path, MANIFEST), manifest)
 
 
+def record_draft(path: str, draft: str, figures: dict) -> dict:
+    """Record the export ``draft`` as the speculative draft of the export ``path``: its manifest's
+    ``draft`` (the path relative to ``path`` and ``figures``, e.g. the measured acceptance rate)
+    and the manifest's entry in ``CHECKSUMS``. Returns the entry."""
+    verify_files(path, [MANIFEST])
+    data = read_manifest(path).data
+    data["draft"] = {"path": os.path.relpath(os.path.abspath(draft), os.path.abspath(path)), **figures}
+    write_manifest(path, data)
+    sums_path = os.path.join(path, CHECKSUMS)
+    if os.path.isfile(sums_path):
+        sums = read_json(sums_path, ModelDirError)
+        sums[MANIFEST] = sha256_file(os.path.join(path, MANIFEST))
+        write_json_atomic(sums_path, sums)
+    return data["draft"]
+
+
 def tp_rank_entries(cfg, mp: int, rank: int) -> dict:
     """What a rank directory's manifest adds for rank ``rank`` of ``mp``: the full model's
     vocabulary and special tokens, and which vocabulary slice its logits are."""

@@ -102,6 +102,19 @@ class OrtBackend:
         outs = self._run("decode", {"input_ids": input_ids, "attention_mask": attention_mask}, past)
         return outs[0].numpy(), list(outs[1:])
 
+    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache):
+        """New tokens (B, T), full mask (B, S + T) -> logits at every new position (B, T, V), cache:
+        one ``decode`` per position (the program returns only the last position's logits)."""
+        from ..model.speculative import decode_each
+
+        return decode_each(self.decode, input_ids, attention_mask, cache)
+
+    def truncate_cache(self, cache, length: int):
+        """The cache cut to its first ``length`` positions (copied through numpy)."""
+        if not 0 < length <= int(cache[0].shape()[2]):
+            raise ValueError(f"cannot cut a cache of {cache[0].shape()[2]} positions to {length}")
+        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length])) for v in cache]
+
     def reorder_cache(self, cache, rows: np.ndarray):
         """Gather cache rows (beam search); goes through numpy."""
         rows = np.asarray(rows, dtype=np.int64)

@@ -223,6 +223,19 @@ class PaddleBackend:
         A bucketed cache is updated in place: do not reuse ``cache`` after this call."""
         return self._call(self._decode, input_ids, attention_mask, cache)
 
+    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: PaddleCache):
+        """New tokens (B, T), full mask (B, S + T) -> logits at every new position (B, T, V), cache:
+        one ``decode`` per position (the programs return only the last position's logits)."""
+        from ..model.speculative import decode_each
+
+        return decode_each(self.decode, input_ids, attention_mask, cache)
+
+    def truncate_cache(self, cache: PaddleCache, length: int) -> PaddleCache:
+        """The cache cut to ``length`` positions (no copy: ``decode`` reads the first ``length``)."""
+        if not 0 < length <= cache.length:
+            raise ValueError(f"cannot cut a cache of {cache.length} positions to {length}")
+        return PaddleCache(cache.tensors, length)
+
     def reorder_cache(self, cache: PaddleCache, rows: np.ndarray) -> PaddleCache:
         """Gather cache rows (beam search)."""
         return self._call(self._reorder_cache, cache, rows)

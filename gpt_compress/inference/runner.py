@@ -10,6 +10,7 @@
         logprob, argmax = gen.head_scores(hidden[sel], labels[sel])  # (N,) each
     if gen.scores_rows:                                         # the fused program: head at flat rows
         logits = gen.logits_at(input_ids, attention_mask, rows) # (n, V)
+    out = gen.generate(prompts, draft="ngram")                  # speculative: "ngram", "auto", a dir
 
 Decoding itself (greedy, sampling, top-k/top-p, repetition penalty, beam search) is
 ``model/generation.py``, shared by all backends; a backend only runs the network.
@@ -37,6 +38,7 @@ import numpy as np
 from ..config import GenerationConfig
 from ..data.tokenizer import encode_prompts
 from ..model.generation import beam_search, stream_tokens
+from ..model.speculative import DRAFT_TOKENS, ModelDraft, NgramDraft, SpeculationStats, speculative_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
 Prompt = Union[str, Sequence[int]]
@@ -52,6 +54,7 @@ class Generated:
     prompt_tokens: list[int]  # prompt lengths after encoding (and truncation)
     scores: Optional[list[float]]  # beam search: length-normalised log-probability of each result
     seconds: float
+    speculation: Optional[dict] = None  # with a draft: ``SpeculationStats.as_dict()``
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,7 +85,8 @@ class Generator:
     """Generation and scoring over one ``DecodeBackend`` (+ ``score``)."""
 
     def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
-                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0):
+                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0,
+                 recorded_draft: Optional[str] = None):
         self.backend = backend
         # > 0: the model was finetuned with prompts fixed to this many tokens; text prompts get the same.
         self.prompt_tokens = prompt_tokens
@@ -90,7 +94,10 @@ class Generator:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.tokenizer = tokenizer
         self.name = name
+        self.kind = name.partition(":")[0]  # the backend name of ``from_dir``, else ""
+        self.recorded_draft = recorded_draft  # the draft an export's manifest names (``draft="auto"``)
         self._lock = threading.Lock()
+        self._drafts: dict = {}  # draft path -> its Generator (``draft_for``)
 
     @classmethod
     def from_dir(cls, path: str, backend: str = "paddle", tokenizer=None, verify: bool = True,
@@ -128,6 +135,8 @@ class Generator:
                         eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id,
                         prompt_tokens=manifest.prompt_tokens)
             has_tok = bool(manifest.data.get("tokenizer"))
+            recorded = manifest.data.get("draft", {}).get("path")  # `gptc pipeline`'s draft stage
+            info["recorded_draft"] = os.path.normpath(os.path.join(path, recorded)) if recorded else None
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = _load_tokenizer(tokenizer)
         elif tokenizer is None and has_tok:
@@ -167,25 +176,62 @@ class Generator:
         eos, pad = special_ids(cfg, self.eos_token_id, self.pad_token_id, self.vocab_size)
         return cfg, ids, eos, pad
 
+    # ------------------------------------------------------------------ speculative decoding
+    def draft_for(self, draft: Union[str, "Generator"]):
+        """The speculative draft named by ``draft``: ``"ngram"`` (prompt lookup), ``"auto"`` (the
+        draft the export's manifest records: `gptc pipeline`), the path of an export or checkpoint
+        with the same tokenizer (loaded once, on this generator's backend), or a ``Generator``."""
+        if isinstance(draft, str) and draft == "ngram":
+            return NgramDraft()
+        if isinstance(draft, str) and draft == "auto":
+            if not self.recorded_draft:
+                raise InputError(f"{self.name} records no draft (gptc pipeline's draft stage writes one); "
+                                 "pass a model directory or 'ngram'")
+            draft = self.recorded_draft
+        if isinstance(draft, (str, os.PathLike)):
+            path = os.fspath(draft)
+            if path not in self._drafts:
+                if not os.path.isdir(path):
+                    raise InputError(f"draft {path!r} is neither 'ngram' nor a model directory")
+                self._drafts[path] = Generator.from_dir(path, backend=self.kind or "paddle")
+            draft = self._drafts[path]
+        if not isinstance(draft, Generator):
+            raise InputError(f"draft must be 'ngram', a model directory or a Generator, got {type(draft).__name__}")
+        if draft.vocab_size != self.vocab_size:
+            raise InputError(f"draft {draft.name} has a vocabulary of {draft.vocab_size} tokens, the model "
+                             f"{self.vocab_size}: a draft needs the same tokenizer")
+        if (draft.tokenizer is not None and self.tokenizer is not None
+                and draft.tokenizer.to_json() != self.tokenizer.to_json()):
+            raise InputError(f"draft {draft.name} has another tokenizer than {self.name}")
+        return ModelDraft(draft.backend)
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
                  truncate: bool = False, on_tokens: Optional[Callable[[np.ndarray], None]] = None,
-                 **sampling: Any) -> Generated:
+                 draft: Union[str, "Generator", None] = None, draft_tokens: int = DRAFT_TOKENS,
+                 adaptive: bool = True, **sampling: Any) -> Generated:
         """Generate for one prompt or a batch (strings or token-id lists, any lengths).
         ``sampling``: ``GenerationConfig`` fields (decode_strategy, max_new_tokens, temperature,
         top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, ...).
         ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search).
-        ``truncate`` keeps the end of a prompt too long for the context instead of raising."""
+        ``truncate`` keeps the end of a prompt too long for the context instead of raising.
+        ``draft`` (``draft_for``): speculative decoding, up to ``draft_tokens`` proposals per
+        target step (``adaptive``: fewer while they are rejected); greedy output is the same token
+        for token, sampled output has the same distribution (``model/speculative.py``)."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
+        proposer = self.draft_for(draft) if draft is not None else None
+        stats = SpeculationStats()
         with self._lock:
             t0 = time.perf_counter()
-            if cfg.decode_strategy == "beam_search":
+            if cfg.decode_strategy == "beam_search" and proposer is None:
                 out = beam_search(self.backend, ids, cfg, eos, pad)
                 seqs, scores = out.sequences, out.scores
             else:
                 seqs, scores = [[] for _ in ids], None
                 alive = [True] * len(ids)
-                for step in stream_tokens(self.backend, ids, cfg, eos, pad):
+                steps = (stream_tokens(self.backend, ids, cfg, eos, pad) if proposer is None else
+                         speculative_tokens(self.backend, proposer, ids, cfg, eos, pad, draft_tokens, adaptive, stats))
+                for step in steps:
                     if on_tokens is not None:
                         on_tokens(step)
                     for i, t in enumerate(step):
@@ -195,21 +241,28 @@ class Generator:
             seconds = time.perf_counter() - t0
         texts = [self.tokenizer.decode(s) for s in seqs] if self.tokenizer is not None else None
         return Generated(sequences=seqs, texts=texts, prompt_tokens=[len(p) for p in ids], scores=scores,
-                         seconds=seconds)
+                         seconds=seconds, speculation=stats.as_dict() if proposer is not None else None)
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]], *, config: Optional[GenerationConfig] = None,
-               truncate: bool = False, **sampling: Any) -> Iterator[np.ndarray]:
+               truncate: bool = False, draft: Union[str, "Generator", None] = None,
+               draft_tokens: int = DRAFT_TOKENS, adaptive: bool = True, **sampling: Any) -> Iterator[np.ndarray]:
         """Iterator over each step's new tokens (B,) as they are produced (greedy/sampling);
         rows that already finished yield the pad id. Inputs are checked now; the iterator holds
-        the lock from its first step until it is exhausted or closed."""
+        the lock from its first step until it is exhausted or closed. ``draft``: as ``generate``
+        (a step's tokens come once every unfinished row has them)."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
         if cfg.decode_strategy == "beam_search":
             raise InputError("beam search does not stream; call generate()")
-        return self._locked_stream(ids, cfg, eos, pad)
+        proposer = self.draft_for(draft) if draft is not None else None
+        return self._locked_stream(ids, cfg, eos, pad, proposer, draft_tokens, adaptive)
 
-    def _locked_stream(self, ids, cfg, eos, pad) -> Iterator[np.ndarray]:
+    def _locked_stream(self, ids, cfg, eos, pad, proposer=None, k: int = DRAFT_TOKENS,
+                       adaptive: bool = True) -> Iterator[np.ndarray]:
         with self._lock:
-            yield from stream_tokens(self.backend, ids, cfg, eos, pad)
+            if proposer is None:
+                yield from stream_tokens(self.backend, ids, cfg, eos, pad)
+            else:
+                yield from speculative_tokens(self.backend, proposer, ids, cfg, eos, pad, k, adaptive)
 
     def stream_text(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
         """Iterator over decoded text pieces of one prompt's continuation (needs the tokenizer).
@@ -299,6 +352,20 @@ class Generator:
             if attention_mask.shape != input_ids.shape:
                 raise InputError(f"attention_mask shape {attention_mask.shape} != input_ids shape {input_ids.shape}")
         return input_ids, attention_mask
+
+
+def measure_draft(base: str, draft: str, prompts: Sequence[Sequence[int]], k: int = DRAFT_TOKENS,
+                  new_tokens: int = 32) -> dict:
+    """The export ``draft`` as the speculative draft of the export ``base`` (Paddle, greedy, ``k``
+    proposals a step, not adaptive) over ``prompts``: the figures ``record_draft`` keeps."""
+    gen = Generator.from_dir(base, backend="paddle")
+    new_tokens = max(1, min(new_tokens, gen.max_positions - max(len(p) for p in prompts)))
+    out = gen.generate(list(prompts), max_new_tokens=new_tokens, draft=Generator.from_dir(draft, backend="paddle"),
+                       draft_tokens=k, adaptive=False)
+    spec = out.speculation
+    return {"acceptance_rate": spec["acceptance_rate"], "tokens_per_target_step": spec["tokens_per_target_step"],
+            "k": k, "measured_on": f"{len(prompts)} held-out windows of up to {max(len(p) for p in prompts)} tokens, "
+                                   f"{new_tokens} greedy tokens each"}
 
 
 __all__ = ["Generator", "Generated", "InputError", "ModelDirError", "BACKENDS"]

@@ -158,6 +158,12 @@ def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: Generation
     scores = _processed(logits, seen, step, cfg, eos_token_id)
     if cfg.decode_strategy == "greedy":
         return np.argmax(scores, axis=-1)
+    return _sample(sampling_probs(scores, cfg), rng)
+
+
+def sampling_probs(scores: np.ndarray, cfg: GenerationConfig) -> np.ndarray:
+    """The sampling distribution (N, V) of processed ``scores`` (N, V): temperature, top-k, top-p,
+    softmax (``next_tokens``'s warpers; speculative decoding applies them to both models)."""
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         scaled = scores / cfg.temperature
     # A temperature so small that a row overflows (inf, or NaN where it rounds to 0 in float32)
@@ -167,7 +173,7 @@ def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: Generation
         top = scores[bad]
         scaled[bad] = np.where(top == np.max(top, axis=-1, keepdims=True), 0.0, NEG_INF)
     scores = apply_top_p(apply_top_k(scaled, cfg.top_k), cfg.top_p)
-    return _sample(_softmax(scores), rng)
+    return _softmax(scores)
 
 
 def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,

@@ -137,6 +137,12 @@ class EvalStages:
                              f"(teacher {s.get('teacher_valid_ppl')})")
             else:
                 lines.append(f"- qat: {s.get('steps')} steps; int8 export {stamp.outputs.get('export')}")
+        draft = self.stamps.read("draft") if self.p.prune and self.p.draft else None
+        if draft is not None:
+            d = draft.outputs
+            lines.append(f"- speculative draft of the base export: {d.get('draft')} (greedy, k = {d.get('k')}): "
+                         f"acceptance rate {d.get('acceptance_rate')}, {d.get('tokens_per_target_step')} tokens "
+                         f"per target step on {d.get('measured_on')}")
         text = self._ppl_text
         lines.append(f"- perplexity text: {text or 'none'}; LAMBADA: {self.p.eval_lambada or 'not evaluated'}; "
                      f"speed: batch 1, greedy, {self.p.speed_prompt_tokens}-token prompt, "

@@ -8,7 +8,9 @@ Each stage writes into its own directory under ``Global.output_dir`` (OUT):
     prune/      `gptc prune` output          distill/  `gptc distill` run (student = prune/)
     qat/        `gptc qat` run; qat/int8 = the int8 export
     quant_NAME/ each ``Pipeline.quant_variants`` entry: a `gptc ptq` or `gptc qat` run and its export
-    export/     base/ and compressed/ (`gptc export`)
+    export/     base/ and compressed/ (`gptc export`); the draft stage records the compressed
+                export (qat/int8 with QAT) in base/manifest.json as its speculative draft, with
+                the acceptance rate measured on the held-out text
     eval/       one JSON per artifact: WikiText-style PPL, LAMBADA, decode speed per backend
     report/     report.md, results.json, loss_curves.png, size_vs_quality.png, speed_vs_quality.png
 
@@ -36,6 +38,9 @@ from .driver import Stage, StageRunner, gptc, verify_checkpoint, verify_export, 
 from .evaluation import EvalStages
 from .stamps import StampStore
 
+
+# The draft stage's measurement of the acceptance rate (greedy, batch of held-out windows).
+DRAFT_K, DRAFT_PROMPTS, DRAFT_NEW_TOKENS = 5, 8, 32
 
 # The config sections that decide each training stage's result; a change elsewhere (say the
 # Prune section) does not rerun pretraining.
@@ -125,6 +130,11 @@ class Pipeline(EvalStages, StageRunner):
                             (lambda v=v, src=src: self._run_quant(v, src)), lambda o: verify_export(o["export"]),
                             self.path(f"quant_{v.name}"), resumable=v.command == "qat"))
             artifacts.append((v.name, f"quant_{v.name}"))
+        if p.prune and p.draft:
+            src = "qat" if p.qat else "export_compressed"
+            st.append(Stage("draft", ("export_base", src, "data"), {"k": DRAFT_K, "prompts": DRAFT_PROMPTS,
+                                                                     "new_tokens": DRAFT_NEW_TOKENS},
+                            (lambda src=src: self._run_draft(src)), lambda o: verify_export(o["export"])))
         eval_settings = {k: getattr(p, k) for k in ("eval_wikitext", "eval_input_format", "eval_max_chars",
                                                     "eval_heldout",
                                                     "eval_lambada", "lambada_limit", "eval_seq_len", "formats",
@@ -132,7 +142,8 @@ class Pipeline(EvalStages, StageRunner):
         for name, src in artifacts:
             st.append(Stage(f"eval_{name}", (src, "data"), eval_settings,
                             (lambda n=name, s=src: self._run_eval(n, s)), self._check_eval))
-        st.append(Stage("report", tuple(f"eval_{n}" for n, _ in artifacts) + ("pretrain",), {},
+        drafted = ("draft",) if p.prune and p.draft else ()
+        st.append(Stage("report", tuple(f"eval_{n}" for n, _ in artifacts) + ("pretrain",) + drafted, {},
                         self._run_report, lambda o: self._check_files([o["report"]]), self.path("report")))
         return st
 
@@ -270,6 +281,31 @@ class Pipeline(EvalStages, StageRunner):
                     *self._progress_flag()], f"quant_{v.name}")
         return {"export": res["int8_export"]["path"], "checkpoint": res.get("quantized_checkpoint"),
                 "summary": res}
+
+    def _run_draft(self, src_stage: str) -> dict:
+        """Record ``src_stage``'s export as the speculative draft of the base export (its manifest's
+        ``draft``), with the acceptance rate measured on held-out text: ``DRAFT_PROMPTS`` windows,
+        ``DRAFT_NEW_TOKENS`` greedy tokens each, ``DRAFT_K`` proposals a step (not adaptive)."""
+        import numpy as np
+
+        from ..inference.manifest import read_manifest, record_draft
+        from ..inference.runner import measure_draft
+
+        base, draft = self.outputs("export_base")["export"], self.outputs(src_stage)["export"]
+        text_path = self.outputs("data").get("heldout") or self._ppl_text
+        if not text_path:
+            raise PipelineError("the draft stage needs held-out text: set Pipeline.heldout_fraction > 0 "
+                                "or Pipeline.eval_wikitext")
+        from ..data.tokenizer import Tokenizer
+
+        with open(text_path, encoding="utf-8") as f:
+            ids = Tokenizer.load(base).encode(f.read(200_000))
+        width = max(1, min(32, read_manifest(base).max_positions - DRAFT_NEW_TOKENS))
+        if len(ids) < 2 * width:
+            raise PipelineError(f"{text_path} is too short for the draft measurement ({len(ids)} tokens)")
+        starts = np.linspace(0, len(ids) - width, DRAFT_PROMPTS).astype(int)
+        figures = measure_draft(base, draft, [ids[s:s + width] for s in starts], DRAFT_K, DRAFT_NEW_TOKENS)
+        return {"export": base, "draft": draft, "source": src_stage, **record_draft(base, draft, figures)}
 
     def _run_export(self, src_stage: str, name: str) -> dict:
         out = self.path("export", name)

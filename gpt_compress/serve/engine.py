@@ -43,6 +43,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..model.generation import next_tokens
+from ..model.speculative import NgramDraft
 from .batch import BatchDecoder
 from .slots import SlotDecoder
 
@@ -114,7 +115,8 @@ class Engine:
     """Continuous batching over a ``Generator``'s backend (see the module docstring)."""
 
     def __init__(self, generator, max_batch: int = 16, max_queue: int = 64, metrics=None,
-                 step_delay: float = 0.0, prefill_budget: int = 256, admit_wait_steps: int = 4):
+                 step_delay: float = 0.0, prefill_budget: int = 256, admit_wait_steps: int = 4,
+                 speculative_tokens: int = 0):
         self.gen = generator
         self.tokenizer = generator.tokenizer
         vocab = generator.vocab_size
@@ -126,6 +128,13 @@ class Engine:
         self.prefill_budget = prefill_budget
         self.admit_wait_steps = admit_wait_steps
         self.batch = decoder(generator.backend, max_batch)
+        # Prompt lookup (``model/speculative.py``): up to this many draft tokens per greedy request
+        # and step, checked in one verify step (``SlotDecoder.step_many``); 0: off.
+        self.speculative_tokens = speculative_tokens
+        if speculative_tokens and not isinstance(self.batch, SlotDecoder):
+            raise ValueError("speculative decoding in the server needs the fused Paddle program (backend paddle)")
+        self.ngram = NgramDraft()
+        self.proposed = self.accepted = 0  # draft tokens checked / kept (stats)
         self._pending: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._cond = threading.Condition()
@@ -214,15 +223,22 @@ class Engine:
             tokens = {rid: req.tokens[-1] for rid, req in self._running.items()}
             if self.metrics is not None:
                 self.metrics.batch_size.observe(len(tokens))
+            drafts = self._proposals() if self.speculative_tokens else {}
             try:
-                logits = self.batch.step(tokens)
+                logits = (self.batch.step_many({rid: [tok] + drafts.get(rid, []) for rid, tok in tokens.items()})
+                          if drafts else None)
+                if logits is None:
+                    drafts, logits = {}, self.batch.step(tokens)
             except Exception as e:
                 log.exception("decode step failed")
                 self._fail_all(500, f"decode step failed: {type(e).__name__}: {e}")
                 return
             self.steps += 1
-            for rid, row in logits.items():
-                self._running[rid].logits = row
+            if drafts:
+                self._leave(self._verify(logits, drafts))
+            else:
+                for rid, row in logits.items():
+                    self._running[rid].logits = row
             if self.step_delay:
                 time.sleep(self.step_delay)
         self._gauges()
@@ -317,12 +333,64 @@ class Engine:
             joining.append((req, state))
         return joining
 
+    # ------------------------------------------------------------------ speculative decoding
+    def _proposals(self) -> dict[int, list[int]]:
+        """Prompt-lookup drafts of the running greedy requests without repetition penalty or
+        logprobs (a draft never makes a request produce more than ``max_tokens``)."""
+        out = {}
+        for rid, req in self._running.items():
+            cfg = req.cfg
+            room = min(self.speculative_tokens, cfg.max_new_tokens - len(req.tokens) - 1)
+            if (room > 0 and cfg.decode_strategy == "greedy" and cfg.repetition_penalty == 1.0
+                    and req.logprobs is None):
+                got = self.ngram.lookup(req.prompt + req.tokens, room)
+                if got:
+                    out[rid] = got
+        return out
+
+    def _verify(self, logits: dict[int, np.ndarray], drafts: dict[int, list[int]]) -> list[int]:
+        """Keep each request's drafts while they are its greedy choice (emitted as ``_choose``
+        would, so EOS, stop strings and ``max_tokens`` end it inside a run), set its next logits,
+        roll the slot cache back (``SlotDecoder.keep``); returns the requests that finished."""
+        done, kept = [], {}
+        for rid, req in list(self._running.items()):
+            rows, fed = logits[rid], drafts.get(rid, [])
+            n, finished = 1, False
+            try:
+                for j, tok in enumerate(fed):
+                    if int(next_tokens(rows[j][None], req.seen, len(req.tokens), req.cfg, self.eos, req.rng)[0]) != tok:
+                        break
+                    n += 1
+                    finished = self._take(req, tok, None)
+                    if finished:
+                        break
+            except Exception as e:
+                log.exception("request %d failed", rid)
+                self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+                finished = True
+            self.proposed, self.accepted = self.proposed + len(fed), self.accepted + n - 1
+            if self.metrics is not None and fed:
+                self.metrics.draft_tokens.inc(len(fed))
+                self.metrics.accepted_tokens.inc(n - 1)
+            kept[rid] = n
+            if finished:
+                done.append(rid)
+            else:
+                req.logits = rows[n - 1]
+        self.batch.keep(kept)
+        return done
+
     def _choose(self, req: Request) -> bool:
         """Pick, record and emit the next token of ``req``; True when it has finished."""
         step = len(req.tokens)
         logprobs = _log_softmax(req.logits) if req.logprobs is not None else None
         tok = int(next_tokens(req.logits[None], req.seen, step, req.cfg, self.eos, req.rng)[0])
         req.logits = None
+        return self._take(req, tok, logprobs)
+
+    def _take(self, req: Request, tok: int, logprobs: Optional[np.ndarray]) -> bool:
+        """Record and emit ``tok`` as ``req``'s next token; True when it has finished."""
+        step = len(req.tokens)
         req.seen[0, tok] = True
         req.tokens.append(tok)
         now = time.monotonic()

@@ -22,6 +22,10 @@ class Metrics:
                                        "(ok, cancelled, error_500, error_504, ...)", ["status"], registry=r)
         self.prompt_tokens = Counter("gptc_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("gptc_generation_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter("gptc_speculative_draft_tokens", "Draft tokens checked by verify steps "
+                                    "(prompt lookup)", registry=r)
+        self.accepted_tokens = Counter("gptc_speculative_accepted_tokens", "Draft tokens kept (acceptance "
+                                       "rate: this over gptc_speculative_draft_tokens)", registry=r)
         self.queue_depth = Gauge("gptc_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.running = Gauge("gptc_running_batch_size", "Sequences in the running decode batch", registry=r)
         self.batch_size = Histogram("gptc_decode_batch_size", "Sequences per decode step", registry=r,

@@ -28,7 +28,7 @@ nothing), at the cost of computing them.
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Optional
 
 import numpy as np
 
@@ -68,6 +68,7 @@ class SlotDecoder:
         self.keys: list[Hashable] = []
         self._mask = np.zeros((max_batch, 0), np.int64)  # (max_batch, S): rows >= n are unused
         self.relayouts = 0  # how many times the cache was repacked (stats)
+        self._fed = (0, 0)  # the last step_many's write column and columns (for keep)
         self.max_rows = 0  # the largest running batch so far (stats)
         self._tensors = backend._call(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
         self._views = backend._call(self._check_views)
@@ -190,6 +191,44 @@ class SlotDecoder:
         ids[:n, 0] = [tokens[k] for k in self.keys]
         logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s))
         return {k: logits[i] for i, k in enumerate(self.keys)}
+
+    def step_many(self, tokens: dict[Hashable, list[int]]) -> Optional[dict[Hashable, np.ndarray]]:
+        """Speculative decoding's verify step: ``tokens[key]`` is a row's last chosen token and its
+        draft tokens, fed in one run (T = the longest list; a shorter row's extra columns are
+        masked). Returns each row's logits at its fed positions (len, V), or None when the cache
+        has no room for T columns even after a relayout (the caller then runs ``step``). Call
+        ``keep`` next."""
+        from ..inference.fused import FusedCache
+
+        missing = [k for k in self.keys if k not in tokens or not tokens[k]]
+        if missing:
+            raise ValueError(f"no token for rows {missing}")
+        n, t = len(self.keys), max(len(v) for v in tokens.values())
+        if self.width + t > self.capacity:
+            self.backend._call(self._relayout, 0)
+            if self.width + t > self.capacity:
+                return None
+        s = self.width
+        rows = n if self._views else self.max_batch
+        self._mask = np.pad(self._mask, ((0, 0), (0, t)))
+        ids = np.zeros((rows, t), np.int64)
+        for i, k in enumerate(self.keys):
+            ids[i, :len(tokens[k])] = tokens[k]
+            self._mask[i, s:s + len(tokens[k])] = 1
+        tensors = self._tensors if rows == self.max_batch else self.backend._call(
+            lambda: [t._slice(0, rows) for t in self._tensors])
+        logits, _ = self.backend.decode_positions(ids, self._mask[:rows], FusedCache(tensors, s))
+        self._fed = (s, t)
+        return {k: logits[i, :len(tokens[k])] for i, k in enumerate(self.keys)}
+
+    def keep(self, kept: dict[Hashable, int]) -> None:
+        """After ``step_many``: row ``key`` keeps the first ``kept[key]`` columns it was fed (its
+        token and the accepted drafts); the others are masked, and the write column moves back
+        to just after the furthest kept column (the positions past it are overwritten later)."""
+        s, t = self._fed
+        for i, k in enumerate(self.keys):
+            self._mask[i, s + kept.get(k, t):s + t] = 0
+        self._mask = self._mask[:, :s + max(kept.values(), default=t)]
 
     # ------------------------------------------------------------------ leave
     def remove(self, keys) -> None:
