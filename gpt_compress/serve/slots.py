@@ -215,9 +215,7 @@ class SlotDecoder:
         for i, k in enumerate(self.keys):
             ids[i, :len(tokens[k])] = tokens[k]
             self._mask[i, s:s + len(tokens[k])] = 1
-        tensors = self._tensors if rows == self.max_batch else self.backend._call(
-            lambda: [t._slice(0, rows) for t in self._tensors])
-        logits, _ = self.backend.decode_positions(ids, self._mask[:rows], FusedCache(tensors, s))
+        logits, _ = self.backend.decode_positions(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s))
         self._fed = (s, t)
         return {k: logits[i, :len(tokens[k])] for i, k in enumerate(self.keys)}
 
