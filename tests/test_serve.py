@@ -282,7 +282,18 @@ BAD = [  # (raw body or JSON, status, words the message must contain)
     ({"prompt": "ROMEO:", "stop": ["a", ""]}, 400, "stop.1"),
     ({"prompt": "ROMEO:", "n": 100}, 400, "max_n"),
     ({"prompt": "ROMEO:", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "ROMEO:", "logprobs": 2, "echo": True}, 400, "echo"),
+    ({"prompt": "ROMEO:", "max_tokens": 0, "logprobs": 1}, 400, "echo"),  # 0 scores the prompt: needs echo
+    ({"prompt": "ROMEO:", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "ROMEO:", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (b'{"prompt": "Hi", "frequency_penalty": NaN}', 400, "frequency_penalty"),
+    ({"prompt": "ROMEO:", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "logit_bias": [5]}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "best_of": 0}, 400, "best_of"),
+    ({"prompt": "ROMEO:", "best_of": 1, "n": 2}, 400, "best_of"),
+    ({"prompt": "ROMEO:", "best_of": 3, "stream": True}, 400, "best_of"),
+    ({"prompt": "ROMEO:", "best_of": 100}, 400, "max_n"),
     ({"prompt": "ROMEO:", "model": "gpt-4"}, 404, "gpt-4"),
 ]
 
@@ -518,3 +529,85 @@ def test_vllm_tokenizer_endpoints(server, gen):
         r = httpx.post(server.url + path, headers=AUTH, json=body)
         assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_echo_logprobs_score_the_prompt_as_score_does(server, gen):
+    """echo + logprobs: each prompt token's log-probability given the tokens before it (the
+    first null) and the top alternatives, equal to ``score``'s log-softmax; ``max_tokens`` 0
+    scores without generating; prompts in every OpenAI form, one choice per prompt in order."""
+    texts = ["ROMEO: I say to thee, my lord", "JULIET: what light"]
+    ids = [gen.tokenizer.encode(t) for t in texts]
+    refs = [_log_softmax(gen.score(np.asarray([p]))[0]) for p in ids]
+    for prompt in (texts, ids, texts[0], ids[0]):
+        out = _complete(server.url, AUTH, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0).json()
+        many = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+        assert [c["index"] for c in out["choices"]] == list(range(2 if many else 1))
+        assert out["usage"]["completion_tokens"] == 0
+        for choice, p, ref in zip(out["choices"], ids, refs):
+            lp = choice["logprobs"]
+            assert choice["text"] == gen.tokenizer.decode(p) and choice["token_ids"] == []
+            assert choice["finish_reason"] == "length"
+            assert lp["tokens"] == [gen.tokenizer.decode([t]) for t in p]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            want = [ref[k - 1, p[k]] for k in range(1, len(p))]
+            np.testing.assert_allclose(lp["token_logprobs"][1:], want, rtol=1e-4, atol=1e-4)
+            for k in range(1, len(p)):
+                best = np.argsort(-ref[k - 1])[:2]
+                top = lp["top_logprobs"][k]
+                assert set(top) == {gen.tokenizer.decode([int(t)]) for t in best} | {lp["tokens"][k]}
+                assert max(top.values()) == pytest.approx(ref[k - 1, best[0]], abs=1e-4)
+            assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    # With generation (lm-evaluation-harness's request): the prompt's entries, then the generated one.
+    body = dict(prompt=[ids[0]], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    out = _complete(server.url, AUTH, **body).json()["choices"][0]
+    lp = out["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids[0]) + 1 and out["token_ids"] == [int(np.argmax(refs[0][-1]))]
+    assert lp["token_logprobs"][-1] == pytest.approx(refs[0][-1].max(), abs=1e-4)
+    np.testing.assert_allclose(lp["token_logprobs"][1:-1], [refs[0][k - 1, ids[0][k]] for k in range(1, len(ids[0]))],
+                               rtol=1e-4, atol=1e-4)
+    # Streamed: the echo chunk carries the prompt's log-probabilities.
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == texts[0] and first["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+
+
+def test_penalties_logit_bias_and_best_of_equal_generator(server, gen):
+    """presence_penalty, frequency_penalty and logit_bias choose the tokens ``Generator.generate``
+    chooses with the same settings (``model/generation.py``); best_of returns the candidates of
+    highest mean token log-probability among those n=best_of gives with the same seed."""
+    plain = gen.generate("ROMEO:", max_new_tokens=24).sequences[0]
+    banned, forced = plain[0], plain[3]
+    cases = [dict(presence_penalty=1.5), dict(frequency_penalty=2.0), dict(presence_penalty=-1.0, frequency_penalty=0.5),
+             dict(logit_bias={banned: -100.0}), dict(logit_bias={forced: 100.0}),
+             dict(temperature=0.9, seed=11, frequency_penalty=1.0, logit_bias={banned: -5.0})]
+    for case in cases:
+        sampling = dict(decode_strategy="sampling", temperature=0.9, seed=11) if "seed" in case else {}
+        options = {k: v for k, v in case.items() if k not in ("temperature", "seed")}
+        want = gen.generate("ROMEO:", max_new_tokens=24, **sampling, **options).sequences[0]
+        body = {"temperature": 0, **case, **({"logit_bias": {str(k): v for k, v in case["logit_bias"].items()}}
+                                           if "logit_bias" in case else {})}
+        got = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=24, **body).json()
+        assert got["choices"][0]["token_ids"] == want, case
+        assert want != plain, case  # the option changed the tokens
+    assert gen.generate("ROMEO:", max_new_tokens=24, logit_bias={banned: -100.0}).sequences[0][0] != banned
+    assert set(gen.generate("ROMEO:", max_new_tokens=5, logit_bias={forced: 100.0}).sequences[0]) == {forced}
+    with pytest.raises(Exception, match="logit_bias"):
+        gen.generate("ROMEO:", max_new_tokens=2, logit_bias={10**6: 1.0})
+    # best_of: the n best by mean log-probability of the best_of candidates (seed + j each).
+    body = dict(prompt=["ROMEO:", "JULIET:"], max_tokens=8, temperature=1.0, seed=5)
+    every = _complete(server.url, AUTH, n=4, logprobs=0, **body).json()["choices"]
+    best = _complete(server.url, AUTH, n=2, best_of=4, **body).json()
+    for p in range(2):
+        group = every[4 * p:4 * p + 4]
+        mean = [sum(c["logprobs"]["token_logprobs"]) / len(c["token_ids"]) for c in group]
+        order = sorted(range(4), key=lambda j: -mean[j])[:2]
+        assert [c["token_ids"] for c in best["choices"][2 * p:2 * p + 2]] == [group[j]["token_ids"] for j in order]
+    assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
+    assert best["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in every)

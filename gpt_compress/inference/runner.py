@@ -159,6 +159,9 @@ class Generator:
             raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         if cfg.decode_strategy == "beam_search" and cfg.num_beams < 1:
             raise InputError(f"num_beams must be >= 1, got {cfg.num_beams}")
+        bad = sorted(k for k in cfg.logit_bias if not 0 <= k < self.vocab_size)
+        if bad:
+            raise InputError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return cfg
 
     def _prepare(self, prompts, config, sampling, truncate):
@@ -173,7 +176,8 @@ class Generator:
                  **sampling: Any) -> Generated:
         """Generate for one prompt or a batch (strings or token-id lists, any lengths).
         ``sampling``: ``GenerationConfig`` fields (decode_strategy, max_new_tokens, temperature,
-        top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, ...).
+        top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
+        num_beams, length_penalty, seed, ...).
         ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search).
         ``truncate`` keeps the end of a prompt too long for the context instead of raising."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)

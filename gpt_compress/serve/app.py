@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException
 
 from ..errors import ConfigError, GptcError
 from ..sections import ServeConfig
-from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
+from ..model.generation import best_candidates
+from .engine import Engine, EngineStopped, Failed, Finished, PromptScored, QueueFull, Request, Token, request_config
 from .metrics import Metrics
 from .openapi import ERRORS, SSE_EVENT, TOKENIZER_ERRORS, describe, errors
 from .protocol import (CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, Health, Logprobs,
@@ -197,24 +198,36 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
         bad = req.unsupported()
         if bad is not None:
             raise ApiError(400, bad[1], bad[0])
-        if req.n > cfg.max_n:
-            raise ApiError(400, f"n={req.n} is more than this server allows (Serve.max_n={cfg.max_n})", "n")
+        candidates = req.best_of or req.n  # choices generated per prompt; the best n are returned
+        if candidates > cfg.max_n:
+            field = "best_of" if req.best_of else "n"
+            raise ApiError(400, f"{field}={candidates} is more than this server allows (Serve.max_n={cfg.max_n})",
+                           field)
+        bias = req.token_bias()
+        outside = sorted(t for t in bias if t >= engine.gen.vocab_size)
+        if outside:
+            raise ApiError(400, f"logit_bias has token ids outside the vocabulary [0, {engine.gen.vocab_size}): "
+                           f"{outside[:5]}", "logit_bias")
         prompts = _encode(engine, req, cfg)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         reqs = []
-        max_tokens = req.max_tokens or cfg.max_tokens_default
+        max_tokens = _max_tokens(req, cfg)
+        score_prompt = req.logprobs if req.echo else None  # echo + logprobs: the prompt's own too
         for i, ids in enumerate(prompts):
-            for j in range(req.n):
+            for j in range(candidates):
                 seed = None if req.seed is None else req.seed + j
                 try:
-                    gcfg = request_config(max_tokens, req.temperature, req.top_p, max(req.top_k, 0),
-                                          req.repetition_penalty, seed, req.min_tokens)
+                    gcfg = request_config(max(max_tokens, 1), req.temperature, req.top_p, max(req.top_k, 0),
+                                          req.repetition_penalty, seed, req.min_tokens, req.presence_penalty,
+                                          req.frequency_penalty, bias)
                 except ConfigError as e:  # what the field constraints let through (e.g. infinity)
                     raise ApiError(400, str(e)) from None
-                index = i * req.n + j
+                index = i * candidates + j
                 reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop or [],
-                                    timeout=cfg.request_timeout, logprobs=req.logprobs))
+                                    timeout=cfg.request_timeout,
+                                    logprobs=req.logprobs if candidates == req.n else (req.logprobs or 0),
+                                    prompt_logprobs=score_prompt, generate=max_tokens > 0))
         try:
             engine.submit_all(reqs)  # every choice or none: they are admitted together
         except QueueFull as e:
@@ -224,7 +237,7 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             _cancel(reqs)
             raise ApiError(503, str(e)) from None
         echo = [engine.gen.tokenizer.decode(p) if req.echo and engine.tokenizer is not None else ""
-                for p in prompts for _ in range(req.n)]
+                for p in prompts for _ in range(candidates)]
         prompt_tokens = sum(len(p) for p in prompts)
         logprobs = None if req.logprobs is None else [Logprobs(_token_text(engine)) for _ in reqs]
         if req.stream:
@@ -232,7 +245,8 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             return StreamingResponse(_stream(reqs, events, echo, model_name, prompt_tokens if include_usage else None,
                                              logprobs),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, reqs, events, echo, model_name, prompt_tokens, logprobs)
+        return await _collect(request, reqs, events, echo, model_name, prompt_tokens, logprobs,
+                              pick=(req.n, candidates) if candidates > req.n else None)
 
     app.openapi = lambda: describe(app, state.engine, cfg)
     return app
@@ -265,7 +279,7 @@ def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[li
     prompts = req.prompts()
     if not prompts:
         raise ApiError(400, "prompt is empty", "prompt")
-    max_tokens = req.max_tokens or cfg.max_tokens_default
+    max_tokens = _max_tokens(req, cfg)
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str) and gen.tokenizer is None:
@@ -285,6 +299,11 @@ def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[li
             raise ApiError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
         out.append(ids)
     return out
+
+
+def _max_tokens(req: CompletionRequest, cfg: ServeConfig) -> int:
+    """Tokens to generate: the request's (0 scores the prompt only), else Serve.max_tokens_default."""
+    return req.max_tokens if req.max_tokens is not None else cfg.max_tokens_default
 
 
 def _token_text(engine: Engine):
@@ -319,12 +338,16 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
     open_, completion_tokens = len(reqs), 0
     try:
         for index, text in enumerate(echo):
-            if text:
+            if text and reqs[index].prompt_logprobs is None:  # else it comes with its log-probabilities
                 yield _sse(completion_body(cid, model, [{"index": index, "text": text, "logprobs": None,
                                                          "finish_reason": None}], None))
         while open_:
             index, ev = await events.get()
-            if isinstance(ev, Token):
+            if isinstance(ev, PromptScored):
+                lp = logprobs[index].add_prompt(reqs[index].prompt, ev.logprobs, ev.top)
+                choice = {"index": index, "text": echo[index], "logprobs": lp, "finish_reason": None,
+                          "token_ids": []}
+            elif isinstance(ev, Token):
                 lp = None if logprobs is None else logprobs[index].add(ev.token_id, ev.logprob, ev.top)
                 choice = {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None,
                           "token_ids": [ev.token_id]}
@@ -347,10 +370,13 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
 
 
 async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: int,
-                   logprobs=None):
-    """The whole response once every choice has finished (or the first failure)."""
+                   logprobs=None, pick: Optional[tuple[int, int]] = None):
+    """The whole response once every choice has finished (or the first failure). ``pick``
+    (n, best_of): ``reqs`` holds ``best_of`` candidates per prompt, in prompt order, and the n
+    best of each (``best_candidates``) are the choices."""
     texts = list(echo)
     token_ids: list[list[int]] = [[] for _ in reqs]
+    sums = [0.0] * len(reqs)  # the generated tokens' log-probabilities (best_of)
     reasons: list[Optional[str]] = [None] * len(reqs)
     completion_tokens = 0
     open_ = len(reqs)
@@ -362,9 +388,12 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 continue
-            if isinstance(ev, Token):
+            if isinstance(ev, PromptScored):
+                logprobs[index].add_prompt(reqs[index].prompt, ev.logprobs, ev.top)
+            elif isinstance(ev, Token):
                 texts[index] += ev.text
                 token_ids[index].append(ev.token_id)
+                sums[index] += ev.logprob or 0.0
                 if logprobs is not None:
                     logprobs[index].add(ev.token_id, ev.logprob, ev.top)
             elif isinstance(ev, Finished):
@@ -376,7 +405,11 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
                 return _error(ev.status, ev.message)
     finally:
         _cancel(reqs)
-    choices = [{"index": i, "text": texts[i], "logprobs": None if logprobs is None else logprobs[i].data,
-                "finish_reason": reasons[i],
-                "token_ids": token_ids[i]} for i in range(len(reqs))]
+    order = list(range(len(reqs)))
+    if pick is not None:
+        n, group = pick
+        order = [start + j for start in range(0, len(reqs), group)
+                 for j in best_candidates(sums[start:start + group], [len(t) for t in token_ids[start:start + group]], n)]
+    choices = [{"index": k, "text": texts[i], "logprobs": None if logprobs is None else logprobs[i].data,
+                "finish_reason": reasons[i], "token_ids": token_ids[i]} for k, i in enumerate(order)]
     return JSONResponse(completion_body(completion_id(), model, choices, usage(prompt_tokens, completion_tokens)))

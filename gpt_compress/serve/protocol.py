@@ -40,8 +40,9 @@ class CompletionRequest(BaseModel):
 
     model: Optional[str] = Field(None, description="must name the served model when given")
     prompt: Prompt = Field(description="a string, a list of strings, token ids or a list of token-id lists")
-    max_tokens: Optional[int] = Field(None, ge=1, description="tokens to generate; null: Serve.max_tokens_default; "
-                                      "prompt + max_tokens must fit the model's context")
+    max_tokens: Optional[int] = Field(None, ge=0, description="tokens to generate; null: Serve.max_tokens_default; "
+                                      "prompt + max_tokens must fit the model's context; 0 (with echo): score "
+                                      "the prompt only")
     min_tokens: int = Field(0, ge=0, description="extra: no EOS before this many tokens (<= max_tokens)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables")
@@ -52,14 +53,20 @@ class CompletionRequest(BaseModel):
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED, description="sampling seed: same seed, same settings -> "
                                 "same text; choice j of n uses seed + j")
     n: int = Field(1, ge=1, description="choices per prompt (<= Serve.max_n)")
-    echo: bool = Field(False, description="prepend the prompt to the text")
+    echo: bool = Field(False, description="prepend the prompt to the text (with logprobs: and its tokens' "
+                       "log-probabilities, the first one null)")
     stream: bool = Field(False, description="server-sent events, ending with `data: [DONE]`")
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per generated token")
-    best_of: Optional[int] = Field(None, ge=1, description="only n (or null)")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: null or {}")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
+    best_of: Optional[int] = Field(None, ge=1, description="candidates per prompt (>= n, <= Serve.max_n, not "
+                                   "with stream): the n of highest mean token log-probability are returned")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                    "token already generated")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from a token's logit once "
+                                     "per time it was generated")
+    logit_bias: Optional[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                              Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        None, max_length=300, description="token id (a string) -> bias in [-100, 100] added to its logit")
     suffix: Optional[str] = Field(None, max_length=0, description="not supported: null or empty")
     user: Optional[str] = Field(None, description="accepted and ignored")
 
@@ -69,12 +76,18 @@ class CompletionRequest(BaseModel):
         return [v] if isinstance(v, str) else list(v or [])
 
     def unsupported(self) -> Optional[tuple[str, str]]:
-        """(field, message) for a set option this server does not implement, else None."""
-        if self.logprobs is not None and self.echo:
-            return "logprobs", "logprobs of the echoed prompt are not supported: use logprobs without echo"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", f"best_of={self.best_of} is not supported (only best_of == n)"
+        """(field, message) for a combination of fields the request cannot have, else None."""
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 generates nothing: it needs echo (to score the prompt)"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of={self.best_of} must be >= n={self.n}"
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            return "best_of", f"best_of={self.best_of} > n={self.n} cannot stream: it picks whole completions"
         return None
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts as a list of strings or token-id lists."""
@@ -273,17 +286,27 @@ class Logprobs:
         self.token_text, self.offset = token_text, offset
         self.data: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
-    def add(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
-        """Append one token; returns the object for that token alone (a streamed chunk's)."""
+    def add(self, token_id: int, logprob: Optional[float], top: Optional[list[tuple[int, float]]]) -> dict:
+        """Append one token; returns the object for that token alone (a streamed chunk's).
+        ``logprob`` and ``top`` None: a prompt's first token (nothing before it to predict it)."""
         text = self.token_text(token_id)
-        alternatives = {self.token_text(i): lp for i, lp in top}
-        alternatives.setdefault(text, logprob)
+        alternatives = None
+        if top is not None:
+            alternatives = {self.token_text(i): lp for i, lp in top}
+            alternatives.setdefault(text, logprob)
         one = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": [alternatives],
                "text_offset": [self.offset]}
         self.offset += len(text)
         for key, values in one.items():
             self.data[key].extend(values)
         return one
+
+    def add_prompt(self, prompt: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+        """Append the echoed prompt's tokens (the first with null entries); returns their object."""
+        start = {key: len(values) for key, values in self.data.items()}
+        for i, token_id in enumerate(prompt):
+            self.add(token_id, logprobs[i - 1] if i else None, top[i - 1] if i else None)
+        return {key: values[start[key]:] for key, values in self.data.items()}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
