@@ -611,3 +611,93 @@ def test_penalties_logit_bias_and_best_of_equal_generator(server, gen):
         assert [c["token_ids"] for c in best["choices"][2 * p:2 * p + 2]] == [group[j]["token_ids"] for j in order]
     assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
     assert best["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in every)
+
+
+LAMBADA_TASK = """task: lambada_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+WIKITEXT_TASK = """task: wikitext_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+"""
+
+
+def test_lm_evaluation_harness_scores_equal_gptc_eval(server, gen, shared_data, export_dir, tmp_path):
+    """lm-evaluation-harness's own CLI (``local-completions``, the server's remote tokenizer, local
+    task YAMLs, no download) on the served model gives ``gptc eval``'s figures on the same text:
+    LAMBADA accuracy and perplexity of its split (``accuracy_harness``, ``harness_ppl``), and a
+    rolling WikiText log-likelihood whose word perplexity is ``gptc eval``'s total NLL over the
+    harness's word count.
+
+    Windows: the harness sends at most ``max_length - 1`` = 127 tokens (+ 1 generated: the
+    context of 128), so ``gptc eval --seq-len 126`` (contexts cut to 127 tokens with the
+    target). Its rolling windows predict 126 tokens each, the first given a prefix token; gptc
+    eval's windows of 126 inputs predict from the text's second token, so its file starts with
+    that prefix token (a newline: ``custom_prefix_token_id``)."""
+    pytest.importorskip("lm_eval")
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("".join((shared_data / "lambada_test.jsonl").read_text(encoding="utf-8")
+                               .splitlines(keepends=True)[:30]), encoding="utf-8")
+    # A WikiText slice of 126 x k tokens: gptc eval's last window is then full (a padded one also
+    # scores its last token predicting the EOS padding, FleetX's protocol, which the harness does not).
+    raw = gen.tokenizer.encode((shared_data / "wikitext-2" / "wiki.test.raw").read_text(encoding="utf-8")[:4000].strip())
+    text = next(t for t in (gen.tokenizer.decode(raw[:126 * k]) for k in range(8, 2, -1))
+                if len(gen.tokenizer.encode(t)) % 126 == 0 and t == t.strip())
+    (tmp_path / "wikitext.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    newline = gen.tokenizer.encode("\n")
+    assert len(newline) == 1 and gen.tokenizer.encode("\n" + text) == newline + gen.tokenizer.encode(text)
+    (tmp_path / "wikitext_gptc.txt").write_text("\n" + text, encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(LAMBADA_TASK.format(data=lambada))
+    (tasks / "wikitext_local.yaml").write_text(WIKITEXT_TASK.format(data=tmp_path / "wikitext.jsonl"))
+    args = (f"base_url={server.url}/v1/completions,model=export,tokenizer_backend=remote,auth_token={KEY},"
+            f"max_length=128,custom_prefix_token_id={newline[0]},max_retries=1")
+    env = {**ENV, "OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "local-completions",
+                           "--model_args", args, "--batch_size", "8", "--tasks", "lambada_local,wikitext_local", "--include_path",
+                           str(tasks), "--output_path", str(tmp_path / "out")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+
+    def gptc_eval(*extra):
+        out = subprocess.run([sys.executable, "-m", "gpt_compress", "eval", "--model", export_dir, "--backend",
+                              "paddle", "--seq-len", "126", "--no-progress", *extra],
+                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout[out.stdout.index("{"):])
+
+    ours = gptc_eval("--task", "lambada", "--data", str(lambada))
+    harness = results["lambada_local"]
+    assert ours["num_examples"] == 30 and ours["truncated_contexts"] > 0  # the window matters
+    assert harness["acc,none"] == pytest.approx(ours["accuracy_harness"], rel=1e-4)
+    assert harness["perplexity,none"] == pytest.approx(ours["harness_ppl"], rel=1e-4)
+    wiki = gptc_eval("--task", "wikitext", "--data", str(tmp_path / "wikitext_gptc.txt"), "--input-format", "raw")
+    assert wiki["num_windows"] > 2 and wiki["num_scored"] == len(gen.tokenizer.encode(text))
+    words = len(re.split(r"\s+", text))  # the harness's word count (its count_words)
+    total_nll = wiki["avg_loss"] * (wiki["num_tokenized_tokens"] - 1)
+    assert results["wikitext_local"]["word_perplexity,none"] == pytest.approx(np.exp(total_nll / words), rel=1e-4)
