@@ -701,3 +701,69 @@ def test_lm_evaluation_harness_scores_equal_gptc_eval(server, gen, shared_data, 
     words = len(re.split(r"\s+", text))  # the harness's word count (its count_words)
     total_nll = wiki["avg_loss"] * (wiki["num_tokenized_tokens"] - 1)
     assert results["wikitext_local"]["word_perplexity,none"] == pytest.approx(np.exp(total_nll / words), rel=1e-4)
+
+
+CHAT_TEMPLATE = "QUESTION: {question}\nANSWER:"
+
+
+def test_chat_completions_on_a_finetuned_model_equal_gptc_generate(server, shakespeare, tmp_path_factory, tmp_path):
+    """`gptc finetune` records its prompt template; the export carries it, and
+    /v1/chat/completions makes the last user message the prompt through it: the reply (plain
+    and streamed) equals `gptc generate` on the finetuned checkpoint with that prompt and the
+    same settings. A model with no prompt format gets a 400 saying so."""
+    ckpt = model_dirs(tmp_path_factory, shakespeare)["ckpt"]
+    rows = [{"question": f"who speaks in scene {i}?", "tgt": " ROMEO and JULIET, my lord."} for i in range(16)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    options = [f"Finetune.train_file={train}", f"Finetune.prompt_template={json.dumps(CHAT_TEMPLATE)}",
+               f"Global.output_dir={tmp_path / 'ft'}", "Data.seq_length=128", "Engine.max_steps=4",
+               "Engine.global_batch_size=4", "Engine.micro_batch_size=4", "Engine.save_steps=0",
+               "Engine.eval_freq=0", "Engine.logging_freq=0"]
+
+    def gptc(*args):
+        out = subprocess.run([sys.executable, "-m", "gpt_compress", *args], env=ENV, cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    gptc("finetune", "--no-progress", "--model", str(ckpt), *[x for o in options for x in ("-o", o)])
+    model = tmp_path / "ft" / "model"
+    assert json.loads((model / "config.json").read_text())["prompt_template"] == CHAT_TEMPLATE
+    gptc("export", "--model", str(model), "--output", str(tmp_path / "export"), "--format", "paddle")
+    s = Server(str(tmp_path / "export"), tmp_path / "chat.log").ready()
+    try:
+        question = "who speaks in scene 3?"
+        messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": question}]
+        for settings, overrides in [({"temperature": 0}, []),
+                                    ({"temperature": 0.8, "seed": 3, "presence_penalty": 0.5},
+                                     ["Generation.decode_strategy=sampling", "Generation.temperature=0.8",
+                                      "Generation.seed=3", "Generation.presence_penalty=0.5"])]:
+            out = gptc("generate", "--model", str(model), "--prompt", CHAT_TEMPLATE.format(question=question),
+                       "--no-stream", "-o", "Generation.max_new_tokens=12", *[x for o in overrides for x in ("-o", o)])
+            ref = json.loads(out.strip().splitlines()[-1])["results"][0]
+            want = ref["text"].replace("<|endoftext|>", "")
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=120,
+                           json={"messages": messages, "max_tokens": 12, **settings})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {
+                "role": "assistant", "content": want}, (body, ref)
+            assert body["usage"]["completion_tokens"] == len(ref["new_tokens"])
+            assert body["usage"]["prompt_tokens"] == ref["prompt_tokens"]
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=120,
+                              json={"messages": messages, "max_tokens": 12, "stream": True, **settings}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]) == want
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": messages[:1]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "user" in r.text
+    finally:
+        s.stop()
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={"messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "no prompt format" in r.json()["error"]["message"]
+    for body, field in [({"messages": []}, "messages"), ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
+                        ({"messages": messages, "presence_penalty": 3}, "presence_penalty"),
+                        ({"messages": messages, "logit_bias": {"x": 1}}, "logit_bias")]:
+        r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)

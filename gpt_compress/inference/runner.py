@@ -36,7 +36,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..data.tokenizer import encode_prompts
-from ..model.generation import beam_search, stream_tokens
+from ..model.generation import beam_search, check_logit_bias, stream_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
 Prompt = Union[str, Sequence[int]]
@@ -82,10 +82,13 @@ class Generator:
     """Generation and scoring over one ``DecodeBackend`` (+ ``score``)."""
 
     def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
-                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0):
+                 pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0,
+                 prompt_template: str = ""):
         self.backend = backend
         # > 0: the model was finetuned with prompts fixed to this many tokens; text prompts get the same.
         self.prompt_tokens = prompt_tokens
+        # The template its finetuning prompts were made from (Finetune.prompt_template); "": none recorded.
+        self.prompt_template = prompt_template
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.tokenizer = tokenizer
@@ -103,7 +106,7 @@ class Generator:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         path = os.fspath(path)
         if backend == "dygraph":
-            from ..checkpoint import read_prompt_tokens
+            from ..checkpoint import read_prompt_template, read_prompt_tokens
             from ..qat.quantize import load_any
             from .dygraph import DygraphBackend
 
@@ -112,7 +115,7 @@ class Generator:
             runner = DygraphBackend(model)
             info = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
                         eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                        prompt_tokens=read_prompt_tokens(path))
+                        prompt_tokens=read_prompt_tokens(path), prompt_template=read_prompt_template(path))
             has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
         else:
             manifest = read_manifest(path)
@@ -126,7 +129,7 @@ class Generator:
                 runner = OrtBackend(manifest, verify=verify, **options)
             info = dict(vocab_size=manifest.vocab_size, max_positions=manifest.max_positions,
                         eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id,
-                        prompt_tokens=manifest.prompt_tokens)
+                        prompt_tokens=manifest.prompt_tokens, prompt_template=manifest.prompt_template)
             has_tok = bool(manifest.data.get("tokenizer"))
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = _load_tokenizer(tokenizer)
@@ -159,9 +162,7 @@ class Generator:
             raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         if cfg.decode_strategy == "beam_search" and cfg.num_beams < 1:
             raise InputError(f"num_beams must be >= 1, got {cfg.num_beams}")
-        bad = sorted(k for k in cfg.logit_bias if not 0 <= k < self.vocab_size)
-        if bad:
-            raise InputError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        check_logit_bias(cfg.logit_bias, self.vocab_size)
         return cfg
 
     def _prepare(self, prompts, config, sampling, truncate):

@@ -104,6 +104,13 @@ def apply_logit_bias(scores: np.ndarray, bias: dict[int, float]) -> np.ndarray:
     return out
 
 
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    """InputError when ``bias`` names a token id outside the vocabulary."""
+    outside = sorted(k for k in bias if not 0 <= k < vocab_size)
+    if outside:
+        raise InputError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+
+
 def uses_history(cfg: GenerationConfig) -> bool:
     """A penalty reads the tokens so far (``seen`` for the repetition penalty, which includes the
     prompt; ``counts`` of the generated tokens for OpenAI's)."""
