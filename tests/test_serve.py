@@ -611,6 +611,10 @@ def test_penalties_logit_bias_and_best_of_equal_generator(server, gen):
         assert [c["token_ids"] for c in best["choices"][2 * p:2 * p + 2]] == [group[j]["token_ids"] for j in order]
     assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
     assert best["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in every)
+    # Generator (and `gptc generate`: model/generation.py's best_of) keeps the same candidate.
+    one = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=8, temperature=1.0, seed=5, best_of=4).json()
+    assert one["choices"][0]["token_ids"] == gen.generate("ROMEO:", max_new_tokens=8, decode_strategy="sampling",
+                                                          temperature=1.0, seed=5, best_of=4).sequences[0]
 
 
 LAMBADA_TASK = """task: lambada_local
@@ -767,3 +771,31 @@ def test_chat_completions_on_a_finetuned_model_equal_gptc_generate(server, shake
                         ({"messages": messages, "logit_bias": {"x": 1}}, "logit_bias")]:
         r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
+@pytest.mark.parametrize("backend", ["fused", "onnx"])
+def test_prompt_scores_equal_log_softmax_on_every_scoring_path(export_dir, gen, backend):
+    """``top_logprobs`` (the engine's prompt scores) equals the full logits' log-softmax on each
+    path: the fused program's rows (``logits_at``) and, on an export with the scoring programs,
+    ``head_scores`` (k <= 1: no logits leave the backend) or the full logits (k > 1)."""
+    from gpt_compress.eval.scoring import top_logprobs
+    from gpt_compress.inference.runner import Generator
+
+    runner = gen if backend == "fused" else Generator.from_dir(export_dir, backend="onnx")
+    assert runner.scores_rows if backend == "fused" else runner.scores_positions
+    prompts = [gen.tokenizer.encode(t) for t in ("ROMEO: I say to thee, my lord", "JULIET: what light", "Ay")]
+    width = max(map(len, prompts))
+    ids = np.zeros((3, width), np.int64)
+    select = np.zeros((3, width), bool)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+        select[i, :len(p) - 1] = True
+    labels = np.roll(ids, -1, axis=1)
+    ref = np.concatenate([_log_softmax(gen.score(np.asarray([p]))[0][:-1]) for p in prompts])
+    want = ref[np.arange(len(ref)), np.concatenate([p[1:] for p in prompts]).astype(np.int64)]
+    for k in (0, 1, 3):
+        lp, top_ids, top_lp = top_logprobs(runner.backend, ids, labels, select, k)
+        np.testing.assert_allclose(lp, want, rtol=1e-4, atol=1e-4)
+        assert top_ids.shape == (len(want), k)
+        np.testing.assert_allclose(top_lp, -np.sort(-ref, axis=-1)[:, :k], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.take_along_axis(ref, top_ids, axis=-1), top_lp, rtol=1e-4, atol=1e-4)

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..data.tokenizer import encode_prompts
-from ..model.generation import beam_search, check_logit_bias, stream_tokens
+from ..model.generation import beam_search, best_of, check_logit_bias, stream_tokens
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
 Prompt = Union[str, Sequence[int]]
@@ -179,7 +179,8 @@ class Generator:
         ``sampling``: ``GenerationConfig`` fields (decode_strategy, max_new_tokens, temperature,
         top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
         num_beams, length_penalty, seed, ...).
-        ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search).
+        ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search nor
+        ``best_of``).
         ``truncate`` keeps the end of a prompt too long for the context instead of raising."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
         with self._lock:
@@ -187,6 +188,8 @@ class Generator:
             if cfg.decode_strategy == "beam_search":
                 out = beam_search(self.backend, ids, cfg, eos, pad)
                 seqs, scores = out.sequences, out.scores
+            elif cfg.best_of > 1:
+                seqs, scores = best_of(self.backend, ids, cfg, eos, pad).sequences, None
             else:
                 seqs, scores = [[] for _ in ids], None
                 alive = [True] * len(ids)
@@ -208,8 +211,8 @@ class Generator:
         rows that already finished yield the pad id. Inputs are checked now; the iterator holds
         the lock from its first step until it is exhausted or closed."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
-        if cfg.decode_strategy == "beam_search":
-            raise InputError("beam search does not stream; call generate()")
+        if cfg.decode_strategy == "beam_search" or cfg.best_of > 1:
+            raise InputError("beam search and best_of do not stream; call generate()")
         return self._locked_stream(ids, cfg, eos, pad)
 
     def _locked_stream(self, ids, cfg, eos, pad) -> Iterator[np.ndarray]:

@@ -16,6 +16,7 @@ when no running beam can beat its worst finished one.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
@@ -209,9 +210,12 @@ def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: Generation
 
 
 def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
-                  eos_token_id: Optional[int], pad_token_id: int) -> Iterator[np.ndarray]:
+                  eos_token_id: Optional[int], pad_token_id: int,
+                  logprobs: Optional[list] = None) -> Iterator[np.ndarray]:
     """Greedy or sampling decode; yields the new token of every row at each step (B,).
-    Finished rows (after EOS) yield ``pad_token_id``."""
+    Finished rows (after EOS) yield ``pad_token_id``. ``logprobs``: when given, each step
+    appends the chosen tokens' log-probabilities (B,) under the model's raw distribution (every
+    step then takes the logits out of the backend)."""
     if cfg.decode_strategy == "beam_search":
         raise ValueError("beam search does not stream; call generate()")
     ids, mask = pad_left(prompts, pad_token_id)
@@ -228,6 +232,8 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
     unfinished = np.ones(batch, dtype=bool)
     greedy = getattr(backend, "decode_greedy", None)  # the argmax made by the backend (no logits copied out)
     chunk = getattr(backend, "greedy_steps", 1)  # greedy steps the backend runs in one call
+    if logprobs is not None:
+        greedy, chunk = None, 1
     ahead: list = []  # tokens such a call made that are still to be yielded, in order
     for step in range(cfg.max_new_tokens):
         if ahead:
@@ -235,6 +241,8 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         else:
             nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng, counts) if logits is not None else argmax
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
+        if logprobs is not None:
+            logprobs.append(np.take_along_axis(_log_softmax(logits.astype(np.float64)), nxt[:, None], axis=-1)[:, 0])
         if penalty:
             seen[np.arange(batch), nxt] |= unfinished
             counts[np.arange(batch), nxt] += unfinished
@@ -257,6 +265,34 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
             (argmax, cache), logits = greedy(nxt[:, None], mask, cache), None
         else:
             logits, cache = backend.decode(nxt[:, None], mask, cache)
+
+
+def best_of(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+            eos_token_id: Optional[int], pad_token_id: int) -> GenerationOutput:
+    """OpenAI's ``best_of`` (``cfg.best_of`` candidates, n = 1): candidate j decodes every prompt
+    with seed ``seed + j`` (as `gptc serve` seeds choice j); each prompt keeps the candidate of
+    highest mean token log-probability (``best_candidates``)."""
+    runs = []
+    for j in range(cfg.best_of):
+        seed = None if cfg.seed is None else cfg.seed + j
+        one = dataclasses.replace(cfg, best_of=1, seed=seed)
+        steps: list = []
+        seqs: list[list[int]] = [[] for _ in prompts]
+        alive = [True] * len(prompts)
+        sums = np.zeros(len(prompts))
+        for tokens in stream_tokens(backend, prompts, one, eos_token_id, pad_token_id, steps):
+            lps = steps.pop()  # this step's log-probabilities, appended before the tokens are yielded
+            for i, t in enumerate(tokens):
+                if alive[i]:
+                    seqs[i].append(int(t))
+                    sums[i] += lps[i]
+                    alive[i] = eos_token_id is None or int(t) != eos_token_id
+        runs.append((seqs, sums))
+    out = []
+    for i in range(len(prompts)):
+        best = best_candidates([s[i] for _, s in runs], [len(q[i]) for q, _ in runs], 1)[0]
+        out.append(runs[best][0][i])
+    return GenerationOutput(sequences=out)
 
 
 def best_candidates(logprob_sums: Sequence[float], lengths: Sequence[int], n: int) -> list[int]:
@@ -391,6 +427,8 @@ def generate(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: Gene
     cfg.__post_init__()  # fields may have been set after construction: check them again
     if cfg.decode_strategy == "beam_search":
         return beam_search(backend, prompts, cfg, eos_token_id, pad_token_id)
+    if cfg.best_of > 1:
+        return best_of(backend, prompts, cfg, eos_token_id, pad_token_id)
     out: list[list[int]] = [[] for _ in prompts]
     alive = [True] * len(prompts)
     for step_tokens in stream_tokens(backend, prompts, cfg, eos_token_id, pad_token_id):
