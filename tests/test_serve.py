@@ -661,9 +661,25 @@ def test_lm_evaluation_harness_scores_equal_gptc_eval(server, gen, shared_data, 
     eval's windows of 126 inputs predict from the text's second token, so its file starts with
     that prefix token (a newline: ``custom_prefix_token_id``)."""
     pytest.importorskip("lm_eval")
+    # 30 LAMBADA passages (beyond this tiny Shakespeare model: none is right) and 10 Shakespeare
+    # passages ending with the word the model itself continues them with, so that the accuracy
+    # compared is not 0.
+    lines = (shared_data / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:30]
+    play = (shared_data / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tok = gen.tokenizer
+    for start in range(1000, 61000, 2000):
+        prefix = play[start:start + 200].rsplit(" ", 1)[0]
+        words, n = (prefix + gen.generate(prefix, max_new_tokens=8).texts[0]).split(" "), len(prefix.split(" "))
+        if len(words) <= n:
+            continue
+        context, word = " ".join(words[:n]), words[n].split("\n")[0]  # the word up to a line break
+        # the harness encodes the whole text and splits it, gptc eval encodes the parts: keep the
+        # passages whose tokens agree
+        if word and tok.encode(context) + tok.encode(" " + word) == tok.encode(f"{context} {word}"):
+            lines.append(json.dumps({"text": f"{context} {word}"}) + "\n")
+    lines = lines[:40]
     lambada = tmp_path / "lambada.jsonl"
-    lambada.write_text("".join((shared_data / "lambada_test.jsonl").read_text(encoding="utf-8")
-                               .splitlines(keepends=True)[:30]), encoding="utf-8")
+    lambada.write_text("".join(lines), encoding="utf-8")
     # A WikiText slice of 126 x k tokens: gptc eval's last window is then full (a padded one also
     # scores its last token predicting the EOS padding, FleetX's protocol, which the harness does not).
     raw = gen.tokenizer.encode((shared_data / "wikitext-2" / "wiki.test.raw").read_text(encoding="utf-8")[:4000].strip())
@@ -697,7 +713,8 @@ def test_lm_evaluation_harness_scores_equal_gptc_eval(server, gen, shared_data, 
 
     ours = gptc_eval("--task", "lambada", "--data", str(lambada))
     harness = results["lambada_local"]
-    assert ours["num_examples"] == 30 and ours["truncated_contexts"] > 0  # the window matters
+    assert ours["num_examples"] == len(lines) > 30 and ours["truncated_contexts"] > 0  # the window matters
+    assert ours["accuracy_harness"] > 0
     assert harness["acc,none"] == pytest.approx(ours["accuracy_harness"], rel=1e-4)
     assert harness["perplexity,none"] == pytest.approx(ours["harness_ppl"], rel=1e-4)
     wiki = gptc_eval("--task", "wikitext", "--data", str(tmp_path / "wikitext_gptc.txt"), "--input-format", "raw")
