@@ -1,6 +1,7 @@
-"""Request models and response bodies of the OpenAI-compatible API (``/v1/completions``).
+"""Request models and response bodies of the OpenAI-compatible API (``/v1/completions``,
+``/v1/chat/completions``, vLLM's tokenizer endpoints).
 
-Fields follow OpenAI's legacy completions API; the extras other OpenAI-compatible servers
+Fields follow OpenAI's legacy completions and chat completions APIs; the extras other OpenAI-compatible servers
 (vLLM, llama.cpp) accept are ``top_k``, ``repetition_penalty`` and ``min_tokens`` (pass them
 with the ``openai`` client's ``extra_body``). Unknown fields are rejected, so a misspelt
 option is an error that names it instead of a silently ignored setting. Each choice also
