@@ -576,6 +576,11 @@ def test_echo_logprobs_score_the_prompt_as_score_does(server, gen):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     first = chunks[0]["choices"][0]
     assert first["text"] == texts[0] and first["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH,
+                      json={**body, "max_tokens": 0, "stream": True}) as r:
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    assert [(c["text"], c["finish_reason"]) for c in chunks] == [(texts[0], None), ("", "length")]
+    assert chunks[0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
 
 
 def test_penalties_logit_bias_and_best_of_equal_generator(server, gen):
