@@ -212,7 +212,8 @@ class Generator:
         the lock from its first step until it is exhausted or closed."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
         if cfg.decode_strategy == "beam_search" or cfg.best_of > 1:
-            raise InputError("beam search and best_of do not stream; call generate()")
+            what = "beam search" if cfg.decode_strategy == "beam_search" else "best_of"
+            raise InputError(f"{what} does not stream; call generate()")
         return self._locked_stream(ids, cfg, eos, pad)
 
     def _locked_stream(self, ids, cfg, eos, pad) -> Iterator[np.ndarray]:
