@@ -51,6 +51,17 @@ def read_prompt_tokens(path: str) -> int:
                       "; set it to the Finetune.prompt_tokens the model was finetuned with, or remove it")
 
 
+def read_prompt_template(path: str) -> str:
+    """``prompt_template`` recorded in checkpoint ``path`` (``gptc finetune`` with
+    ``Finetune.prompt_template``: the text its prompts were made from, ``{field}`` placeholders
+    and all); "" when none is recorded."""
+    template = read_config(path)[1].get("prompt_template", "")
+    if not isinstance(template, str):
+        raise CheckpointError(f"{os.path.join(path, CONFIG)}: prompt_template must be a string, got "
+                              f"{type(template).__name__}")
+    return template
+
+
 def state_dict_numpy(model) -> dict[str, np.ndarray]:
     """Parameters (and persistable buffers) as numpy arrays, by public name."""
     return {k: np.ascontiguousarray(v.numpy()) for k, v in model.state_dict().items()}

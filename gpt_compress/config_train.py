@@ -105,6 +105,10 @@ class GenerationConfig:
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1.0 disables
     repetition_penalty: float = 1.0  # 1.0 disables (CTRL-style, as Hugging Face)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated so far
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: token id -> bias added to its logit
+    best_of: int = 1  # OpenAI's: greedy/sampling candidates per prompt (seed + j), the best mean logprob kept
     num_beams: int = 4
     length_penalty: float = 1.0  # beam score = logprob / generated_len ** length_penalty
     early_stopping: bool = False  # beam search: stop when num_beams hypotheses are done
@@ -125,6 +129,14 @@ class GenerationConfig:
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 disables; use greedy for top-1)"),
                   ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
                    "> 0 (1 disables)"),
+                  ("presence_penalty", math.isfinite(self.presence_penalty) and abs(self.presence_penalty) <= 2,
+                   "in [-2, 2] (0 disables)"),
+                  ("frequency_penalty", math.isfinite(self.frequency_penalty) and abs(self.frequency_penalty) <= 2,
+                   "in [-2, 2] (0 disables)"),
+                  ("logit_bias", all(isinstance(k, int) and k >= 0 and math.isfinite(v) and abs(v) <= 100
+                                     for k, v in self.logit_bias.items()),
+                   "token id -> bias in [-100, 100]"),
+                  ("best_of", self.best_of >= 1, ">= 1 (1 disables)"),
                   ("num_beams", self.num_beams >= 1, ">= 1"),
                   ("length_penalty", math.isfinite(self.length_penalty), "a finite number"),
                   ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "in [0, 2^63 - 1] (numpy's seeds)")]

@@ -100,6 +100,7 @@ def test_lambada_items_equal_transformers(gens, hf, shared_data):
     peer = evaluate_lambada(hf, tok, path, seq_len=SEQ, limit=200, progress=False)
     assert ours.correct == peer.correct
     assert abs(ours.target_ppl - peer.target_ppl) / peer.target_ppl < REL
+    assert abs(ours.harness_ppl - peer.harness_ppl) / peer.harness_ppl < REL
 
 
 @pytest.mark.parametrize("backend", ["paddle", "onnx"])

@@ -61,3 +61,25 @@ def test_sampling_at_a_tiny_temperature_is_its_greedy_limit(temperature):
     with np.errstate(invalid="raise"):  # no NaN made on the way
         for seed in range(8):
             assert next_tokens(logits, seen, 5, cfg, None, np.random.default_rng(seed)).tolist() == [1, 2]
+
+
+def test_openai_penalties_and_logit_bias_follow_openai_s_formula():
+    """logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty + logit_bias[j],
+    over the tokens generated so far (OpenAI's): each changes exactly the tokens it names."""
+    from gpt_compress.config_train import GenerationConfig
+    from gpt_compress.model.generation import _processed, next_tokens
+
+    logits = np.array([[4.0, 3.9, 3.0, 1.0]], np.float32)
+    counts = np.array([[2, 0, 1, 0]], np.int32)
+    seen = np.zeros(logits.shape, bool)
+    cfg = GenerationConfig(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 10.0, 1: -1.0})
+    got = _processed(logits, seen, 5, cfg, None, counts)
+    np.testing.assert_allclose(got, [[4.0 - 0.5 - 0.5, 3.9 - 1.0, 3.0 - 0.25 - 0.5, 11.0]], rtol=1e-6)
+    assert next_tokens(logits, seen, 5, GenerationConfig(frequency_penalty=0.1), None, None, counts).tolist() == [1]
+    assert next_tokens(logits, seen, 5, GenerationConfig(presence_penalty=0.2), None, None, counts).tolist() == [1]
+    assert next_tokens(logits, seen, 5, GenerationConfig(presence_penalty=0.2), None, None,
+                       np.zeros_like(counts)).tolist() == [0]  # nothing generated yet: no penalty
+    with pytest.raises(Exception, match="presence_penalty"):
+        GenerationConfig(presence_penalty=2.5)
+    with pytest.raises(Exception, match="logit_bias"):
+        GenerationConfig(logit_bias={1: 101.0})

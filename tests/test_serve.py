@@ -314,7 +314,18 @@ BAD = [  # (raw body or JSON, status, words the message must contain)
     ({"prompt": "ROMEO:", "stop": ["a", ""]}, 400, "stop.1"),
     ({"prompt": "ROMEO:", "n": 100}, 400, "max_n"),
     ({"prompt": "ROMEO:", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "ROMEO:", "logprobs": 2, "echo": True}, 400, "echo"),
+    ({"prompt": "ROMEO:", "max_tokens": 0, "logprobs": 1}, 400, "echo"),  # 0 scores the prompt: needs echo
+    ({"prompt": "ROMEO:", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "ROMEO:", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (b'{"prompt": "Hi", "frequency_penalty": NaN}', 400, "frequency_penalty"),
+    ({"prompt": "ROMEO:", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "logit_bias": [5]}, 400, "logit_bias"),
+    ({"prompt": "ROMEO:", "best_of": 0}, 400, "best_of"),
+    ({"prompt": "ROMEO:", "best_of": 1, "n": 2}, 400, "best_of"),
+    ({"prompt": "ROMEO:", "best_of": 3, "stream": True}, 400, "best_of"),
+    ({"prompt": "ROMEO:", "best_of": 100}, 400, "max_n"),
     ({"prompt": "ROMEO:", "model": "gpt-4"}, 404, "gpt-4"),
 ]
 
@@ -550,3 +561,295 @@ def test_vllm_tokenizer_endpoints(server, gen):
         r = httpx.post(server.url + path, headers=AUTH, json=body)
         assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_echo_logprobs_score_the_prompt_as_score_does(server, gen):
+    """echo + logprobs: each prompt token's log-probability given the tokens before it (the
+    first null) and the top alternatives, equal to ``score``'s log-softmax; ``max_tokens`` 0
+    scores without generating; prompts in every OpenAI form, one choice per prompt in order."""
+    texts = ["ROMEO: I say to thee, my lord", "JULIET: what light"]
+    ids = [gen.tokenizer.encode(t) for t in texts]
+    refs = [_log_softmax(gen.score(np.asarray([p]))[0]) for p in ids]
+    for prompt in (texts, ids, texts[0], ids[0]):
+        out = _complete(server.url, AUTH, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0).json()
+        many = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+        assert [c["index"] for c in out["choices"]] == list(range(2 if many else 1))
+        assert out["usage"]["completion_tokens"] == 0
+        for choice, p, ref in zip(out["choices"], ids, refs):
+            lp = choice["logprobs"]
+            assert choice["text"] == gen.tokenizer.decode(p) and choice["token_ids"] == []
+            assert choice["finish_reason"] == "length"
+            assert lp["tokens"] == [gen.tokenizer.decode([t]) for t in p]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            want = [ref[k - 1, p[k]] for k in range(1, len(p))]
+            np.testing.assert_allclose(lp["token_logprobs"][1:], want, rtol=1e-4, atol=1e-4)
+            for k in range(1, len(p)):
+                best = np.argsort(-ref[k - 1])[:2]
+                top = lp["top_logprobs"][k]
+                assert set(top) == {gen.tokenizer.decode([int(t)]) for t in best} | {lp["tokens"][k]}
+                assert max(top.values()) == pytest.approx(ref[k - 1, best[0]], abs=1e-4)
+            assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    # With generation (lm-evaluation-harness's request): the prompt's entries, then the generated one.
+    body = dict(prompt=[ids[0]], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    out = _complete(server.url, AUTH, **body).json()["choices"][0]
+    lp = out["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids[0]) + 1 and out["token_ids"] == [int(np.argmax(refs[0][-1]))]
+    assert lp["token_logprobs"][-1] == pytest.approx(refs[0][-1].max(), abs=1e-4)
+    np.testing.assert_allclose(lp["token_logprobs"][1:-1], [refs[0][k - 1, ids[0][k]] for k in range(1, len(ids[0]))],
+                               rtol=1e-4, atol=1e-4)
+    # Streamed: the echo chunk carries the prompt's log-probabilities.
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == texts[0] and first["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH,
+                      json={**body, "max_tokens": 0, "stream": True}) as r:
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    assert [(c["text"], c["finish_reason"]) for c in chunks] == [(texts[0], None), ("", "length")]
+    assert chunks[0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+
+
+def test_penalties_logit_bias_and_best_of_equal_generator(server, gen):
+    """presence_penalty, frequency_penalty and logit_bias choose the tokens ``Generator.generate``
+    chooses with the same settings (``model/generation.py``); best_of returns the candidates of
+    highest mean token log-probability among those n=best_of gives with the same seed."""
+    plain = gen.generate("ROMEO:", max_new_tokens=24).sequences[0]
+    banned, forced = plain[0], plain[3]
+    cases = [dict(presence_penalty=1.5), dict(frequency_penalty=2.0), dict(presence_penalty=-1.0, frequency_penalty=0.5),
+             dict(logit_bias={banned: -100.0}), dict(logit_bias={forced: 100.0}),
+             dict(temperature=0.9, seed=11, frequency_penalty=1.0, logit_bias={banned: -5.0})]
+    for case in cases:
+        sampling = dict(decode_strategy="sampling", temperature=0.9, seed=11) if "seed" in case else {}
+        options = {k: v for k, v in case.items() if k not in ("temperature", "seed")}
+        want = gen.generate("ROMEO:", max_new_tokens=24, **sampling, **options).sequences[0]
+        body = {"temperature": 0, **case, **({"logit_bias": {str(k): v for k, v in case["logit_bias"].items()}}
+                                           if "logit_bias" in case else {})}
+        got = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=24, **body).json()
+        assert got["choices"][0]["token_ids"] == want, case
+        assert want != plain, case  # the option changed the tokens
+    assert gen.generate("ROMEO:", max_new_tokens=24, logit_bias={banned: -100.0}).sequences[0][0] != banned
+    assert set(gen.generate("ROMEO:", max_new_tokens=5, logit_bias={forced: 100.0}).sequences[0]) == {forced}
+    with pytest.raises(Exception, match="logit_bias"):
+        gen.generate("ROMEO:", max_new_tokens=2, logit_bias={10**6: 1.0})
+    # best_of: the n best by mean log-probability of the best_of candidates (seed + j each).
+    body = dict(prompt=["ROMEO:", "JULIET:"], max_tokens=8, temperature=1.0, seed=5)
+    every = _complete(server.url, AUTH, n=4, logprobs=0, **body).json()["choices"]
+    best = _complete(server.url, AUTH, n=2, best_of=4, **body).json()
+    for p in range(2):
+        group = every[4 * p:4 * p + 4]
+        mean = [sum(c["logprobs"]["token_logprobs"]) / len(c["token_ids"]) for c in group]
+        order = sorted(range(4), key=lambda j: -mean[j])[:2]
+        assert [c["token_ids"] for c in best["choices"][2 * p:2 * p + 2]] == [group[j]["token_ids"] for j in order]
+    assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
+    assert best["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in every)
+    # Generator (and `gptc generate`: model/generation.py's best_of) keeps the same candidate.
+    one = _complete(server.url, AUTH, prompt="ROMEO:", max_tokens=8, temperature=1.0, seed=5, best_of=4).json()
+    assert one["choices"][0]["token_ids"] == gen.generate("ROMEO:", max_new_tokens=8, decode_strategy="sampling",
+                                                          temperature=1.0, seed=5, best_of=4).sequences[0]
+
+
+LAMBADA_TASK = """task: lambada_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+WIKITEXT_TASK = """task: wikitext_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+"""
+
+
+def test_lm_evaluation_harness_scores_equal_gptc_eval(server, gen, shared_data, export_dir, tmp_path):
+    """lm-evaluation-harness's own CLI (``local-completions``, the server's remote tokenizer, local
+    task YAMLs, no download) on the served model gives ``gptc eval``'s figures on the same text:
+    LAMBADA accuracy and perplexity of its split (``accuracy_harness``, ``harness_ppl``), and a
+    rolling WikiText log-likelihood whose word perplexity is ``gptc eval``'s total NLL over the
+    harness's word count.
+
+    Windows: the harness sends at most ``max_length - 1`` = 127 tokens (+ 1 generated: the
+    context of 128), so ``gptc eval --seq-len 126`` (contexts cut to 127 tokens with the
+    target). Its rolling windows predict 126 tokens each, the first given a prefix token; gptc
+    eval's windows of 126 inputs predict from the text's second token, so its file starts with
+    that prefix token (a newline: ``custom_prefix_token_id``)."""
+    pytest.importorskip("lm_eval")
+    # 30 LAMBADA passages (beyond this tiny Shakespeare model: none is right) and 10 Shakespeare
+    # passages ending with the word the model itself continues them with, so that the accuracy
+    # compared is not 0.
+    lines = (shared_data / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:30]
+    play = (shared_data / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tok = gen.tokenizer
+    for start in range(1000, 61000, 2000):
+        prefix = play[start:start + 200].rsplit(" ", 1)[0]
+        words, n = (prefix + gen.generate(prefix, max_new_tokens=8).texts[0]).split(" "), len(prefix.split(" "))
+        if len(words) <= n:
+            continue
+        context, word = " ".join(words[:n]), words[n].split("\n")[0]  # the word up to a line break
+        # the harness encodes the whole text and splits it, gptc eval encodes the parts: keep the
+        # passages whose tokens agree
+        if word and tok.encode(context) + tok.encode(" " + word) == tok.encode(f"{context} {word}"):
+            lines.append(json.dumps({"text": f"{context} {word}"}) + "\n")
+    lines = lines[:40]
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("".join(lines), encoding="utf-8")
+    # A WikiText slice of 126 x k tokens: gptc eval's last window is then full (a padded one also
+    # scores its last token predicting the EOS padding, FleetX's protocol, which the harness does not).
+    raw = gen.tokenizer.encode((shared_data / "wikitext-2" / "wiki.test.raw").read_text(encoding="utf-8")[:4000].strip())
+    text = next(t for t in (gen.tokenizer.decode(raw[:126 * k]) for k in range(8, 2, -1))
+                if len(gen.tokenizer.encode(t)) % 126 == 0 and t == t.strip())
+    (tmp_path / "wikitext.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    newline = gen.tokenizer.encode("\n")
+    assert len(newline) == 1 and gen.tokenizer.encode("\n" + text) == newline + gen.tokenizer.encode(text)
+    (tmp_path / "wikitext_gptc.txt").write_text("\n" + text, encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(LAMBADA_TASK.format(data=lambada))
+    (tasks / "wikitext_local.yaml").write_text(WIKITEXT_TASK.format(data=tmp_path / "wikitext.jsonl"))
+    args = (f"base_url={server.url}/v1/completions,model=export,tokenizer_backend=remote,auth_token={KEY},"
+            f"max_length=128,custom_prefix_token_id={newline[0]},max_retries=1")
+    env = {**ENV, "OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "local-completions",
+                           "--model_args", args, "--batch_size", "8", "--tasks", "lambada_local,wikitext_local", "--include_path",
+                           str(tasks), "--output_path", str(tmp_path / "out")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+
+    def gptc_eval(*extra):
+        out = subprocess.run([sys.executable, "-m", "gpt_compress", "eval", "--model", export_dir, "--backend",
+                              "paddle", "--seq-len", "126", "--no-progress", *extra],
+                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout[out.stdout.index("{"):])
+
+    ours = gptc_eval("--task", "lambada", "--data", str(lambada))
+    harness = results["lambada_local"]
+    assert ours["num_examples"] == len(lines) > 30 and ours["truncated_contexts"] > 0  # the window matters
+    assert ours["accuracy_harness"] > 0
+    assert harness["acc,none"] == pytest.approx(ours["accuracy_harness"], rel=1e-4)
+    assert harness["perplexity,none"] == pytest.approx(ours["harness_ppl"], rel=1e-4)
+    wiki = gptc_eval("--task", "wikitext", "--data", str(tmp_path / "wikitext_gptc.txt"), "--input-format", "raw")
+    assert wiki["num_windows"] > 2 and wiki["num_scored"] == len(gen.tokenizer.encode(text))
+    words = len(re.split(r"\s+", text))  # the harness's word count (its count_words)
+    total_nll = wiki["avg_loss"] * (wiki["num_tokenized_tokens"] - 1)
+    assert results["wikitext_local"]["word_perplexity,none"] == pytest.approx(np.exp(total_nll / words), rel=1e-4)
+
+
+CHAT_TEMPLATE = "QUESTION: {question}\nANSWER:"
+
+
+def test_chat_completions_on_a_finetuned_model_equal_gptc_generate(server, shakespeare, tmp_path_factory, tmp_path):
+    """`gptc finetune` records its prompt template; the export carries it, and
+    /v1/chat/completions makes the last user message the prompt through it: the reply (plain
+    and streamed) equals `gptc generate` on the finetuned checkpoint with that prompt and the
+    same settings. A model with no prompt format gets a 400 saying so."""
+    ckpt = model_dirs(tmp_path_factory, shakespeare)["ckpt"]
+    rows = [{"question": f"who speaks in scene {i}?", "tgt": " ROMEO and JULIET, my lord."} for i in range(16)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    options = [f"Finetune.train_file={train}", f"Finetune.prompt_template={json.dumps(CHAT_TEMPLATE)}",
+               f"Global.output_dir={tmp_path / 'ft'}", "Data.seq_length=128", "Engine.max_steps=4",
+               "Engine.global_batch_size=4", "Engine.micro_batch_size=4", "Engine.save_steps=0",
+               "Engine.eval_freq=0", "Engine.logging_freq=0"]
+
+    def gptc(*args):
+        out = subprocess.run([sys.executable, "-m", "gpt_compress", *args], env=ENV, cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    gptc("finetune", "--no-progress", "--model", str(ckpt), *[x for o in options for x in ("-o", o)])
+    model = tmp_path / "ft" / "model"
+    assert json.loads((model / "config.json").read_text())["prompt_template"] == CHAT_TEMPLATE
+    gptc("export", "--model", str(model), "--output", str(tmp_path / "export"), "--format", "paddle")
+    s = Server(str(tmp_path / "export"), tmp_path / "chat.log").ready()
+    try:
+        question = "who speaks in scene 3?"
+        messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": question}]
+        for settings, overrides in [({"temperature": 0}, []),
+                                    ({"temperature": 0.8, "seed": 3, "presence_penalty": 0.5},
+                                     ["Generation.decode_strategy=sampling", "Generation.temperature=0.8",
+                                      "Generation.seed=3", "Generation.presence_penalty=0.5"])]:
+            out = gptc("generate", "--model", str(model), "--prompt", CHAT_TEMPLATE.format(question=question),
+                       "--no-stream", "-o", "Generation.max_new_tokens=12", *[x for o in overrides for x in ("-o", o)])
+            ref = json.loads(out.strip().splitlines()[-1])["results"][0]
+            want = ref["text"].replace("<|endoftext|>", "")
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=120,
+                           json={"messages": messages, "max_tokens": 12, **settings})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {
+                "role": "assistant", "content": want}, (body, ref)
+            assert body["usage"]["completion_tokens"] == len(ref["new_tokens"])
+            assert body["usage"]["prompt_tokens"] == ref["prompt_tokens"]
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=120,
+                              json={"messages": messages, "max_tokens": 12, "stream": True, **settings}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]) == want
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": messages[:1]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "user" in r.text
+    finally:
+        s.stop()
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={"messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "no prompt format" in r.json()["error"]["message"]
+    for body, field in [({"messages": []}, "messages"), ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
+                        ({"messages": messages, "presence_penalty": 3}, "presence_penalty"),
+                        ({"messages": messages, "logit_bias": {"x": 1}}, "logit_bias")]:
+        r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
+@pytest.mark.parametrize("backend", ["fused", "onnx"])
+def test_prompt_scores_equal_log_softmax_on_every_scoring_path(export_dir, gen, backend):
+    """``top_logprobs`` (the engine's prompt scores) equals the full logits' log-softmax on each
+    path: the fused program's rows (``logits_at``) and, on an export with the scoring programs,
+    ``head_scores`` (k <= 1: no logits leave the backend) or the full logits (k > 1)."""
+    from gpt_compress.eval.scoring import top_logprobs
+    from gpt_compress.inference.runner import Generator
+
+    runner = gen if backend == "fused" else Generator.from_dir(export_dir, backend="onnx")
+    assert runner.scores_rows if backend == "fused" else runner.scores_positions
+    prompts = [gen.tokenizer.encode(t) for t in ("ROMEO: I say to thee, my lord", "JULIET: what light", "Ay")]
+    width = max(map(len, prompts))
+    ids = np.zeros((3, width), np.int64)
+    select = np.zeros((3, width), bool)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+        select[i, :len(p) - 1] = True
+    labels = np.roll(ids, -1, axis=1)
+    ref = np.concatenate([_log_softmax(gen.score(np.asarray([p]))[0][:-1]) for p in prompts])
+    want = ref[np.arange(len(ref)), np.concatenate([p[1:] for p in prompts]).astype(np.int64)]
+    for k in (0, 1, 3):
+        lp, top_ids, top_lp = top_logprobs(runner.backend, ids, labels, select, k)
+        np.testing.assert_allclose(lp, want, rtol=1e-4, atol=1e-4)
+        assert top_ids.shape == (len(want), k)
+        np.testing.assert_allclose(top_lp, -np.sort(-ref, axis=-1)[:, :k], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.take_along_axis(ref, top_ids, axis=-1), top_lp, rtol=1e-4, atol=1e-4)

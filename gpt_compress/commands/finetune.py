@@ -115,8 +115,9 @@ def run(args) -> int:
                                            overwrite=args.overwrite)
         merge_lora(model)
     # The prompt formatting travels with the model: text prompts get it at generation (finetune/data.py).
-    summary["model"] = save_model(model, os.path.join(out, "model"), tokenizer=tok,
-                                  extra={"prompt_tokens": fc.prompt_tokens} if fc.prompt_tokens else None,
+    prompt_format = {k: v for k, v in (("prompt_tokens", fc.prompt_tokens), ("prompt_template", fc.prompt_template))
+                     if v}
+    summary["model"] = save_model(model, os.path.join(out, "model"), tokenizer=tok, extra=prompt_format or None,
                                   overwrite=args.overwrite)
     if eval_plan is not None:
         summary["eval_after"] = response_perplexity(model, eval_all())

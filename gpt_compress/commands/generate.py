@@ -68,7 +68,7 @@ def run(args) -> int:
     from ..data.tokenizer import encode_prompts
     from ..inference.dygraph import DygraphBackend
     from ..inference.runner import special_ids
-    from ..model.generation import generate
+    from ..model.generation import check_logit_bias, generate
 
     cfg = config_from_args(args)
     gen = cfg.generation
@@ -100,8 +100,10 @@ def run(args) -> int:
             return fail("empty prompt")
         if max(p) >= model.config.vocab_size or min(p) < 0:
             return fail(f"prompt token ids must be in [0, {model.config.vocab_size})")
+    check_logit_bias(gen.logit_bias, model.config.vocab_size)
     eos, pad = special_ids(gen, model.config.eos_token_id, model.config.pad_token_id, model.config.vocab_size)
-    stream = len(prompts) == 1 and tok is not None and not args.no_stream and gen.decode_strategy != "beam_search"
+    stream = (len(prompts) == 1 and tok is not None and not args.no_stream and gen.decode_strategy != "beam_search"
+              and gen.best_of == 1)
     emitted: list[int] = []
 
     def on_tokens(step):

@@ -5,7 +5,8 @@ the text before the last occurrence of that word (stripped), target = the tokens
 ``" " + last_word``. An example is correct only if the greedy prediction equals the target
 token at every target position. Also reported: FleetX's non-strict variant (only the last BPE
 token of the whole text is the target), lm-evaluation-harness's split (``text.rsplit(" ", 1)``)
-and the target perplexity (exp of the mean NLL of the target tokens).
+with its perplexity (exp of the mean per-example NLL of the continuation) and the target
+perplexity (exp of the mean NLL of the strict target tokens).
 
 All three are scored in one pass: every target ends its token sequence and the splits mostly
 give the same sequence, so each distinct sequence runs once and the LM head is applied only at
@@ -68,6 +69,7 @@ class LambadaResult:
     accuracy_nonstrict: float  # FleetX strict=False: last BPE token of the text
     accuracy_harness: float  # lm-evaluation-harness split
     target_ppl: float  # exp(mean NLL of strict target tokens)
+    harness_ppl: float  # lm-evaluation-harness's perplexity: exp(mean per-example NLL of its continuation)
     truncated_contexts: int
     correct: list = field(default_factory=list)  # strict, per example (0/1)
 
@@ -160,4 +162,5 @@ def evaluate_lambada(backend, tokenizer, path: str, seq_len: int = 1024, batch_s
                  "target token",
         num_examples=n, seq_len=seq_len, accuracy=sum(r[0] for r in res) / n,
         accuracy_nonstrict=sum(r[0] for r in res_n) / n, accuracy_harness=sum(r[0] for r in res_h) / n,
-        target_ppl=math.exp(nll / ntok), truncated_contexts=truncated, correct=[int(r[0]) for r in res])
+        target_ppl=math.exp(nll / ntok), harness_ppl=math.exp(sum(r[1] for r in res_h) / n),
+        truncated_contexts=truncated, correct=[int(r[0]) for r in res])

@@ -49,22 +49,75 @@ def score_positions(backend, input_ids: np.ndarray, labels: np.ndarray, select: 
             lp, top = backend.head_scores(hidden[i:i + rows], y[i:i + rows])
             lps.append(np.asarray(lp, dtype=np.float64))
             hits.append(np.asarray(top) == y[i:i + rows])
-    elif getattr(backend, "scores_rows", False):
+    else:
+        for logits, part in _logit_rows(backend, input_ids, select, attention_mask, rows):
+            lp, hit = label_logprobs(logits, y[part])
+            lps.append(lp)
+            hits.append(hit)
+    return np.concatenate(lps), np.concatenate(hits)
+
+
+def _logit_rows(backend, input_ids, select: np.ndarray, attention_mask, rows: int):
+    """Logits at the positions ``select`` marks, in row-major order: yields ``(logits (n, V),
+    slice of those positions)``, at most about ``rows`` rows at a time (``logits_at`` when the
+    backend has it, else ``score``'s full logits, cut at the chosen rows)."""
+    done = 0
+    if getattr(backend, "scores_rows", False):
         for seqs in _groups(select.sum(axis=1), rows):  # sequences whose rows fit one call
             sub = np.nonzero(select[seqs])
             flat = sub[0] * select.shape[1] + sub[1]
             mask = None if attention_mask is None else attention_mask[seqs]
             logits = backend.logits_at(np.asarray(input_ids)[seqs], mask, flat)  # (n, V)
-            lp, hit = label_logprobs(logits, labels[seqs][sub])
-            lps.append(lp)
-            hits.append(hit)
-    else:
-        logits = backend.score(input_ids, attention_mask)  # (B, T, V) float32
-        for i in range(0, len(y), rows):
-            lp, hit = label_logprobs(logits[b[i:i + rows], t[i:i + rows]], y[i:i + rows])
-            lps.append(lp)
-            hits.append(hit)
-    return np.concatenate(lps), np.concatenate(hits)
+            yield logits, slice(done, done + len(flat))
+            done += len(flat)
+        return
+    b, t = np.nonzero(select)
+    logits = backend.score(input_ids, attention_mask)  # (B, T, V) float32
+    for i in range(0, len(b), rows):
+        yield logits[b[i:i + rows], t[i:i + rows]], slice(i, i + rows)
+
+
+def top_logprobs(backend, input_ids: np.ndarray, labels: np.ndarray, select: np.ndarray, k: int,
+                 attention_mask: np.ndarray | None = None,
+                 rows: int = ROWS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """At the positions ``select`` (B, T) marks, in row-major order: log p(label) (N,) float64,
+    the ``k`` most likely tokens (N, k) int64 (most likely first) and their log-probabilities
+    (N, k) float64. With ``k`` <= 1 on a backend with ``head_scores`` no logits leave it: one call
+    gives each label's log-probability and the argmax, a second one the argmax's
+    log-probability (only where it is not the label)."""
+    select = np.asarray(select, dtype=bool)
+    labels = np.asarray(labels, dtype=np.int64)
+    b, t = np.nonzero(select)
+    y = labels[b, t]
+    n = len(y)
+    lp, ids, top = np.zeros(n), np.zeros((n, k), np.int64), np.zeros((n, k))
+    if not n:
+        return lp, ids, top
+    if k <= 1 and getattr(backend, "scores_positions", False):
+        hidden = backend.hidden_states(input_ids, attention_mask)[b, t]  # (N, hidden)
+        best = np.zeros(n, np.int64)
+        for i in range(0, n, rows):
+            part, got = backend.head_scores(hidden[i:i + rows], y[i:i + rows])
+            lp[i:i + rows], best[i:i + rows] = part, got
+        if k:
+            ids[:, 0], top[:, 0] = best, lp
+            other = np.flatnonzero(best != y)
+            for i in range(0, len(other), rows):
+                rows_i = other[i:i + rows]
+                top[rows_i, 0] = backend.head_scores(hidden[rows_i], best[rows_i])[0]
+        return lp, ids, top
+    for logits, part in _logit_rows(backend, input_ids, select, attention_mask, rows):
+        logits = logits.astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        logits -= np.log(np.exp(logits).sum(axis=-1, keepdims=True))  # log-softmax, in place
+        lp[part] = np.take_along_axis(logits, y[part, None], axis=-1)[:, 0]
+        if k:
+            best = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+            best_lp = np.take_along_axis(logits, best, axis=-1)
+            order = np.argsort(-best_lp, axis=-1, kind="stable")
+            ids[part] = np.take_along_axis(best, order, axis=-1)
+            top[part] = np.take_along_axis(best_lp, order, axis=-1)
+    return lp, ids, top
 
 
 def _groups(counts: np.ndarray, rows: int):

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from typing import Optional, Sequence
 
-from ..checkpoint import load_model, read_config, read_prompt_tokens
+from ..checkpoint import load_model, read_config, read_prompt_template, read_prompt_tokens
 from ..data.tokenizer import find_tokenizer
 from ..errors import ExportError
 from ..fileio import check_output, write_dir_atomic
@@ -80,13 +80,14 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
                         source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
-                        free_weights=True, fused=fused, prompt_tokens=read_prompt_tokens(checkpoint))
+                        free_weights=True, fused=fused, prompt_tokens=read_prompt_tokens(checkpoint),
+                        prompt_template=read_prompt_template(checkpoint))
 
 
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
                  overwrite: bool = False, free_weights: bool = False, fused: bool = True,
-                 prompt_tokens: int = 0) -> str:
+                 prompt_tokens: int = 0, prompt_template: str = "") -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
@@ -96,7 +97,8 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     float, once its Paddle programs are on disk, so that converting and validating do not hold a
     dygraph copy too; int8, once the deploy model is built or as the ONNX float copy takes them
     over (``int8.save_int8_programs``), so that one float copy is resident at a time. ``prompt_tokens``: the
-    checkpoint's fixed prompt length (``checkpoint.read_prompt_tokens``), kept in the manifest."""
+    checkpoint's fixed prompt length (``checkpoint.read_prompt_tokens``) and ``prompt_template`` its
+    prompt template (``checkpoint.read_prompt_template``), kept in the manifest."""
     formats = _formats(formats)
     check_output(output, overwrite)
     return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
@@ -119,7 +121,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
         else:
             files, extra = _float_programs(model, tmp, formats, opset, free_weights), {}
         tok_files = [os.path.basename(p) for p in tokenizer.save(tmp)] if tokenizer is not None else None
-        manifest = {**build_manifest(cfg, files, formats, tok_files, source, prompt_tokens), **extra}
+        manifest = {**build_manifest(cfg, files, formats, tok_files, source, prompt_tokens, prompt_template), **extra}
         if fused_info:
             manifest["fused"] = fused_info
         write_manifest(tmp, manifest)

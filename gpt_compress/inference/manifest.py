@@ -99,6 +99,15 @@ class Manifest:
                           "; re-export the model")
 
     @property
+    def prompt_template(self) -> str:
+        """The template the model's finetuning prompts were made from (``Finetune.prompt_template``); "": none."""
+        template = self.data.get("prompt_template", "")
+        if not isinstance(template, str):
+            raise ModelDirError(f"{os.path.join(self.path, MANIFEST)}: prompt_template must be a string; re-export "
+                                "the model")
+        return template
+
+    @property
     def layers(self) -> list[dict]:
         """Per-layer cache shapes: ``[{"heads": H_i, "head_dim": D}, ...]``."""
         return self.data["cache"]["layers"]
@@ -224,10 +233,12 @@ def _versions() -> dict[str, Optional[str]]:
 
 
 def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Sequence[str],
-                   tokenizer: Optional[list[str]], source: str, prompt_tokens: int = 0) -> dict:
+                   tokenizer: Optional[list[str]], source: str, prompt_tokens: int = 0,
+                   prompt_template: str = "") -> dict:
     """The ``manifest.json`` content for ``ModelConfig`` ``cfg``; ``files``: ``{format: {program:
     {role: file}}}`` as the exporters return them; ``tokenizer``: the tokenizer files written;
-    ``prompt_tokens``: the checkpoint's (``Manifest.prompt_tokens``), recorded when > 0."""
+    ``prompt_tokens`` and ``prompt_template``: the checkpoint's (``Manifest.prompt_tokens``,
+    ``Manifest.prompt_template``), recorded when set."""
     spec = io_spec(cfg)
     programs = {name: {**spec[name], **{fmt: files[fmt][name] for fmt in formats}} for name in PROGRAMS}
     # The scoring programs, when every format has them (tensor-parallel rank exports do not).
@@ -257,6 +268,7 @@ def build_manifest(cfg, files: dict[str, dict[str, dict[str, str]]], formats: Se
         "versions": _versions(),
         "source_checkpoint": source,
         **({"prompt_tokens": prompt_tokens} if prompt_tokens else {}),
+        **({"prompt_template": prompt_template} if prompt_template else {}),
     }
 
 

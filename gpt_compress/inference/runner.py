@@ -37,8 +37,9 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..data.tokenizer import encode_prompts
-from ..model.generation import beam_search, stream_tokens
-from ..model.speculative import DRAFT_TOKENS, ModelDraft, NgramDraft, SpeculationStats, speculative_tokens
+from ..model.generation import beam_search, best_of, check_logit_bias, stream_tokens
+from ..model.speculative import (DRAFT_TOKENS, ModelDraft, NgramDraft, SpeculationStats, check_config,
+                                 speculative_tokens)
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
 
 Prompt = Union[str, Sequence[int]]
@@ -86,10 +87,12 @@ class Generator:
 
     def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
                  pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0,
-                 recorded_draft: Optional[str] = None):
+                 prompt_template: str = "", recorded_draft: Optional[str] = None):
         self.backend = backend
         # > 0: the model was finetuned with prompts fixed to this many tokens; text prompts get the same.
         self.prompt_tokens = prompt_tokens
+        # The template its finetuning prompts were made from (Finetune.prompt_template); "": none recorded.
+        self.prompt_template = prompt_template
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.tokenizer = tokenizer
@@ -110,7 +113,7 @@ class Generator:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         path = os.fspath(path)
         if backend == "dygraph":
-            from ..checkpoint import read_prompt_tokens
+            from ..checkpoint import read_prompt_template, read_prompt_tokens
             from ..qat.quantize import load_any
             from .dygraph import DygraphBackend
 
@@ -119,7 +122,7 @@ class Generator:
             runner = DygraphBackend(model)
             info = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_position_embeddings,
                         eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                        prompt_tokens=read_prompt_tokens(path))
+                        prompt_tokens=read_prompt_tokens(path), prompt_template=read_prompt_template(path))
             has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
         else:
             manifest = read_manifest(path)
@@ -133,7 +136,7 @@ class Generator:
                 runner = OrtBackend(manifest, verify=verify, **options)
             info = dict(vocab_size=manifest.vocab_size, max_positions=manifest.max_positions,
                         eos_token_id=manifest.eos_token_id, pad_token_id=manifest.pad_token_id,
-                        prompt_tokens=manifest.prompt_tokens)
+                        prompt_tokens=manifest.prompt_tokens, prompt_template=manifest.prompt_template)
             has_tok = bool(manifest.data.get("tokenizer"))
             recorded = manifest.data.get("draft", {}).get("path")  # `gptc pipeline`'s draft stage
             info["recorded_draft"] = os.path.normpath(os.path.join(path, recorded)) if recorded else None
@@ -168,6 +171,7 @@ class Generator:
             raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         if cfg.decode_strategy == "beam_search" and cfg.num_beams < 1:
             raise InputError(f"num_beams must be >= 1, got {cfg.num_beams}")
+        check_logit_bias(cfg.logit_bias, self.vocab_size)
         return cfg
 
     def _prepare(self, prompts, config, sampling, truncate):
@@ -212,20 +216,26 @@ class Generator:
                  adaptive: bool = True, **sampling: Any) -> Generated:
         """Generate for one prompt or a batch (strings or token-id lists, any lengths).
         ``sampling``: ``GenerationConfig`` fields (decode_strategy, max_new_tokens, temperature,
-        top_k, top_p, repetition_penalty, num_beams, length_penalty, seed, ...).
-        ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search).
+        top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
+        num_beams, length_penalty, seed, ...).
+        ``on_tokens(step_tokens (B,))`` is called as tokens are produced (not for beam search nor
+        ``best_of``).
         ``truncate`` keeps the end of a prompt too long for the context instead of raising.
         ``draft`` (``draft_for``): speculative decoding, up to ``draft_tokens`` proposals per
         target step (``adaptive``: fewer while they are rejected); greedy output is the same token
         for token, sampled output has the same distribution (``model/speculative.py``)."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
         proposer = self.draft_for(draft) if draft is not None else None
+        if proposer is not None:
+            check_config(cfg)  # before any work: beam search, best_of and the history penalties are refused
         stats = SpeculationStats()
         with self._lock:
             t0 = time.perf_counter()
             if cfg.decode_strategy == "beam_search" and proposer is None:
                 out = beam_search(self.backend, ids, cfg, eos, pad)
                 seqs, scores = out.sequences, out.scores
+            elif cfg.best_of > 1:
+                seqs, scores = best_of(self.backend, ids, cfg, eos, pad).sequences, None
             else:
                 seqs, scores = [[] for _ in ids], None
                 alive = [True] * len(ids)
@@ -251,8 +261,9 @@ class Generator:
         the lock from its first step until it is exhausted or closed. ``draft``: as ``generate``
         (a step's tokens come once every unfinished row has them)."""
         cfg, ids, eos, pad = self._prepare(prompts, config, sampling, truncate)
-        if cfg.decode_strategy == "beam_search":
-            raise InputError("beam search does not stream; call generate()")
+        if cfg.decode_strategy == "beam_search" or cfg.best_of > 1:
+            what = "beam search" if cfg.decode_strategy == "beam_search" else "best_of"
+            raise InputError(f"{what} does not stream; call generate()")
         proposer = self.draft_for(draft) if draft is not None else None
         return self._locked_stream(ids, cfg, eos, pad, proposer, draft_tokens, adaptive)
 

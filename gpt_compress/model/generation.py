@@ -7,7 +7,8 @@ A backend only runs the network; it implements ``DecodeBackend``:
 ``reorder_cache(cache, rows) -> cache``. Prompts of different lengths are left-padded; the
 attention mask carries the padding so positions and attention skip it.
 
-Semantics follow Hugging Face ``generate``: logits processors (repetition penalty,
+Semantics follow Hugging Face ``generate``: logits processors (repetition penalty, OpenAI's
+presence and frequency penalties over the generated tokens, OpenAI's ``logit_bias``,
 min-new-tokens) then warpers (temperature, top-k, top-p) for sampling; beam search keeps
 ``2 * num_beams`` candidates per step, lets only the best ``num_beams`` finish, scores a
 finished hypothesis as ``sum logprob / generated_len ** length_penalty`` and stops a prompt
@@ -15,6 +16,7 @@ when no running beam can beat its worst finished one.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
@@ -85,6 +87,37 @@ def apply_repetition_penalty(scores: np.ndarray, seen: np.ndarray, penalty: floa
     return np.where(seen, penalised, scores)
 
 
+def apply_openai_penalties(scores: np.ndarray, counts: np.ndarray, presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's penalties: ``counts`` (N, V) is how many times each row generated each token;
+    a token's score loses ``frequency`` per occurrence and ``presence`` once if it occurred."""
+    if not presence and not frequency:
+        return scores
+    return scores - (counts * frequency + (counts > 0) * presence).astype(scores.dtype)
+
+
+def apply_logit_bias(scores: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    """OpenAI's ``logit_bias``: token id -> a value added to that token's score in every row."""
+    if not bias:
+        return scores
+    ids = np.fromiter(bias.keys(), np.int64, len(bias))
+    out = scores.copy()
+    out[:, ids] += np.fromiter(bias.values(), np.float32, len(bias))
+    return out
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    """InputError when ``bias`` names a token id outside the vocabulary."""
+    outside = sorted(k for k in bias if not 0 <= k < vocab_size)
+    if outside:
+        raise InputError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
+
+
+def uses_history(cfg: GenerationConfig) -> bool:
+    """A penalty reads the tokens so far (``seen`` for the repetition penalty, which includes the
+    prompt; ``counts`` of the generated tokens for OpenAI's)."""
+    return cfg.repetition_penalty != 1.0 or bool(cfg.presence_penalty) or bool(cfg.frequency_penalty)
+
+
 def apply_top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """Keep the ``k`` largest scores per row (ties at the k-th value kept, as HF)."""
     if k <= 0 or k >= scores.shape[-1]:
@@ -129,17 +162,21 @@ def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 # Greedy / sampling
 # --------------------------------------------------------------------------------------
 def _no_processor(cfg: GenerationConfig, step: int, eos) -> bool:
-    """No logits processor changes the scores at ``step`` (no penalty, past ``min_new_tokens``)."""
-    return cfg.repetition_penalty == 1.0 and (step >= cfg.min_new_tokens or eos is None)
+    """No logits processor changes the scores at ``step`` (no penalty nor bias, past ``min_new_tokens``)."""
+    return not uses_history(cfg) and not cfg.logit_bias and (step >= cfg.min_new_tokens or eos is None)
 
 
-def _processed(logits, seen, step, cfg, eos):
+def _processed(logits, seen, step, cfg, eos, counts=None):
     """The scores after the processors: a new float32 array, or ``logits`` itself when no processor
-    applies (greedy with no penalty after ``min_new_tokens``: the per-step copy is skipped)."""
+    applies (greedy with no penalty after ``min_new_tokens``: the per-step copy is skipped).
+    ``counts`` (N, V): tokens generated so far per row (needed by OpenAI's penalties)."""
     if _no_processor(cfg, step, eos) and logits.dtype == np.float32:
         return logits
     scores = logits.astype(np.float32, copy=True)
     scores = apply_repetition_penalty(scores, seen, cfg.repetition_penalty)
+    if cfg.presence_penalty or cfg.frequency_penalty:
+        scores = apply_openai_penalties(scores, counts, cfg.presence_penalty, cfg.frequency_penalty)
+    scores = apply_logit_bias(scores, cfg.logit_bias)
     if step < cfg.min_new_tokens and eos is not None:
         scores[:, eos] = NEG_INF
     return scores
@@ -151,11 +188,13 @@ def _plain_greedy(cfg: GenerationConfig, step: int, eos) -> bool:
 
 
 def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: GenerationConfig,
-                eos_token_id: Optional[int], rng: np.random.Generator) -> np.ndarray:
+                eos_token_id: Optional[int], rng: np.random.Generator,
+                counts: Optional[np.ndarray] = None) -> np.ndarray:
     """The token (B,) chosen from each row of ``logits`` (B, V) at generation step ``step``
     (greedy or sampling, after the logits processors); ``seen`` (B, V) marks tokens already in
-    each row (repetition penalty). Sampling draws one number per row from ``rng``."""
-    scores = _processed(logits, seen, step, cfg, eos_token_id)
+    each row (repetition penalty), ``counts`` (B, V) how many times each row generated each token
+    (presence and frequency penalties). Sampling draws one number per row from ``rng``."""
+    scores = _processed(logits, seen, step, cfg, eos_token_id, counts)
     if cfg.decode_strategy == "greedy":
         return np.argmax(scores, axis=-1)
     return _sample(sampling_probs(scores, cfg), rng)
@@ -177,9 +216,12 @@ def sampling_probs(scores: np.ndarray, cfg: GenerationConfig) -> np.ndarray:
 
 
 def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
-                  eos_token_id: Optional[int], pad_token_id: int) -> Iterator[np.ndarray]:
+                  eos_token_id: Optional[int], pad_token_id: int,
+                  logprobs: Optional[list] = None) -> Iterator[np.ndarray]:
     """Greedy or sampling decode; yields the new token of every row at each step (B,).
-    Finished rows (after EOS) yield ``pad_token_id``."""
+    Finished rows (after EOS) yield ``pad_token_id``. ``logprobs``: when given, each step
+    appends the chosen tokens' log-probabilities (B,) under the model's raw distribution (every
+    step then takes the logits out of the backend)."""
     if cfg.decode_strategy == "beam_search":
         raise ValueError("beam search does not stream; call generate()")
     ids, mask = pad_left(prompts, pad_token_id)
@@ -187,23 +229,29 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
     rng = np.random.default_rng(cfg.seed)
     logits, cache = backend.prefill(ids, mask)
     vocab = logits.shape[-1]
-    penalty = cfg.repetition_penalty != 1.0  # only the penalty reads ``seen``
+    penalty = uses_history(cfg)  # only the penalties read ``seen`` and ``counts``
     seen = np.zeros((batch, vocab if penalty else 0), dtype=bool)
+    counts = np.zeros((batch, vocab if penalty else 0), dtype=np.int32)
     if penalty:
         rows, cols = np.nonzero(mask)
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
     greedy = getattr(backend, "decode_greedy", None)  # the argmax made by the backend (no logits copied out)
     chunk = getattr(backend, "greedy_steps", 1)  # greedy steps the backend runs in one call
+    if logprobs is not None:
+        greedy, chunk = None, 1
     ahead: list = []  # tokens such a call made that are still to be yielded, in order
     for step in range(cfg.max_new_tokens):
         if ahead:
             nxt = ahead.pop(0)
         else:
-            nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng) if logits is not None else argmax
+            nxt = next_tokens(logits, seen, step, cfg, eos_token_id, rng, counts) if logits is not None else argmax
         nxt = np.where(unfinished, nxt, pad_token_id).astype(np.int64)
+        if logprobs is not None:
+            logprobs.append(np.take_along_axis(_log_softmax(logits.astype(np.float64)), nxt[:, None], axis=-1)[:, 0])
         if penalty:
             seen[np.arange(batch), nxt] |= unfinished
+            counts[np.arange(batch), nxt] += unfinished
         yield nxt
         if eos_token_id is not None:
             unfinished &= nxt != eos_token_id
@@ -213,7 +261,7 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
             continue
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         steps = min(chunk, cfg.max_new_tokens - step - 1)
-        if steps > 1 and cfg.decode_strategy == "greedy" and not penalty:
+        if steps > 1 and cfg.decode_strategy == "greedy" and not penalty and not cfg.logit_bias:
             suppress = min(steps, max(0, cfg.min_new_tokens - step - 1)) if eos_token_id is not None else 0
             tokens, cache = backend.decode_greedy_steps(nxt[:, None], mask, cache, steps, eos_token_id,
                                                         pad_token_id, ~unfinished, suppress)
@@ -223,6 +271,42 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
             (argmax, cache), logits = greedy(nxt[:, None], mask, cache), None
         else:
             logits, cache = backend.decode(nxt[:, None], mask, cache)
+
+
+def best_of(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+            eos_token_id: Optional[int], pad_token_id: int) -> GenerationOutput:
+    """OpenAI's ``best_of`` (``cfg.best_of`` candidates, n = 1): candidate j decodes every prompt
+    with seed ``seed + j`` (as `gptc serve` seeds choice j); each prompt keeps the candidate of
+    highest mean token log-probability (``best_candidates``)."""
+    runs = []
+    for j in range(cfg.best_of):
+        seed = None if cfg.seed is None else cfg.seed + j
+        one = dataclasses.replace(cfg, best_of=1, seed=seed)
+        steps: list = []
+        seqs: list[list[int]] = [[] for _ in prompts]
+        alive = [True] * len(prompts)
+        sums = np.zeros(len(prompts))
+        for tokens in stream_tokens(backend, prompts, one, eos_token_id, pad_token_id, steps):
+            lps = steps.pop()  # this step's log-probabilities, appended before the tokens are yielded
+            for i, t in enumerate(tokens):
+                if alive[i]:
+                    seqs[i].append(int(t))
+                    sums[i] += lps[i]
+                    alive[i] = eos_token_id is None or int(t) != eos_token_id
+        runs.append((seqs, sums))
+    out = []
+    for i in range(len(prompts)):
+        best = best_candidates([s[i] for _, s in runs], [len(q[i]) for q, _ in runs], 1)[0]
+        out.append(runs[best][0][i])
+    return GenerationOutput(sequences=out)
+
+
+def best_candidates(logprob_sums: Sequence[float], lengths: Sequence[int], n: int) -> list[int]:
+    """OpenAI's ``best_of``: the indices of the ``n`` candidates of highest log-probability per
+    token (``logprob_sums[i] / lengths[i]``, under the model's raw distribution), best first;
+    ties keep the candidates' order."""
+    mean = [s / max(k, 1) for s, k in zip(logprob_sums, lengths)]
+    return sorted(range(len(mean)), key=lambda i: -mean[i])[:n]
 
 
 # --------------------------------------------------------------------------------------
@@ -241,6 +325,7 @@ def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: G
     logits, mask = logits[rows], mask[rows]
     vocab = logits.shape[-1]
     seen = np.zeros((batch * nb, vocab), dtype=bool)
+    counts = np.zeros((batch * nb, vocab if uses_history(cfg) else 0), dtype=np.int32)
     if cfg.repetition_penalty != 1.0:
         r, c = np.nonzero(mask)
         seen[r, ids[rows][r, c]] = True
@@ -252,7 +337,7 @@ def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: G
     for step in range(cfg.max_new_tokens):
         gen_len = step + 1
         logp = _log_softmax(logits.astype(np.float32))
-        logp = _processed(logp, seen, step, cfg, eos_token_id)
+        logp = _processed(logp, seen, step, cfg, eos_token_id, counts)
         total = (logp.reshape(batch, nb, vocab) + running_scores[:, :, None]).reshape(batch, nb * vocab)
         top = np.argsort(-total, axis=-1, kind="stable")[:, :keep]  # (B, keep)
         top_scores = np.take_along_axis(total, top, axis=-1)
@@ -291,6 +376,9 @@ def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: G
         running_scores = new_scores
         seen = seen[src_rows]
         seen[np.arange(batch * nb), new_tok.reshape(-1)] = True
+        if counts.size:
+            counts = counts[src_rows]
+            counts[np.arange(batch * nb), new_tok.reshape(-1)] += 1
         cache = backend.reorder_cache(cache, src_rows)
         mask = np.concatenate([mask[src_rows], np.ones((batch * nb, 1), dtype=np.int64)], axis=1)
         logits, cache = backend.decode(new_tok.reshape(-1, 1), mask, cache)
@@ -345,6 +433,8 @@ def generate(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: Gene
     cfg.__post_init__()  # fields may have been set after construction: check them again
     if cfg.decode_strategy == "beam_search":
         return beam_search(backend, prompts, cfg, eos_token_id, pad_token_id)
+    if cfg.best_of > 1:
+        return best_of(backend, prompts, cfg, eos_token_id, pad_token_id)
     out: list[list[int]] = [[] for _ in prompts]
     alive = [True] * len(prompts)
     for step_tokens in stream_tokens(backend, prompts, cfg, eos_token_id, pad_token_id):

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..errors import InputError
-from .generation import NEG_INF, GenerationOutput, _sample, pad_left, sampling_probs
+from .generation import NEG_INF, GenerationOutput, _sample, apply_logit_bias, pad_left, sampling_probs
 
 DRAFT_TOKENS = 5  # k: draft tokens proposed per verify step (at most; ``AdaptiveK`` lowers it)
 NGRAM = 3  # prompt lookup: the longest suffix matched
@@ -261,8 +261,9 @@ def accept_sampled(p: np.ndarray, q: Optional[np.ndarray], drafts: np.ndarray, n
 
 def _scores(logits: np.ndarray, steps: np.ndarray, cfg: GenerationConfig, eos: Optional[int]) -> np.ndarray:
     """The logits processors of ``generation._processed`` row by row: rows (N, V) at generation
-    steps (N,) (``min_new_tokens`` keeps EOS out of early steps)."""
-    scores = logits.astype(np.float32, copy=True)
+    steps (N,) (``logit_bias``; ``min_new_tokens`` keeps EOS out of early steps). The penalties
+    that read the tokens so far are refused (``check_config``)."""
+    scores = apply_logit_bias(logits.astype(np.float32, copy=True), cfg.logit_bias)
     if eos is not None and cfg.min_new_tokens > 0:
         scores[steps < cfg.min_new_tokens, eos] = NEG_INF
     return scores
@@ -274,6 +275,11 @@ def check_config(cfg: GenerationConfig) -> None:
         raise InputError("a draft needs decode_strategy greedy or sampling, not beam_search")
     if cfg.repetition_penalty != 1.0:
         raise InputError(f"a draft does not support repetition_penalty={cfg.repetition_penalty}; use 1.0")
+    for name, value in (("presence_penalty", cfg.presence_penalty), ("frequency_penalty", cfg.frequency_penalty)):
+        if value:
+            raise InputError(f"a draft does not support {name}={value}; use 0")
+    if cfg.best_of > 1:
+        raise InputError(f"a draft does not support best_of={cfg.best_of}; use 1")
 
 
 # --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics`` and
+"""The FastAPI application: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics`` and
 vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``. Request bodies are the pydantic
 models of ``protocol.py``, validated before a handler runs (400 naming the field); the OpenAPI
 schema (``openapi.py``) documents every field, status and content type.
@@ -28,14 +28,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from ..errors import ConfigError, GptcError
+from ..errors import ConfigError, GptcError, InputError
 from ..sections import ServeConfig
-from .engine import Engine, EngineStopped, Failed, Finished, QueueFull, Request, Token, request_config
+from ..model.generation import best_candidates, check_logit_bias
+from .engine import Engine, EngineStopped, Failed, Finished, PromptScored, QueueFull, Request, Token, request_config
 from .metrics import Metrics
 from .openapi import ERRORS, SSE_EVENT, TOKENIZER_ERRORS, describe, errors
-from .protocol import (CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, Health, Logprobs,
-                       ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfo, completion_body, completion_id,
-                       error_body, usage, validation_message)
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       DetokenizeRequest, DetokenizeResponse, Health, Logprobs, ModelList, TokenizeRequest,
+                       TokenizeResponse, TokenizerInfo, chat_body, chat_chunk, chat_prompt, completion_body,
+                       completion_id, error_body, usage, validation_message)
 
 log = logging.getLogger("gptc.serve")
 DISCONNECT_POLL = 0.5  # seconds between disconnect checks of a non-streaming request
@@ -214,34 +216,19 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
         bad = req.unsupported()
         if bad is not None:
             raise ApiError(400, bad[1], bad[0])
-        if req.n > cfg.max_n:
-            raise ApiError(400, f"n={req.n} is more than this server allows (Serve.max_n={cfg.max_n})", "n")
+        candidates = req.best_of or req.n  # choices generated per prompt; the best n are returned
+        if candidates > cfg.max_n:
+            field = "best_of" if req.best_of else "n"
+            raise ApiError(400, f"{field}={candidates} is more than this server allows (Serve.max_n={cfg.max_n})",
+                           field)
+        _check_bias(engine, req.token_bias())
         prompts = _encode(engine, req, cfg)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        reqs = []
-        max_tokens = req.max_tokens or cfg.max_tokens_default
-        for i, ids in enumerate(prompts):
-            for j in range(req.n):
-                seed = None if req.seed is None else req.seed + j
-                try:
-                    gcfg = request_config(max_tokens, req.temperature, req.top_p, max(req.top_k, 0),
-                                          req.repetition_penalty, seed, req.min_tokens)
-                except ConfigError as e:  # what the field constraints let through (e.g. infinity)
-                    raise ApiError(400, str(e)) from None
-                index = i * req.n + j
-                reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, index), stop=req.stop or [],
-                                    timeout=cfg.request_timeout, logprobs=req.logprobs))
-        try:
-            engine.submit_all(reqs)  # every choice or none: they are admitted together
-        except QueueFull as e:
-            _cancel(reqs)
-            raise ApiError(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"}) from None
-        except EngineStopped as e:
-            _cancel(reqs)
-            raise ApiError(503, str(e)) from None
+        max_tokens = _max_tokens(req, cfg)
+        reqs, events = _submit(engine, req, prompts, candidates, max_tokens, cfg,
+                               logprobs=req.logprobs if candidates == req.n else (req.logprobs or 0),
+                               prompt_logprobs=req.logprobs if req.echo else None)  # echo + logprobs: the prompt's too
         echo = [engine.gen.tokenizer.decode(p) if req.echo and engine.tokenizer is not None else ""
-                for p in prompts for _ in range(req.n)]
+                for p in prompts for _ in range(candidates)]
         prompt_tokens = sum(len(p) for p in prompts)
         logprobs = None if req.logprobs is None else [Logprobs(_token_text(engine)) for _ in reqs]
         if req.stream:
@@ -249,7 +236,35 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             return StreamingResponse(_stream(reqs, events, echo, model_name, prompt_tokens if include_usage else None,
                                              logprobs),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, reqs, events, echo, model_name, prompt_tokens, logprobs)
+        return await _collect(request, reqs, events, echo, model_name, prompt_tokens, logprobs,
+                              pick=(req.n, candidates) if candidates > req.n else None)
+
+    @app.post("/v1/chat/completions", response_model=None, responses={
+        200: {"model": ChatCompletionResponse, "description": "the reply; with `stream`, server-sent events of "
+              "ChatCompletionChunk ending with `data: [DONE]`",
+              "content": {"text/event-stream": {"schema": SSE_EVENT}}}, **ERRORS})
+    async def chat_completions(req: ChatCompletionRequest, request: HttpRequest):
+        """OpenAI's chat completions, for a model finetuned with a prompt format: the last user
+        message becomes the prompt through the model's template (``chat_prompt``)."""
+        engine = _served(state, req.model)
+        text, reason = chat_prompt(engine.gen.prompt_template, engine.gen.prompt_tokens, req.messages)
+        if text is None:
+            raise ApiError(400, reason, "messages")
+        if engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+        if req.n > cfg.max_n:
+            raise ApiError(400, f"n={req.n} is more than this server allows (Serve.max_n={cfg.max_n})", "n")
+        _check_bias(engine, req.token_bias())
+        max_tokens = req.max_completion_tokens or req.max_tokens or cfg.max_tokens_default
+        ids = engine.gen.encode(text)[0]  # fixed to prompt_tokens when the model records them
+        _check_prompt(engine, 0, ids, max_tokens, req.min_tokens)
+        reqs, events = _submit(engine, req, [ids], req.n, max_tokens, cfg)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(reqs, events, [""] * len(reqs), model_name,
+                                             len(ids) if include_usage else None, body=chat_chunk),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, reqs, events, [""] * len(reqs), model_name, len(ids), body=chat_body)
 
     app.openapi = lambda: describe(app, state.engine, cfg)
     return app
@@ -282,26 +297,75 @@ def _encode(engine: Engine, req: CompletionRequest, cfg: ServeConfig) -> list[li
     prompts = req.prompts()
     if not prompts:
         raise ApiError(400, "prompt is empty", "prompt")
-    max_tokens = req.max_tokens or cfg.max_tokens_default
+    max_tokens = _max_tokens(req, cfg)
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str) and gen.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
         ids = gen.encode(p)[0] if isinstance(p, str) else [int(t) for t in p]  # text: as the model was finetuned
-        if not ids:
-            raise ApiError(400, f"prompt {i} is empty: it needs at least one token", "prompt")
-        bad = [t for t in ids if not 0 <= t < gen.vocab_size]
-        if bad:
-            raise ApiError(400, f"prompt {i} has token ids outside the vocabulary [0, {gen.vocab_size}): "
-                           f"{bad[:5]}", "prompt")
-        if len(ids) + max_tokens > gen.max_positions:
-            raise ApiError(400, f"prompt {i} has {len(ids)} tokens and max_tokens is {max_tokens}: "
-                           f"{len(ids) + max_tokens} > the model's context of {gen.max_positions} tokens",
-                           "max_tokens")
-        if req.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
+        _check_prompt(engine, i, ids, max_tokens, req.min_tokens)
         out.append(ids)
     return out
+
+
+def _check_prompt(engine: Engine, i: int, ids: list[int], max_tokens: int, min_tokens: int) -> None:
+    """400 for prompt ``i`` when it is empty, outside the vocabulary or too long for the context."""
+    gen = engine.gen
+    if not ids:
+        raise ApiError(400, f"prompt {i} is empty: it needs at least one token", "prompt")
+    bad = [t for t in ids if not 0 <= t < gen.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt {i} has token ids outside the vocabulary [0, {gen.vocab_size}): "
+                       f"{bad[:5]}", "prompt")
+    if len(ids) + max_tokens > gen.max_positions:
+        raise ApiError(400, f"prompt {i} has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                       f"{len(ids) + max_tokens} > the model's context of {gen.max_positions} tokens",
+                       "max_tokens")
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens={min_tokens} is more than max_tokens={max_tokens}", "min_tokens")
+
+
+def _check_bias(engine: Engine, bias: dict[int, float]) -> None:
+    try:
+        check_logit_bias(bias, engine.gen.vocab_size)
+    except InputError as e:
+        raise ApiError(400, str(e), "logit_bias") from None
+
+
+def _submit(engine: Engine, req, prompts: list[list[int]], count: int, max_tokens: int, cfg: ServeConfig,
+            logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None):
+    """Queue ``count`` choices of every prompt (choice j seeded ``seed + j``) with ``req``'s
+    sampling fields (a completion or chat request); returns the engine requests, in choice
+    order, and the queue of their events. 429 when the queue is full, 503 when stopping."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    reqs = []
+    for i, ids in enumerate(prompts):
+        for j in range(count):
+            seed = None if req.seed is None else req.seed + j
+            try:
+                gcfg = request_config(max(max_tokens, 1), req.temperature, req.top_p, max(req.top_k, 0),
+                                      req.repetition_penalty, seed, req.min_tokens, req.presence_penalty,
+                                      req.frequency_penalty, req.token_bias())
+            except ConfigError as e:  # what the field constraints let through (e.g. infinity)
+                raise ApiError(400, str(e)) from None
+            reqs.append(Request(ids, gcfg, emit=_emitter(loop, events, i * count + j), stop=req.stop or [],
+                                timeout=cfg.request_timeout, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                generate=max_tokens > 0))
+    try:
+        engine.submit_all(reqs)  # every choice or none: they are admitted together
+    except QueueFull as e:
+        _cancel(reqs)
+        raise ApiError(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"}) from None
+    except EngineStopped as e:
+        _cancel(reqs)
+        raise ApiError(503, str(e)) from None
+    return reqs, events
+
+
+def _max_tokens(req: CompletionRequest, cfg: ServeConfig) -> int:
+    """Tokens to generate: the request's (0 scores the prompt only), else Serve.max_tokens_default."""
+    return req.max_tokens if req.max_tokens is not None else cfg.max_tokens_default
 
 
 def _token_text(engine: Engine):
@@ -328,20 +392,26 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: Optional[int], logprobs=None):
+async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: Optional[int], logprobs=None,
+                  body=completion_body):
     """Server-sent events: a chunk per token, one with each choice's finish_reason, the usage
     when ``prompt_tokens`` is given (``stream_options.include_usage``), then ``[DONE]``.
-    ``logprobs``: a ``Logprobs`` per choice when the request asked for them."""
+    ``logprobs``: a ``Logprobs`` per choice when the request asked for them; ``body`` makes a
+    chunk from completion choices (``chat_chunk`` for the chat endpoint)."""
     cid = completion_id()
     open_, completion_tokens = len(reqs), 0
     try:
         for index, text in enumerate(echo):
-            if text:
-                yield _sse(completion_body(cid, model, [{"index": index, "text": text, "logprobs": None,
-                                                         "finish_reason": None}], None))
+            if text and reqs[index].prompt_logprobs is None:  # else it comes with its log-probabilities
+                yield _sse(body(cid, model, [{"index": index, "text": text, "logprobs": None,
+                                              "finish_reason": None}], None))
         while open_:
             index, ev = await events.get()
-            if isinstance(ev, Token):
+            if isinstance(ev, PromptScored):
+                lp = logprobs[index].add_prompt(reqs[index].prompt, ev.logprobs, ev.top)
+                choice = {"index": index, "text": echo[index], "logprobs": lp, "finish_reason": None,
+                          "token_ids": []}
+            elif isinstance(ev, Token):
                 lp = None if logprobs is None else logprobs[index].add(ev.token_id, ev.logprob, ev.top)
                 choice = {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None,
                           "token_ids": [ev.token_id]}
@@ -354,20 +424,24 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
                 yield _sse(error_body(ev.message, kind="server_error" if ev.status >= 500 else
                                       "invalid_request_error", code=str(ev.status)))
                 break
-            yield _sse(completion_body(cid, model, [choice], None))
+            yield _sse(body(cid, model, [choice], None))
         else:
             if prompt_tokens is not None:
-                yield _sse(completion_body(cid, model, [], usage(prompt_tokens, completion_tokens)))
+                yield _sse(body(cid, model, [], usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         _cancel(reqs)  # client gone (or an error): the engine drops what is still running
 
 
 async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: int,
-                   logprobs=None):
-    """The whole response once every choice has finished (or the first failure)."""
+                   logprobs=None, pick: Optional[tuple[int, int]] = None, body=completion_body):
+    """The whole response once every choice has finished (or the first failure). ``pick``
+    (n, best_of): ``reqs`` holds ``best_of`` candidates per prompt, in prompt order, and the n
+    best of each (``best_candidates``) are the choices. ``body`` makes the response from the
+    choices (``chat_body`` for the chat endpoint)."""
     texts = list(echo)
     token_ids: list[list[int]] = [[] for _ in reqs]
+    sums = [0.0] * len(reqs)  # the generated tokens' log-probabilities (best_of)
     reasons: list[Optional[str]] = [None] * len(reqs)
     completion_tokens = 0
     open_ = len(reqs)
@@ -384,9 +458,12 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
                 if await request.is_disconnected():
                     return Response(status_code=499)
                 check_at = loop.time() + DISCONNECT_POLL
-            if isinstance(ev, Token):
+            if isinstance(ev, PromptScored):
+                logprobs[index].add_prompt(reqs[index].prompt, ev.logprobs, ev.top)
+            elif isinstance(ev, Token):
                 texts[index] += ev.text
                 token_ids[index].append(ev.token_id)
+                sums[index] += ev.logprob or 0.0
                 if logprobs is not None:
                     logprobs[index].add(ev.token_id, ev.logprob, ev.top)
             elif isinstance(ev, Finished):
@@ -398,7 +475,11 @@ async def _collect(request: HttpRequest, reqs, events: asyncio.Queue, echo, mode
                 return _error(ev.status, ev.message)
     finally:
         _cancel(reqs)
-    choices = [{"index": i, "text": texts[i], "logprobs": None if logprobs is None else logprobs[i].data,
-                "finish_reason": reasons[i],
-                "token_ids": token_ids[i]} for i in range(len(reqs))]
-    return JSONResponse(completion_body(completion_id(), model, choices, usage(prompt_tokens, completion_tokens)))
+    order = list(range(len(reqs)))
+    if pick is not None:
+        n, group = pick
+        order = [start + j for start in range(0, len(reqs), group)
+                 for j in best_candidates(sums[start:start + group], [len(t) for t in token_ids[start:start + group]], n)]
+    choices = [{"index": k, "text": texts[i], "logprobs": None if logprobs is None else logprobs[i].data,
+                "finish_reason": reasons[i], "token_ids": token_ids[i]} for k, i in enumerate(order)]
+    return JSONResponse(body(completion_id(), model, choices, usage(prompt_tokens, completion_tokens)))

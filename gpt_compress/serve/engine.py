@@ -42,7 +42,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..config import GenerationConfig
-from ..model.generation import next_tokens
+from ..eval.scoring import top_logprobs
+from ..model.generation import next_tokens, uses_history
 from ..model.speculative import NgramDraft
 from .batch import BatchDecoder
 from .slots import SlotDecoder
@@ -68,6 +69,16 @@ class Token:
     text: str
     logprob: Optional[float] = None
     top: Optional[list[tuple[int, float]]] = None
+
+
+@dataclass
+class PromptScored:
+    """The prompt's own log-probabilities (``Request.prompt_logprobs``): for each prompt token
+    after the first, its log-probability given the tokens before it and the ``top``
+    alternatives [(token id, log-probability), ...] (most likely first). Comes before any Token."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
 
 
 @dataclass
@@ -97,6 +108,8 @@ class Request:
     stop: list[str] = field(default_factory=list)
     timeout: float = 0.0  # seconds from submission; 0: none
     logprobs: Optional[int] = None  # report this many top alternatives (and the token's logprob) per token
+    prompt_logprobs: Optional[int] = None  # first score the prompt: a PromptScored event with this many alternatives
+    generate: bool = True  # False: score the prompt only (``max_tokens`` 0), then finish
     cancelled: bool = False  # set by the caller (any thread): the engine drops it before the next step
     # engine state
     id: int = 0
@@ -105,6 +118,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logits: Optional[np.ndarray] = None
     seen: Optional[np.ndarray] = None
+    counts: Optional[np.ndarray] = None  # (1, V) times each token was generated (OpenAI's penalties)
     rng: Optional[np.random.Generator] = None
     shown: int = 0  # characters of the decoded text already emitted
     last_token_at: float = 0.0
@@ -280,6 +294,7 @@ class Engine:
                    and (not taken or len(self._pending[0].prompt) <= budget)):
                 taken.append(self._pending.popleft())
                 budget -= len(taken[-1].prompt)
+        taken = self._score_prompts(taken)
         try:
             joining = [(req, state) for req, state in self._prefill(taken) if self._ready(req)]
             if joining:
@@ -295,12 +310,49 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(req.prompt))
 
+    def _score_prompts(self, reqs: list[Request]) -> list[Request]:
+        """Emit the prompt log-probabilities of the requests that asked for them, all of them
+        scored in one batch (right-padded: causal attention never lets a position see the
+        padding after it; ``eval/scoring.py``'s ``top_logprobs``: logits only at the prompts'
+        rows). Requests that only score finish here; returns those still to generate."""
+        scoring = [r for r in reqs if r.prompt_logprobs is not None and len(r.prompt) > 1]
+        if scoring:
+            try:
+                width = max(len(r.prompt) for r in scoring)
+                ids = np.zeros((len(scoring), width), np.int64)
+                select = np.zeros((len(scoring), width), bool)
+                for i, r in enumerate(scoring):
+                    ids[i, :len(r.prompt)] = r.prompt
+                    select[i, :len(r.prompt) - 1] = True  # the positions predicting tokens 1..T-1
+                labels = np.roll(ids, -1, axis=1)
+                lp, top_ids, top_lp = top_logprobs(self.gen.backend, ids, labels, select,
+                                                   max(r.prompt_logprobs for r in scoring))
+            except Exception as e:
+                log.exception("scoring %d prompts failed", len(scoring))
+                for r in scoring:
+                    self._finish(r, Failed(500, f"scoring the prompt failed: {type(e).__name__}: {e}"))
+                return [r for r in reqs if not r.ended]
+            at = 0
+            for r in scoring:
+                n, k = len(r.prompt) - 1, r.prompt_logprobs
+                r.emit(PromptScored([float(x) for x in lp[at:at + n]],
+                                    [[(int(i), float(v)) for i, v in zip(top_ids[j, :k], top_lp[j, :k])]
+                                     for j in range(at, at + n)]))
+                at += n
+        for r in reqs:
+            if r.prompt_logprobs is not None and len(r.prompt) == 1:
+                r.emit(PromptScored([], []))
+            if not r.generate:
+                self._finish(r, Finished("length", "", 0))
+        return [r for r in reqs if r.generate and not r.ended]
+
     def _ready(self, req: Request) -> bool:
         """Set up ``req``'s sampling state before it joins the batch; False (and the request
         failed alone) if that raises, so that no row joins without its request."""
         try:
             req.rng = np.random.default_rng(req.cfg.seed)
             req.seen = np.zeros((1, req.logits.shape[-1]), dtype=bool)
+            req.counts = np.zeros((1, req.logits.shape[-1] if uses_history(req.cfg) else 0), dtype=np.int32)
             if req.cfg.repetition_penalty != 1.0:
                 req.seen[0, req.prompt] = True
         except Exception as e:
@@ -335,14 +387,13 @@ class Engine:
 
     # ------------------------------------------------------------------ speculative decoding
     def _proposals(self) -> dict[int, list[int]]:
-        """Prompt-lookup drafts of the running greedy requests without repetition penalty or
-        logprobs (a draft never makes a request produce more than ``max_tokens``)."""
+        """Prompt-lookup drafts of the running greedy requests without a penalty that reads the
+        tokens so far, or logprobs (a draft never makes a request produce more than ``max_tokens``)."""
         out = {}
         for rid, req in self._running.items():
             cfg = req.cfg
             room = min(self.speculative_tokens, cfg.max_new_tokens - len(req.tokens) - 1)
-            if (room > 0 and cfg.decode_strategy == "greedy" and cfg.repetition_penalty == 1.0
-                    and req.logprobs is None):
+            if room > 0 and cfg.decode_strategy == "greedy" and not uses_history(cfg) and req.logprobs is None:
                 got = self.ngram.lookup(req.prompt + req.tokens, room)
                 if got:
                     out[rid] = got
@@ -384,7 +435,7 @@ class Engine:
         """Pick, record and emit the next token of ``req``; True when it has finished."""
         step = len(req.tokens)
         logprobs = _log_softmax(req.logits) if req.logprobs is not None else None
-        tok = int(next_tokens(req.logits[None], req.seen, step, req.cfg, self.eos, req.rng)[0])
+        tok = int(next_tokens(req.logits[None], req.seen, step, req.cfg, self.eos, req.rng, req.counts)[0])
         req.logits = None
         return self._take(req, tok, logprobs)
 
@@ -392,6 +443,8 @@ class Engine:
         """Record and emit ``tok`` as ``req``'s next token; True when it has finished."""
         step = len(req.tokens)
         req.seen[0, tok] = True
+        if req.counts.size:
+            req.counts[0, tok] += 1
         req.tokens.append(tok)
         now = time.monotonic()
         if self.metrics is not None:
@@ -499,9 +552,11 @@ def decoder(backend, max_batch: int):
 
 
 def request_config(max_tokens: int, temperature: float, top_p: float, top_k: int, repetition_penalty: float,
-                   seed: Optional[int], min_tokens: int = 0) -> GenerationConfig:
+                   seed: Optional[int], min_tokens: int = 0, presence_penalty: float = 0.0,
+                   frequency_penalty: float = 0.0, logit_bias: Optional[dict[int, float]] = None) -> GenerationConfig:
     """The GenerationConfig of an OpenAI-style request: temperature 0 is greedy, else sampling."""
     return dataclasses.replace(
         GenerationConfig(), decode_strategy="greedy" if temperature == 0 else "sampling",
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, temperature=temperature if temperature > 0 else 1.0,
-        top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed)
+        top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}))

@@ -81,12 +81,13 @@ def describe(app: FastAPI, engine, cfg) -> dict:
 
 def _bound(components: dict, vocab: int, context: int, max_n: int) -> None:
     """Put the model's limits into the request schemas (see the module docstring)."""
-    for name, ids in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")):
+    for name, ids in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens"),
+                      ("ChatCompletionRequest", None)):
         props = components.get(name, {}).get("properties", {})
         for node in _walk(props.get(ids, {})):
             if node.get("type") == "integer":
                 node["maximum"] = vocab - 1
-        for field in ("max_tokens", "min_tokens"):
+        for field in ("max_tokens", "min_tokens", "max_completion_tokens"):
             for node in _walk(props.get(field, {})):
                 if node.get("type") == "integer":
                     node["maximum"] = context - 1

@@ -1,6 +1,7 @@
-"""Request models and response bodies of the OpenAI-compatible API (``/v1/completions``).
+"""Request models and response bodies of the OpenAI-compatible API (``/v1/completions``,
+``/v1/chat/completions``, vLLM's tokenizer endpoints).
 
-Fields follow OpenAI's legacy completions API; the extras other OpenAI-compatible servers
+Fields follow OpenAI's legacy completions and chat completions APIs; the extras other OpenAI-compatible servers
 (vLLM, llama.cpp) accept are ``top_k``, ``repetition_penalty`` and ``min_tokens`` (pass them
 with the ``openai`` client's ``extra_body``). Unknown fields are rejected, so a misspelt
 option is an error that names it instead of a silently ignored setting. Each choice also
@@ -9,6 +10,7 @@ carries ``token_ids``, the generated ids (EOS included when produced), as an ext
 from __future__ import annotations
 
 import re
+import string
 import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
@@ -40,8 +42,9 @@ class CompletionRequest(BaseModel):
 
     model: Optional[str] = Field(None, description="must name the served model when given")
     prompt: Prompt = Field(description="a string, a list of strings, token ids or a list of token-id lists")
-    max_tokens: Optional[int] = Field(None, ge=1, description="tokens to generate; null: Serve.max_tokens_default; "
-                                      "prompt + max_tokens must fit the model's context")
+    max_tokens: Optional[int] = Field(None, ge=0, description="tokens to generate; null: Serve.max_tokens_default; "
+                                      "prompt + max_tokens must fit the model's context; 0 (with echo): score "
+                                      "the prompt only")
     min_tokens: int = Field(0, ge=0, description="extra: no EOS before this many tokens (<= max_tokens)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables")
@@ -52,14 +55,20 @@ class CompletionRequest(BaseModel):
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED, description="sampling seed: same seed, same settings -> "
                                 "same text; choice j of n uses seed + j")
     n: int = Field(1, ge=1, description="choices per prompt (<= Serve.max_n)")
-    echo: bool = Field(False, description="prepend the prompt to the text")
+    echo: bool = Field(False, description="prepend the prompt to the text (with logprobs: and its tokens' "
+                       "log-probabilities, the first one null)")
     stream: bool = Field(False, description="server-sent events, ending with `data: [DONE]`")
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per generated token")
-    best_of: Optional[int] = Field(None, ge=1, description="only n (or null)")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported: null or {}")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
+    best_of: Optional[int] = Field(None, ge=1, description="candidates per prompt (>= n, <= Serve.max_n, not "
+                                   "with stream): the n of highest mean token log-probability are returned")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                    "token already generated")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from a token's logit once "
+                                     "per time it was generated")
+    logit_bias: Optional[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                              Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        None, max_length=300, description="token id (a string) -> bias in [-100, 100] added to its logit")
     suffix: Optional[str] = Field(None, max_length=0, description="not supported: null or empty")
     user: Optional[str] = Field(None, description="accepted and ignored")
 
@@ -69,12 +78,18 @@ class CompletionRequest(BaseModel):
         return [v] if isinstance(v, str) else list(v or [])
 
     def unsupported(self) -> Optional[tuple[str, str]]:
-        """(field, message) for a set option this server does not implement, else None."""
-        if self.logprobs is not None and self.echo:
-            return "logprobs", "logprobs of the echoed prompt are not supported: use logprobs without echo"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", f"best_of={self.best_of} is not supported (only best_of == n)"
+        """(field, message) for a combination of fields the request cannot have, else None."""
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 generates nothing: it needs echo (to score the prompt)"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of={self.best_of} must be >= n={self.n}"
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            return "best_of", f"best_of={self.best_of} > n={self.n} cannot stream: it picks whole completions"
         return None
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts as a list of strings or token-id lists."""
@@ -84,6 +99,94 @@ class CompletionRequest(BaseModel):
         if p and isinstance(p[0], int):
             return [list(p)]
         return list(p)
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: Optional[str] = Field(None, description="accepted and ignored")
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions``, for a model that carries a prompt format
+    (finetuned with `gptc finetune`): the last message, the user's, becomes the prompt through
+    the model's template; the messages before it are not read (the model was finetuned on single
+    prompts). Sampling fields as ``CompletionRequest``'s."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    model: Optional[str] = Field(None, description="must name the served model when given")
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation; the last message is the user's")
+    max_tokens: Optional[int] = Field(None, ge=1, description="tokens to generate; null: Serve.max_tokens_default")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="OpenAI's newer name of max_tokens")
+    min_tokens: int = Field(0, ge=0, description="extra: no EOS before this many tokens (<= max_tokens)")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables")
+    top_k: int = Field(0, ge=-1, description="extra: keep the k most likely tokens; 0 or -1 disables")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="extra: CTRL penalty; 1 disables")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="as in /v1/completions")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="as in /v1/completions")
+    logit_bias: Optional[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                              Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        None, max_length=300, description="token id (a string) -> bias in [-100, 100] added to its logit")
+    stop: Optional[Union[Text, Annotated[list[Text], Field(max_length=4)]]] = Field(
+        None, description="up to 4 non-empty strings that end the text (not included)")
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED, description="sampling seed; choice j of n uses seed + j")
+    n: int = Field(1, ge=1, description="choices (<= Serve.max_n)")
+    stream: bool = Field(False, description="server-sent events of chat.completion.chunk, ending with "
+                         "`data: [DONE]`")
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(None, description="accepted and ignored")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        return [v] if isinstance(v, str) else list(v or [])
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+def chat_prompt(template: str, prompt_tokens: int, messages: list[ChatMessage]) -> tuple[Optional[str], str]:
+    """The prompt text of a conversation for a model whose finetuning recorded ``template``
+    (``Finetune.prompt_template``, one ``{field}``: the last user message fills it) or only
+    ``prompt_tokens`` (the message is the prompt, fixed to that length when encoded). Returns
+    (prompt, "") or (None, the reason there is none)."""
+    last = messages[-1]
+    if last.role != "user":
+        return None, f"the last message is the {last.role}'s; it must be the user's (it becomes the prompt)"
+    if not template:
+        if prompt_tokens:
+            return last.content, ""
+        return None, ("this model carries no prompt format (finetune it with `gptc finetune`, which records "
+                      "Finetune.prompt_template or prompt_tokens); use /v1/completions")
+    fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    if len(fields) != 1:
+        return None, (f"this model's prompt template {template!r} has {len(fields)} fields; a chat message fills "
+                      "one: use /v1/completions")
+    return template.format(**{fields.pop(): last.content}), ""
+
+
+def chat_chunk(cid: str, model: str, choices: list[dict], usage: Optional[dict]) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` from completion choices (``index``, ``text``, ``finish_reason``)."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                            "model": model,
+                            "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": c["text"]},
+                                         "finish_reason": c["finish_reason"]} for c in choices]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def chat_body(cid: str, model: str, choices: list[dict], usage: Optional[dict]) -> dict[str, Any]:
+    """A ``chat.completion`` object from completion choices."""
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                         "finish_reason": c["finish_reason"]} for c in choices], "usage": usage}
 
 
 class TokenizeRequest(BaseModel):
@@ -167,6 +270,32 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
+
+
+class ChatReply(BaseModel):
+    """The assistant's message."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatReply
+    finish_reason: Optional[Literal["stop", "length"]]
+
+
+class ChatCompletionResponse(BaseModel):
+    """A ``chat.completion`` object."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
 
 
 class ModelCard(BaseModel):
@@ -273,17 +402,27 @@ class Logprobs:
         self.token_text, self.offset = token_text, offset
         self.data: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
-    def add(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict:
-        """Append one token; returns the object for that token alone (a streamed chunk's)."""
+    def add(self, token_id: int, logprob: Optional[float], top: Optional[list[tuple[int, float]]]) -> dict:
+        """Append one token; returns the object for that token alone (a streamed chunk's).
+        ``logprob`` and ``top`` None: a prompt's first token (nothing before it to predict it)."""
         text = self.token_text(token_id)
-        alternatives = {self.token_text(i): lp for i, lp in top}
-        alternatives.setdefault(text, logprob)
+        alternatives = None
+        if top is not None:
+            alternatives = {self.token_text(i): lp for i, lp in top}
+            alternatives.setdefault(text, logprob)
         one = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": [alternatives],
                "text_offset": [self.offset]}
         self.offset += len(text)
         for key, values in one.items():
             self.data[key].extend(values)
         return one
+
+    def add_prompt(self, prompt: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+        """Append the echoed prompt's tokens (the first with null entries); returns their object."""
+        start = {key: len(values) for key, values in self.data.items()}
+        for i, token_id in enumerate(prompt):
+            self.add(token_id, logprobs[i - 1] if i else None, top[i - 1] if i else None)
+        return {key: values[start[key]:] for key, values in self.data.items()}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
