@@ -37,7 +37,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..data.tokenizer import encode_prompts
-from ..model.generation import beam_search, best_of, check_logit_bias, stream_tokens
+from ..model.generation import beam_search, best_of, check_logit_bias, collect_sequences, stream_tokens
 from ..model.speculative import (DRAFT_TOKENS, ModelDraft, NgramDraft, SpeculationStats, check_config,
                                  speculative_tokens)
 from .manifest import InputError, ModelDirError, check_prompts, read_manifest
@@ -237,17 +237,9 @@ class Generator:
             elif cfg.best_of > 1:
                 seqs, scores = best_of(self.backend, ids, cfg, eos, pad).sequences, None
             else:
-                seqs, scores = [[] for _ in ids], None
-                alive = [True] * len(ids)
                 steps = (stream_tokens(self.backend, ids, cfg, eos, pad) if proposer is None else
                          speculative_tokens(self.backend, proposer, ids, cfg, eos, pad, draft_tokens, adaptive, stats))
-                for step in steps:
-                    if on_tokens is not None:
-                        on_tokens(step)
-                    for i, t in enumerate(step):
-                        if alive[i]:
-                            seqs[i].append(int(t))
-                            alive[i] = eos is None or int(t) != eos
+                seqs, scores = collect_sequences(steps, len(ids), eos, on_tokens), None
             seconds = time.perf_counter() - t0
         texts = [self.tokenizer.decode(s) for s in seqs] if self.tokenizer is not None else None
         return Generated(sequences=seqs, texts=texts, prompt_tokens=[len(p) for p in ids], scores=scores,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -435,13 +435,21 @@ def generate(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: Gene
         return beam_search(backend, prompts, cfg, eos_token_id, pad_token_id)
     if cfg.best_of > 1:
         return best_of(backend, prompts, cfg, eos_token_id, pad_token_id)
-    out: list[list[int]] = [[] for _ in prompts]
-    alive = [True] * len(prompts)
-    for step_tokens in stream_tokens(backend, prompts, cfg, eos_token_id, pad_token_id):
+    steps = stream_tokens(backend, prompts, cfg, eos_token_id, pad_token_id)
+    return GenerationOutput(sequences=collect_sequences(steps, len(prompts), eos_token_id, on_tokens))
+
+
+def collect_sequences(steps: Iterable[np.ndarray], batch: int, eos_token_id: Optional[int],
+                      on_tokens: Optional[Callable[[np.ndarray], None]] = None) -> list[list[int]]:
+    """Each row's tokens from an iterator of per-step tokens (B,) (``stream_tokens`` and the
+    like), up to and including its EOS; ``on_tokens(step)`` sees every step as it comes."""
+    out: list[list[int]] = [[] for _ in range(batch)]
+    alive = [True] * batch
+    for step in steps:
         if on_tokens is not None:
-            on_tokens(step_tokens)
-        for i, t in enumerate(step_tokens):
+            on_tokens(step)
+        for i, t in enumerate(step):
             if alive[i]:
                 out[i].append(int(t))
                 alive[i] = eos_token_id is None or int(t) != eos_token_id
-    return GenerationOutput(sequences=out)
+    return out

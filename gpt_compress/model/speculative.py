@@ -34,7 +34,8 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..errors import InputError
-from .generation import NEG_INF, GenerationOutput, _sample, apply_logit_bias, pad_left, sampling_probs
+from .generation import (NEG_INF, GenerationOutput, _sample, apply_logit_bias, collect_sequences, pad_left,
+                         sampling_probs)
 
 DRAFT_TOKENS = 5  # k: draft tokens proposed per verify step (at most; ``AdaptiveK`` lowers it)
 NGRAM = 3  # prompt lookup: the longest suffix matched
@@ -386,13 +387,6 @@ def speculative_generate(backend: VerifyBackend, draft, prompts: Sequence[Sequen
                          eos_token_id: Optional[int], pad_token_id: int, k: int = DRAFT_TOKENS,
                          adaptive: bool = True, on_tokens=None) -> tuple[GenerationOutput, SpeculationStats]:
     """``generation.generate`` with a draft: the sequences (EOS included) and the figures."""
-    stats, out = SpeculationStats(), [[] for _ in prompts]
-    alive = [True] * len(prompts)
-    for step in speculative_tokens(backend, draft, prompts, cfg, eos_token_id, pad_token_id, k, adaptive, stats):
-        if on_tokens is not None:
-            on_tokens(step)
-        for i, t in enumerate(step):
-            if alive[i]:
-                out[i].append(int(t))
-                alive[i] = eos_token_id is None or int(t) != eos_token_id
-    return GenerationOutput(sequences=out), stats
+    stats = SpeculationStats()
+    steps = speculative_tokens(backend, draft, prompts, cfg, eos_token_id, pad_token_id, k, adaptive, stats)
+    return GenerationOutput(sequences=collect_sequences(steps, len(prompts), eos_token_id, on_tokens)), stats
