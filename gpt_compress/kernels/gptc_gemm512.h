@@ -325,6 +325,143 @@ inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, i
     }
   }
 }
+
+// ------------------------------------------------------------------ int, few input rows (VNNI)
+// M <= LANES_MAX input rows (batched decode steps, speculative verification, short prompts): the
+// input rows are the lanes of a 512-bit register, so the weight rows are read where they lie,
+// with no per-block packing (which costs as much as several rows' dots at such M). A register
+// holds P consecutive 4-code groups of each of 16 / P rows (P = 1 for up to 16 rows, 2 for up
+// to 8): lane r * P + p holds row r's group p of the step. vpdpbusd's unsigned operand is the
+// weight, P groups broadcast straight from the row (a load, no shuffle): int8 codes + 128 (xor
+// 0x80), or int4 codes as stored (0..15, w + 8); its signed operand, the input codes. Lane r * P
+// of each accumulator starts at -128 (int8) or -8 (int4) times row r's input code sum over the
+// block (the other lanes at 0), and the P lanes of a row are added at the block's end, so each
+// ends at the exact int32 dot of the block; then the same one convert and one fma per block,
+// float(dot) times sx * sw, in block order, + bias at the end: bitwise the other int paths' values.
+constexpr int64_t LANES_MAX = 16;
+
+// The inputs of one Linear call as the lane kernels read them: x, K / (4 P) steps of 16 lanes;
+// s, nb blocks of 16 input scales (each row's in its P lanes; 0 past M); start, nb blocks of 16
+// accumulator starts. p: P.
+struct LaneInputs {
+  const int32_t* x = nullptr;
+  const float* s = nullptr;
+  const int32_t* start = nullptr;
+  int p = 0;
+};
+
+inline int lane_groups(int64_t M) { return M <= 8 ? 2 : 1; }
+
+// shift: 7 for int8 weights (start -128 * sum), 3 for int4 (-8 * sum).
+inline void pack_lanes(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk, int shift,
+                       int P, int32_t* x, float* s, int32_t* start) {
+  const int R = 16 / P;  // rows a register
+  for (int64_t st = 0; st < K / (4 * P); ++st)
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) {
+        int32_t v = 0;
+        if (r < M) std::memcpy(&v, xq + r * K + 4 * (st * P + p), 4);
+        x[st * 16 + r * P + p] = v;
+      }
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < R; ++r) {
+      int32_t t = 0;
+      if (r < M)
+        for (int64_t j = 0; j < blk; ++j) t += xq[r * K + b * blk + j];
+      for (int p = 0; p < P; ++p) {
+        s[b * 16 + r * P + p] = r < M ? sx[r * nb + b] : 0.f;
+        start[b * 16 + r * P + p] = p == 0 ? -t * (int32_t(1) << shift) : 0;
+      }
+    }
+}
+
+// P groups of weight row codes at w, in every lane group of a register.
+template <int P>
+inline __m512i bcast_groups(const int8_t* w) {
+  if constexpr (P == 1) {
+    int32_t v;
+    std::memcpy(&v, w, 4);
+    return _mm512_set1_epi32(v);
+  } else {
+    static_assert(P == 2, "one or two groups a lane group");
+    long long v;
+    std::memcpy(&v, w, 8);
+    return _mm512_set1_epi64(v);
+  }
+}
+
+// NR weight rows (int8 codes at q[n], or packed int4 ones, as stored) against the lanes of in:
+// out[n * 16 + r * P] = row r's output n (+ bias[n]), every k and block. int4: the 4 P bytes at
+// byte 4 P t of a 32-code chunk hold, in their low nibbles, the codes of step t of the chunk
+// and, in their high ones, those of step t + 4 / P (export/fused.py's pack_int4: byte j holds
+// codes j and j + 16), split with two ands and a shift.
+template <int P, int NR, bool I4>
+inline void itile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int8_t* const* q,
+                        const float* const* sw, float* out, const float* bias) {
+  constexpr int S = 8 / P;  // steps a 32-code chunk
+  __m512 f[NR];
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) f[n] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(I4 ? 0x0F0F0F0F : int32_t(0x80808080));  // int4: nibbles; int8: + 128
+  const int64_t chunks = blk / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[NR];
+    const __m512i st = _mm512_loadu_si512(in.start + b * 16);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = st;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k0 = b * blk + 32 * c;
+      const int32_t* xs = in.x + (k0 / (4 * P)) * 16;
+      if constexpr (I4) {
+        GPTC_UNROLL for (int t = 0; t < S / 2; ++t) {
+          __m512i xlo = _mm512_loadu_si512(xs + t * 16), xhi = _mm512_loadu_si512(xs + (t + S / 2) * 16);
+          GPTC_PIN(xlo);
+          GPTC_PIN(xhi);
+          GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+            const __m512i wv = bcast_groups<P>(q[n] + k0 / 2 + 4 * P * t);
+            const __m512i lo = _mm512_and_si512(wv, mask), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask);
+            GPTC_DPBUSD512(acc[n], lo, xlo);
+            GPTC_DPBUSD512(acc[n], hi, xhi);
+          }
+        }
+      } else {
+        GPTC_UNROLL for (int t = 0; t < S; ++t) {
+          __m512i xv = _mm512_loadu_si512(xs + t * 16);
+          GPTC_PIN(xv);
+          GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+            const __m512i wv = _mm512_xor_si512(bcast_groups<P>(q[n] + k0 + 4 * P * t), mask);
+            GPTC_DPBUSD512(acc[n], wv, xv);
+          }
+        }
+      }
+    }
+    if constexpr (P == 2)  // a row's two lanes: each gets their sum (exact int32)
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm512_add_epi32(acc[n], _mm512_shuffle_epi32(acc[n], _MM_PERM_CDAB));
+    const __m512 xsc = _mm512_loadu_ps(in.s + b * 16);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n)
+      f[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[n]), _mm512_mul_ps(xsc, _mm512_set1_ps(sw[n][b])), f[n]);
+  }
+  GPTC_UNROLL for (int n = 0; n < NR; ++n)
+    _mm512_storeu_ps(out + n * 16, _mm512_add_ps(f[n], _mm512_set1_ps(bias ? bias[n] : 0.f)));
+}
+
+// Int weights (nr rows: int8 codes, or packed int4 ones, at q[n], `row` bytes apart in memory;
+// scales sw[n]) against M <= 16 / in.p input rows into y (M rows, ldy apart; the nr outputs).
+// Rows a multiple of 4 KB apart fall in the same L1 sets: 6 a tile then, 12 otherwise.
+template <int P, bool I4>
+inline void iblock_lanes(const LaneInputs& in, int64_t M, int64_t nb, int64_t blk, const int8_t* const* q,
+                         const float* const* sw, int nr, int64_t row, float* y, int64_t ldy, const float* bias) {
+  alignas(64) float out[12 * 16];
+  auto put = [&](int n0, int rows) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int n = 0; n < rows; ++n) y[m * ldy + n0 + n] = out[n * 16 + m * P];
+  };
+  auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
+  int n = 0;
+  if (row % 4096 != 0)
+    for (; n + 12 <= nr; n += 12) itile_lanes<P, 12, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 12);
+  for (; n + 6 <= nr; n += 6) itile_lanes<P, 6, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 6);
+  for (; n + 2 <= nr; n += 2) itile_lanes<P, 2, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 2);
+  for (; n < nr; ++n) itile_lanes<P, 1, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 1);
+}
 #endif
 
 }  // namespace

@@ -277,7 +277,7 @@ inline In rows_of(const Lin& L, const In& in, int64_t m0) {
   return s;
 }
 inline Packs rows_of(const Lin& L, const Packs& p, int64_t m0) {
-  Packs s;
+  Packs s = p;  // the lane inputs: int inputs are one panel (m0 == 0)
   if (p.xp != nullptr) s.xp = p.xp + (m0 / 2) * (L.k / 8) * 16;
   if (p.xu != nullptr) s.xu = p.xu + m0 * L.k;
   return s;

@@ -21,6 +21,8 @@ struct Scratch {
   std::vector<int8_t> pk_codes;  // and codes
   std::vector<int32_t> pk_start;
   std::vector<uint8_t> xu;       // int8 inputs + 128
+  std::vector<int32_t> lane_x, lane_start;  // few rows' int8 inputs in lanes (LaneInputs)
+  std::vector<float> lane_s;
 };
 struct Shared {
   std::vector<float> q, ctx, f, sel, h;
@@ -47,6 +49,7 @@ inline void trim(std::vector<T>& v) {
 inline void trim(Scratch& s) {
   trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
   trim(s.xp), trim(s.pk_sw), trim(s.facc), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
+  trim(s.lane_x), trim(s.lane_start), trim(s.lane_s);
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
@@ -156,7 +159,21 @@ In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, cons
 struct Packs {
   const float* xp = nullptr;
   const uint8_t* xu = nullptr;
+#if defined(GPTC_VNNI512)
+  LaneInputs lanes;  // few rows of int inputs against int weights (lanes.x null otherwise)
+#endif
 };
+
+// Int weights against int inputs of whole 32-code chunks: M <= LANES_MAX rows take the lane kernels.
+inline bool lanes_ok(const Lin& L, const In& in, int64_t M) {
+#if defined(GPTC_VNNI512)
+  return in.xq != nullptr && M <= LANES_MAX && (L.bits == 8 || L.bits == 4) && L.k % 32 == 0 && L.blk % 32 == 0;
+#else
+  (void)L, (void)in, (void)M;
+  return false;
+#endif
+}
+
 inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
   Packs p;
 #if defined(GPTC_F512)
@@ -166,7 +183,16 @@ inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
     p.xp = xp;
   }
 #if defined(GPTC_VNNI512)
-  if (in.xq != nullptr) {
+  if (lanes_ok(L, in, M)) {
+    const int P = lane_groups(M);
+    const int64_t nb = L.k / L.blk;
+    LaneInputs& li = p.lanes;
+    int32_t* x = grow(sc.lane_x, size_t(L.k / 4 * 16 / P));
+    float* s = grow(sc.lane_s, size_t(nb * 16));
+    int32_t* st = grow(sc.lane_start, size_t(nb * 16));
+    pack_lanes(in.xq, in.sx, M, L.k, nb, L.blk, L.bits == 4 ? 3 : 7, P, x, s, st);
+    li.x = x, li.s = s, li.start = st, li.p = P;
+  } else if (in.xq != nullptr) {
     uint8_t* xu = grow(sc.xu, size_t(M * L.k));
     pack_u8(in.xq, M, L.k, xu);
     p.xu = xu;
@@ -219,6 +245,20 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
   } else {
     const int8_t* q[NBLK];
     const float* sw[NBLK];
+#if defined(GPTC_VNNI512)
+    if (pk_in.lanes.x != nullptr) {  // few rows: the weight rows as stored (lane kernels)
+      const int64_t row = L.bits == 4 ? K / 2 : K, nb = K / L.blk;
+      for (int n = 0; n < nr; ++n) q[n] = L.wq + (n0 + n) * row, sw[n] = L.scale + (n0 + n) * nb;
+      const LaneInputs& li = pk_in.lanes;
+      if (li.p == 2)
+        L.bits == 4 ? iblock_lanes<2, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
+                    : iblock_lanes<2, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
+      else
+        L.bits == 4 ? iblock_lanes<1, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
+                    : iblock_lanes<1, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
+    } else
+#endif
+    {
     const bool packed = L.bits == 4 && in.xq != nullptr && packed4_ok(M, K, L.blk);
     int8_t* ibuf = L.bits == 4 && !packed ? grow(sc.ibuf, size_t(NBLK * K)) : nullptr;  // unpacked int4 rows
     for (int n = 0; n < nr; ++n) {
@@ -242,6 +282,7 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
       for (int n = 0; n < nr; ++n)
         for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
       floats(wbuf);
+    }
     }
   }
   // The activation elementwise: over the whole tile when its rows are contiguous (nr == NBLK; the
