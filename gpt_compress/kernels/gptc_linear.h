@@ -161,6 +161,8 @@ struct Packs {
   const uint8_t* xu = nullptr;
 #if defined(GPTC_VNNI512)
   LaneInputs lanes;  // few rows of int inputs against int weights (lanes.x null otherwise)
+#elif defined(__AVX2__)
+  LaneInputs8 lanes8;  // rows of int inputs against int weights, 8 a panel (lanes8.xs null otherwise)
 #endif
 };
 
@@ -176,6 +178,15 @@ inline bool lanes_ok(const Lin& L, const In& in, int64_t M) {
 
 inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
   Packs p;
+#if !defined(GPTC_VNNI512) && defined(__AVX2__)
+  if (in.xq != nullptr && M >= LANES8_MIN && (L.bits == 8 || L.bits == 4) && L.k % 32 == 0 && L.blk % 32 == 0) {
+    const int64_t panels = (M + 7) / 8, nb = L.k / L.blk;
+    int32_t* xs = grow(sc.lane_x, size_t(2 * panels * (L.k / 4) * 8));
+    float* s = grow(sc.lane_s, size_t(panels * nb * 8));
+    pack_lanes8(in.xq, in.sx, M, L.k, nb, xs, xs + panels * (L.k / 4) * 8, s);
+    p.lanes8 = LaneInputs8{xs, xs + panels * (L.k / 4) * 8, s};
+  }
+#endif
 #if defined(GPTC_F512)
   if (in.xq == nullptr) {  // float inputs (float weights, or int ones dequantized)
     float* xp = grow(sc.xp, size_t((M + 1) * L.k));
@@ -259,29 +270,48 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
     } else
 #endif
     {
-    const bool packed = L.bits == 4 && in.xq != nullptr && packed4_ok(M, K, L.blk);
+    // AVX2 builds: whole panels of 8 rows (and a last one of 6 or 7) in the lane kernel, the rows
+    // left (fewer than 6: most of a panel's lanes would idle) in the tiles.
+    const In* ip = &in;
+    int64_t mr = M;
+    float* tr = t;
+#if !defined(GPTC_VNNI512) && defined(__AVX2__)
+    In rest = in;
+    if (pk_in.lanes8.xs != nullptr) {
+      const int64_t row = L.bits == 4 ? K / 2 : K, nb = K / L.blk;
+      const int64_t done = M % 8 >= LANES8_MIN ? M : M / 8 * 8;
+      for (int n = 0; n < nr; ++n) q[n] = L.wq + (n0 + n) * row, sw[n] = L.scale + (n0 + n) * nb;
+      L.bits == 4 ? iblock_lanes8<true>(pk_in.lanes8, done, K, nb, L.blk, q, sw, nr, t, NBLK, bias)
+                  : iblock_lanes8<false>(pk_in.lanes8, done, K, nb, L.blk, q, sw, nr, t, NBLK, bias);
+      rest.x = in.x + done * K, rest.xq = in.xq + done * K, rest.sx = in.sx + done * nb;
+      ip = &rest, mr = M - done, tr = t + done * NBLK;
+    }
+#endif
+    if (mr > 0) {
+    const bool packed = L.bits == 4 && ip->xq != nullptr && packed4_ok(mr, K, L.blk);
     int8_t* ibuf = L.bits == 4 && !packed ? grow(sc.ibuf, size_t(NBLK * K)) : nullptr;  // unpacked int4 rows
     for (int n = 0; n < nr; ++n) {
       q[n] = packed ? L.wq + (n0 + n) * (K / 2) : int_row(L, n0 + n, ibuf ? ibuf + n * K : nullptr);
       sw[n] = L.scale + (n0 + n) * (K / L.blk);
     }
     if (packed) {
-      iblock<true>(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias);
-    } else if (in.xq != nullptr) {
+      iblock<true>(ip->xq, ip->sx, mr, K, K / L.blk, L.blk, q, sw, nr, tr, NBLK, bias);
+    } else if (ip->xq != nullptr) {
 #if defined(GPTC_VNNI512)
       if (K % 4 == 0 && L.blk % 4 == 0) {  // whole 4-code groups (vpdpbusd's lanes)
         const int64_t nb = K / L.blk;
         const Packed512 pk{grow(sc.pk_codes, size_t(K * NBLK)), grow(sc.pk_start, size_t(nb * NBLK)),
                            grow(sc.pk_sw, size_t(nb * NBLK))};
-        iblock512(in.xq, in.sx, M, K, nb, L.blk, q, sw, nr, t, NBLK, bias, pk, pk_in.xu);
+        iblock512(ip->xq, ip->sx, mr, K, nb, L.blk, q, sw, nr, tr, NBLK, bias, pk, pk_in.xu);
       } else
 #endif
-      iblock(in.xq, in.sx, M, K, K / L.blk, L.blk, q, sw, nr, t, NBLK, bias, pf, pf_bytes);
+      iblock(ip->xq, ip->sx, mr, K, K / L.blk, L.blk, q, sw, nr, tr, NBLK, bias, pf, pf_bytes);
     } else {
       float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
       for (int n = 0; n < nr; ++n)
         for (int64_t j = 0; j < K; ++j) wbuf[n * K + j] = float(q[n][j]) * sw[n][j / L.blk];
       floats(wbuf);
+    }
     }
     }
   }

@@ -310,6 +310,123 @@ inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int6
     itile_scalar(xq + m * K, sx + m * nb, 1, K, nb, blk, q, sw, nr, y + m * ldy, ldy, bias);
 }
 
+#if defined(__AVX2__)
+// ------------------------------------------------------------------ int, rows in lanes (AVX2)
+// Int weights against int8 inputs of more than one row, 8 input rows at a time in the 8 lanes of
+// a register (panels of 8 rows), each weight row's 4-code groups broadcast straight from the row:
+// no horizontal sums (the 4 x 3 tiles above reduce every dot of 32 codes with hadds), no packing.
+// vpmaddubsw multiplies |x| (unsigned, <= 128) by w * sign(x) (|w| <= 127: the codes' range), so
+// each pair of products is at most 2 * 128 * 127 = 32512 and never saturates int16; vpmaddwd
+// adds the pairs into the lane's int32 total (dot32_u8: one vpdpbusd where the build has 256-bit
+// VNNI): every block ends at the exact int32 dot, then the
+// one convert and one fma per block, in block order, + bias: the other int paths' values.
+// The inputs of one Linear call: per panel of 8 rows, K/4 groups of 8 lanes (row r's 4 codes in
+// lane r: xs the codes, xa their absolute values; rows past M zero), nb blocks of 8 scales.
+// Rows of a panel below which the 4 x 3 tiles are faster (most lanes would idle).
+constexpr int64_t LANES8_MIN = 6;
+
+struct LaneInputs8 {
+  const int32_t* xs = nullptr;
+  const int32_t* xa = nullptr;
+  const float* s = nullptr;
+};
+
+inline void pack_lanes8(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int32_t* xs, int32_t* xa,
+                        float* s) {
+  for (int64_t p = 0; p < (M + 7) / 8; ++p)
+    for (int64_t g = 0; g < K / 4; ++g)
+      for (int r = 0; r < 8; ++r) {
+        const int64_t m = 8 * p + r;
+        int32_t v = 0;
+        if (m < M) std::memcpy(&v, xq + m * K + 4 * g, 4);
+        const __m128i b = _mm_cvtsi32_si128(v);
+        xs[(p * (K / 4) + g) * 8 + r] = v;
+        xa[(p * (K / 4) + g) * 8 + r] = _mm_cvtsi128_si32(_mm_abs_epi8(b));
+      }
+  for (int64_t p = 0; p < (M + 7) / 8; ++p)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int r = 0; r < 8; ++r) s[(p * nb + b) * 8 + r] = 8 * p + r < M ? sx[(8 * p + r) * nb + b] : 0.f;
+}
+
+// NR weight rows against one panel: out[n * 8 + r] = row r's output n (+ bias[n]). int4: the 4
+// bytes at byte 4 t of a 32-code chunk hold groups t (low nibbles) and t + 4 (high ones).
+template <int NR, bool I4>
+inline void itile_lanes8(const int32_t* xs, const int32_t* xa, const float* s, int64_t nb, int64_t blk,
+                         const int8_t* const* q, const float* const* sw, float* out, const float* bias) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  __m256 f[NR];
+  GPTC_UNROLL for (int n = 0; n < NR; ++n) f[n] = _mm256_setzero_ps();
+  auto bcast = [](const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  };
+  auto load = [](const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  const int64_t chunks = blk / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[NR];
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k0 = b * blk + 32 * c;
+      const int32_t *gs = xs + (k0 / 4) * 8, *ga = xa + (k0 / 4) * 8;
+      if constexpr (I4) {
+        GPTC_UNROLL for (int t = 0; t < 4; ++t) {
+          __m256i slo = load(gs + t * 8), alo = load(ga + t * 8), shi = load(gs + (t + 4) * 8), ahi = load(ga + (t + 4) * 8);
+          GPTC_PIN(slo);
+          GPTC_PIN(alo);
+          GPTC_PIN(shi);
+          GPTC_PIN(ahi);
+          GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+            const __m256i wv = bcast(q[n] + k0 / 2 + 4 * t);
+            const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(wv, nib), eight);
+            const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(wv, 4), nib), eight);
+            acc[n] = _mm256_add_epi32(acc[n], dot32_u8(alo, _mm256_sign_epi8(lo, slo)));
+            acc[n] = _mm256_add_epi32(acc[n], dot32_u8(ahi, _mm256_sign_epi8(hi, shi)));
+          }
+        }
+      } else {
+        GPTC_UNROLL for (int g = 0; g < 8; ++g) {
+          __m256i sv = load(gs + g * 8), av = load(ga + g * 8);
+          GPTC_PIN(sv);
+          GPTC_PIN(av);
+          GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+            const __m256i wv = bcast(q[n] + k0 + 4 * g);
+            acc[n] = _mm256_add_epi32(acc[n], dot32_u8(av, _mm256_sign_epi8(wv, sv)));
+          }
+        }
+      }
+    }
+    const __m256 xsc = _mm256_loadu_ps(s + b * 8);
+    GPTC_UNROLL for (int n = 0; n < NR; ++n)
+      f[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[n]), _mm256_mul_ps(xsc, _mm256_set1_ps(sw[n][b])), f[n]);
+  }
+  GPTC_UNROLL for (int n = 0; n < NR; ++n)
+    _mm256_storeu_ps(out + n * 8, _mm256_add_ps(f[n], _mm256_set1_ps(bias ? bias[n] : 0.f)));
+}
+
+// Int weights (nr rows at q[n]: int8 codes, or packed int4 ones; scales sw[n]) against M input
+// rows packed by pack_lanes8 into y (M rows, ldy apart; the nr outputs).
+template <bool I4>
+inline void iblock_lanes8(const LaneInputs8& in, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                          const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
+                          const float* bias) {
+  alignas(32) float out[4 * 8];
+  auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
+  for (int64_t p = 0; p < (M + 7) / 8; ++p) {
+    const int32_t *xs = in.xs + p * (K / 4) * 8, *xa = in.xa + p * (K / 4) * 8;
+    const float* s = in.s + p * nb * 8;
+    const int64_t rows = std::min<int64_t>(8, M - 8 * p);
+    auto put = [&](int n0, int cnt) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int n = 0; n < cnt; ++n) y[(8 * p + r) * ldy + n0 + n] = out[n * 8 + r];
+    };
+    int n = 0;
+    for (; n + 4 <= nr; n += 4) itile_lanes8<4, I4>(xs, xa, s, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 4);
+    for (; n < nr; ++n) itile_lanes8<1, I4>(xs, xa, s, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 1);
+  }
+}
+#endif
+
 }  // namespace
 
 #endif  // GPTC_KERNELS_GPTC_TILES_H_
