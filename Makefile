@@ -9,7 +9,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 export OMP_NUM_THREADS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: venv test demo bench bench-full clean
+.PHONY: venv test demo bench bench-full peers clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,18 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(BIN)/python bench/run_all.py --only all
+
+# The llama.cpp peer of bench/decode.py: llama-cpp-python built from source for this CPU
+# (GGML_NATIVE: the instruction sets the host has, as ours), and its source unpacked under
+# output/peers for llama.cpp's own convert_hf_to_gguf.py. Minutes the first time (a C++ build).
+LLAMA_CPP_PYTHON ?= 0.3.36
+PEERS_DIR := output/peers
+peers: $(STAMP)
+	mkdir -p $(PEERS_DIR)
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(PEERS_DIR) llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS_DIR)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/python -m pip install -q --no-binary llama-cpp-python \
+		$(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz gguf sentencepiece
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo_out

@@ -1,13 +1,21 @@
 """Decode benchmark: greedy tokens/s and prefill latency for our backends (float32 and
 weight-only int8/int4; Paddle Inference fused and unfused, onnxruntime, dygraph) and the Hugging
-Face transformers and CTranslate2 peers, side by side in one run; prints one JSON object.
+Face transformers, CTranslate2 and llama.cpp peers, side by side in one run; prints one JSON object.
 
     OMP_NUM_THREADS=2 python bench/decode.py            # gpt-bench, 64-token prompt, 128 new tokens
     python bench/decode.py --backends paddle,onnx_int8 --no-peer --rounds 1
+    python bench/decode.py --peers llamacpp --rounds 1              # only the llama.cpp peer beside ours
     python bench/decode.py --preset gpt-345M --batch 1 --no-positions --int-formats fused ...
 
 Every row reports the peak RSS of its worker process (``peak_rss_mb``, /proc VmHWM): a runner's
 whole memory, weights included (``weights_mb``: the weight files its backend loads).
+
+The llama.cpp peer (``peer_llamacpp.py``: llama-cpp-python built from source for this CPU, the same
+random GPT-2 converted by llama.cpp's own ``convert_hf_to_gguf.py`` and quantized by its own
+quantizer to q8_0 and q4_0) gives batch-1 tokens/s and its first-token time (the prompt's
+evaluation and one sampled token) for f32, q8_0 and q4_0; ``make peers`` installs it and unpacks
+the converter under ``output/peers`` (or name the script with ``$GPTC_LLAMA_CPP_CONVERT``).
+Without it the rows say how to install it.
 
 Exported backends also report a batch-1 decode step with 100 and with 900 tokens in the cache
 (``step_ms_at_100/900``; the two caches' steps alternate, so the host's drift weighs on both).
@@ -59,6 +67,8 @@ CONTENDERS = {
 }
 BACKENDS = ("dygraph", "paddle", "paddle_unfused", "onnx", "paddle_int8", "onnx_int8", "paddle_int4", "onnx_int4")
 PEER_CT2 = os.path.join(PEERS, "peer_ct2.py")
+PEER_LLAMACPP = os.path.join(PEERS, "peer_llamacpp.py")
+PEER_NAMES = ("hf", "ct2", "llamacpp")
 
 # The peer at batch > 1 (peer_hf.py measures batch-1 decode only): same model and settings.
 PEER_BATCH = r"""
@@ -288,6 +298,46 @@ def run_ct2(cfg, a, threads: int, env: dict) -> dict[str, dict]:
     return out
 
 
+def llama_cpp_converter() -> str | None:
+    """llama.cpp's ``convert_hf_to_gguf.py``: ``$GPTC_LLAMA_CPP_CONVERT``, else the one ``make peers``
+    unpacks under ``output/peers``; None if neither exists."""
+    named = os.environ.get("GPTC_LLAMA_CPP_CONVERT")
+    if named:
+        return named if os.path.isfile(named) else None
+    import glob
+
+    found = sorted(glob.glob(os.path.join(ROOT, "output", "peers", "llama_cpp_python-*", "vendor", "llama.cpp",
+                                          "convert_hf_to_gguf.py")))
+    return found[-1] if found else None
+
+
+def run_llamacpp(cfg, a, threads: int, env: dict) -> dict[str, dict]:
+    """llama.cpp (``peer_llamacpp.py`` in ``PEERS``) f32, q8_0 and q4_0 on the same shape:
+    {"llamacpp_f32": {...}, ...} with batch-1 tokens/s and the first token's time."""
+    convert = llama_cpp_converter()
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], env=env, capture_output=True)
+    if convert is None or probe.returncode != 0:
+        return {"llamacpp_q8_0": {"error": "llama-cpp-python or its converter is missing: run `make peers`"}}
+    cmd = [sys.executable, PEER_LLAMACPP, "--layers", str(cfg.num_layers), "--hidden", str(cfg.hidden_size),
+           "--heads", str(cfg.num_attention_heads), "--vocab", str(cfg.vocab_size), "--prompt", str(a.prompt),
+           "--new-tokens", str(a.new_tokens), "--threads", str(threads), "--reps", str(a.reps),
+           "--types", "f32,q8_0,q4_0", "--convert-script", convert]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    out: dict[str, dict] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out["llamacpp_" + r["type"]] = {
+                "peer": f"llama.cpp {r['version']}", "decode_tokens_per_s": r["tokens_per_s"],
+                "first_token_ms": r["first_token_ms"], "model_mb": r["file_mb"],
+                **({"greedy_equals_transformers": r["greedy_equals_transformers"]}
+                   if r.get("greedy_equals_transformers") is not None else {})}
+    if not out:
+        err = proc.stderr.strip().splitlines()
+        return {"llamacpp_q8_0": {"error": err[-1] if err else f"exit {proc.returncode}"}}
+    return out
+
+
 def prepare(workdir: str, preset: str) -> tuple[str, str]:
     """A random-init checkpoint of ``preset`` and its export (paddle + onnx), reused if present."""
     import paddle
@@ -310,7 +360,9 @@ def prepare(workdir: str, preset: str) -> tuple[str, str]:
 RATIOS = [("paddle_int8", "onnx_int8", "decode_tokens_per_s"), ("paddle_int8", "paddle", "decode_tokens_per_s"),
           ("paddle", "onnx", "decode_tokens_per_s"), ("paddle", "paddle_unfused", "decode_tokens_per_s"),
           ("paddle_int4", "paddle_int8", "decode_tokens_per_s"), ("paddle_int8", "onnx_int8", "BATCH"),
-          ("onnx", "paddle", "prefill_ms"), ("onnx_int8", "paddle_int8", "prefill_ms")]
+          ("onnx", "paddle", "prefill_ms"), ("onnx_int8", "paddle_int8", "prefill_ms"),
+          ("paddle_int8", "llamacpp_q8_0", "decode_tokens_per_s"), ("paddle_int4", "llamacpp_q4_0", "decode_tokens_per_s"),
+          ("paddle", "llamacpp_f32", "decode_tokens_per_s")]
 
 
 def ratios(results: dict, key_b: str) -> dict:
@@ -334,7 +386,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="generate() runs per backend and round")
     p.add_argument("--rounds", type=int, default=3, help="passes over all backends, order alternating")
     p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--no-peer", action="store_true", help="skip the transformers and CTranslate2 peers")
+    p.add_argument("--no-peer", action="store_true", help="skip the peers (transformers, CTranslate2, llama.cpp)")
+    p.add_argument("--peers", default=",".join(PEER_NAMES), help=f"the peers to run, of {', '.join(PEER_NAMES)}")
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     p.add_argument("--no-positions", action="store_true", help="skip the steps at 100 / 900 cached tokens")
     p.add_argument("--int-formats", default="paddle,onnx",
@@ -377,7 +430,10 @@ def main() -> None:
             paths[f"int{bits}_onnx"] = prepare_int(workdir, a.preset, ckpt, bits, ("onnx",))
     export_s = time.perf_counter() - t0
 
-    names = backends + ([] if a.no_peer else ["hf_peer", "ct2_peer"])
+    peers = [] if a.no_peer else [x for x in a.peers.split(",") if x]
+    if set(peers) - set(PEER_NAMES):
+        p.error(f"unknown peer(s) {sorted(set(peers) - set(PEER_NAMES))}; choose from {', '.join(PEER_NAMES)}")
+    names = backends + [f"{x}_peer" for x in peers]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     common = ["--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
               "--reps", str(a.reps), "--fused-threads", str(a.fused_threads)] + (["--no-positions"] * a.no_positions)
@@ -394,8 +450,8 @@ def main() -> None:
                     [sys.executable, "-c", PEER_BATCH, str(cfg.num_layers), str(cfg.hidden_size),
                      str(cfg.num_attention_heads), str(cfg.vocab_size), str(a.batch), str(a.prompt),
                      str(a.new_tokens), str(threads), str(a.reps)], env).get("decode_tokens_per_s")})
-            elif name == "ct2_peer":
-                for row, res in run_ct2(cfg, a, threads, env).items():
+            elif name in ("ct2_peer", "llamacpp_peer"):
+                for row, res in (run_ct2 if name == "ct2_peer" else run_llamacpp)(cfg, a, threads, env).items():
                     runs.setdefault(row, []).append(res)
                 continue
             else:
@@ -411,18 +467,19 @@ def main() -> None:
     key_b = f"batch{a.batch}_decode_tokens_per_s"
     results = {}
     for name, rs in runs.items():
-        if not rs:  # ct2_peer: its rows are ct2_float32 / ct2_int8
+        if not rs:  # ct2_peer, llamacpp_peer: their rows are ct2_float32, llamacpp_q8_0, ...
             continue
         ok = [x for x in rs if "error" not in x]
         if not ok:
             results[name] = rs[-1]
             continue
         med = {}
-        for k in ("decode_tokens_per_s", "prefill_ms", key_b, "step_ms_at_100", "step_ms_at_900", "peak_rss_mb"):
+        for k in ("decode_tokens_per_s", "prefill_ms", "first_token_ms", key_b, "step_ms_at_100", "step_ms_at_900",
+                  "peak_rss_mb"):
             vals = [x[k] for x in ok if x.get(k) is not None]
             if vals:
                 med[k] = round(max(vals) if "tokens_per_s" in k else min(vals), 2)
-        for k in ("weights_mb", "threads", "backend_class"):
+        for k in ("weights_mb", "threads", "backend_class", "peer", "model_mb", "greedy_equals_transformers"):
             if ok[-1].get(k) is not None:
                 med[k] = ok[-1][k]
         if med.get("weights_mb") and med.get("peak_rss_mb"):

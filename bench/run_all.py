@@ -10,8 +10,8 @@ and docs/performance.md are regenerated from the newest results.
 
 The default set is what the README's table needs: gpt-bench decode of the fused float32, int8
 and int4 programs, the unfused Paddle program and onnxruntime float32/int8/int4, with the
-transformers and CTranslate2 peers, two rounds. Its exports are kept in ``output/bench_decode``
-and reused by the next run (``make bench`` / ``make bench-full`` in the Makefile). The
+transformers, CTranslate2 and llama.cpp peers (llama.cpp once ``make peers`` has built it), two
+rounds. Its exports are kept in ``output/bench_decode`` and reused by the next run (``make bench`` / ``make bench-full`` in the Makefile). The
 compression benchmark pretrains and compresses its own model on first use
 (``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
 

@@ -31,6 +31,8 @@ DECODE_ROWS = {
     "onnx_int4": "onnxruntime int4", "dygraph": "Paddle dygraph float32",
     "ct2_int8": "CTranslate2 int8 (peer)", "ct2_float32": "CTranslate2 float32 (peer)",
     "hf_peer": "transformers float32 (peer)",
+    "llamacpp_q8_0": "llama.cpp q8_0 (peer)", "llamacpp_q4_0": "llama.cpp q4_0 (peer)",
+    "llamacpp_f32": "llama.cpp f32 (peer)",
 }
 
 
@@ -119,7 +121,8 @@ def decode_table(r: Result) -> list[str]:
     cols = [("batch 1 tok/s", lambda x: _f(x.get("decode_tokens_per_s")))]
     if b > 1:
         cols.append((f"batch {b} tok/s", lambda x: _f(x.get(f"batch{b}_decode_tokens_per_s"), "{:.0f}")))
-    cols.append(("prefill ms", lambda x: _f(x.get("prefill_ms"))))
+    cols.append(("prefill ms", lambda x: _f(x.get("prefill_ms")) if x.get("prefill_ms") is not None else (
+        f"{_f(x.get('first_token_ms'))} (first token)" if x.get("first_token_ms") is not None else "")))
     if any(x.get("step_ms_at_100") is not None for _, x in rows):
         cols.append(("step ms at 100 / 900 cached", lambda x: (
             f"{_f(x.get('step_ms_at_100'), '{:.2f}')} / {_f(x.get('step_ms_at_900'), '{:.2f}')}"
@@ -185,9 +188,12 @@ def train_table(r: Result) -> list[str]:
 HEADLINE = (
     ("batch-1 decode, int8 weights (tok/s)", "paddle_int8", "onnx_int8", "decode_tokens_per_s", True),
     ("batch-1 decode, int8 weights (tok/s)", "paddle_int8", "ct2_int8", "decode_tokens_per_s", True),
+    ("batch-1 decode, int8 weights (tok/s)", "paddle_int8", "llamacpp_q8_0", "decode_tokens_per_s", True),
+    ("batch-1 decode, int4 weights (tok/s)", "paddle_int4", "llamacpp_q4_0", "decode_tokens_per_s", True),
     ("batch-1 decode, float32 (tok/s)", "paddle", "onnx", "decode_tokens_per_s", True),
     ("batch-1 decode, float32 (tok/s)", "paddle", "hf_peer", "decode_tokens_per_s", True),
     ("batch-8 decode, int8 weights (tok/s)", "paddle_int8", "onnx_int8", "batch8_decode_tokens_per_s", True),
+    ("64-token prefill, int8 weights (ms)", "paddle_int8", "onnx_int8", "prefill_ms", False),
     ("64-token prefill, float32 (ms)", "paddle", "onnx", "prefill_ms", False),
     ("peak memory, float32 runner (MB)", "paddle", "onnx", "peak_rss_mb", False),
 )
