@@ -128,6 +128,8 @@ def test_ngram_lookup_proposes_the_latest_continuation_of_the_longest_suffix():
     ng = NgramDraft(3)
     assert ng.lookup([5, 1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], 2) == [8, 7]
     assert ng.lookup([4, 2, 6, 9, 2], 3) == [6, 9, 2]  # only the 1-token suffix occurs earlier
+    assert ng.lookup([4, 2, 6, 9, 2], 5) == [6, 9, 2, 6, 9]  # past the end: its own proposals
+    assert ng.lookup([8, 7, 7, 7, 7], 4) == [7, 7, 7, 7]  # a run of one token: k proposals, not 1
     assert ng.lookup([1, 2, 3], 4) == []
     with pytest.raises(InputError, match="n must be"):
         NgramDraft(0)

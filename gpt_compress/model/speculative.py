@@ -131,7 +131,9 @@ class AdaptiveK:
 # --------------------------------------------------------------------------------------
 class NgramDraft:
     """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
-    sequence's last ``n`` tokens (else of its last n - 1, ... 1); no model, no probabilities."""
+    sequence's last ``n`` tokens (else of its last n - 1, ... 1); no model, no probabilities.
+    A continuation that runs into the sequence's end goes on with its own proposals (a sequence
+    that repeats a period of p tokens gets k proposals, not p)."""
 
     has_probs = False
 
@@ -156,7 +158,11 @@ class NgramDraft:
             hits = np.nonzero((windows == tail).all(axis=1))[0]
             if hits.size:
                 start = int(hits[-1]) + size
-                return [int(t) for t in h[start:start + k]]
+                out = [int(t) for t in h[start:start + k]]
+                period = len(h) - start  # the match ends this many tokens before the sequence
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     def propose(self, histories, ids, mask, k, steps, active, pick, suppress=None, eos=None):
