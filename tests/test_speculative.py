@@ -439,7 +439,8 @@ def _run_engine(engine, jobs, cfgs):
 @pytest.mark.parametrize("draft", ["ngram", "model"])
 def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, dirs, monkeypatch, draft):
     """In-process engine on the fused program, up to 4 draft tokens per request and step (prompt
-    lookup, or the pruned export as a draft model with its own slot cache): greedy requests
+    lookup, or the pruned export as a draft model with its own slot cache, named by ``auto``: the
+    draft the export records): greedy requests
     (self-quoting prompts of different lengths, an EOS mid-run, ``max_tokens`` inside a run) get
     the tokens of generating each alone without a draft; seeded sampled requests next to them (the
     rejection rule, each with its own generator) get exactly what ``Generator.generate`` gives
@@ -462,7 +463,8 @@ def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, d
     # EOS: a token job 3 first produces at step 4 or later (the engine's EOS for every request).
     ref3 = gen.generate([jobs[3][0]], config=cfgs[3]).sequences[0]
     eos = next(t for j, t in enumerate(ref3) if j >= 4 and t not in ref3[:j])
-    source = dirs["pruned_export"] if draft == "model" else "ngram"
+    source = "auto" if draft == "model" else "ngram"
+    monkeypatch.setattr(gen, "recorded_draft", dirs["pruned_export"])  # as `gptc pipeline` records it
     want = [gen.generate([p], config=dataclasses.replace(c, eos_token_id=eos),
                          **({"draft": source, "draft_tokens": 4} if temp else {})).sequences[0]
             for (p, _, temp), c in zip(jobs, cfgs)]
