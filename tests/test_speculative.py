@@ -440,11 +440,11 @@ def _run_engine(engine, jobs, cfgs):
 def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, dirs, monkeypatch, draft):
     """In-process engine on the fused program, up to 4 draft tokens per request and step (prompt
     lookup, or the pruned export as a draft model with its own slot cache, named by ``auto``: the
-    draft the export records): greedy requests
-    (self-quoting prompts of different lengths, an EOS mid-run, ``max_tokens`` inside a run) get
-    the tokens of generating each alone without a draft; seeded sampled requests next to them (the
-    rejection rule, each with its own generator) get exactly what ``Generator.generate`` gives
-    alone with the same draft (whose distribution is the target's: the chi-square test above).
+    draft the export records): greedy requests (self-quoting prompts of different lengths, an EOS
+    mid-run, ``max_tokens`` inside a run) get the tokens of generating each alone without a draft;
+    seeded sampled requests next to them (the rejection rule, each with its own generator) get
+    exactly what ``Generator.generate`` gives alone with the same draft (whose distribution is the
+    target's: the chi-square test above).
     Requests join as slots free up; slot caches of 40 columns at first, so verify steps and the
     draft's multi-step runs meet repacks. The proposals are counted in the metrics."""
     from gpt_compress.serve import slots
