@@ -1,18 +1,26 @@
 """Speculative decoding benchmark: acceptance rate and batch-1 speed-up of prompt lookup
-(``ngram``) and of a pruned draft over plain greedy decoding on the fused Paddle program, and the
-cost of a verify step of T new rows against a one-row step; prints one JSON object.
+(``ngram``) and of a pruned draft over plain greedy decoding on the fused Paddle program, a
+gpt-345M row, and the cost of a verify step of T new rows against a one-row step; prints one
+JSON object.
 
-    OMP_NUM_THREADS=2 python bench/speculative.py             # about 5 minutes on 2 cores
-    python bench/speculative.py --verify-preset "" --reps 1   # skip the gpt-bench verify costs
+    OMP_NUM_THREADS=2 python bench/speculative.py             # about 10 minutes on 2 cores
+    python bench/speculative.py --verify-preset "" --big-preset "" --reps 1   # the trained model only
 
 The models: a gpt-tiny trained ``--train-steps`` steps on tinyshakespeare (a 1024-token BPE) and
 its structurally pruned copy (tests/_export_helpers.py's recipe) as the draft, both exported.
 Prompt sets: ``quote``, paragraphs from the end of the corpus followed by a blank line and their
-own first 8 tokens (48 + 8 tokens; the continuation can quote the context: what prompt lookup is for), and
+own first 8 tokens (48 + 8 tokens; the continuation can quote the context: what prompt lookup is for),
+``extract``, extraction-style prompts (the paragraph's first lines, up to 44 tokens, a request to
+repeat its second line and that line's first 4 tokens: the answer is in the context), and
 ``plain``, the first 16 tokens of those paragraphs. Each prompt is generated alone (batch 1),
 with and without the draft, the two alternating, ``--reps`` times; a figure is the median, the
 speed-up the summed plain seconds over the summed speculative seconds. ``same_output`` checks
 that greedy output is unchanged.
+
+The ``--big-preset`` row (gpt-345M): a random-init export, in a process of its own (its peak RSS
+is the runner's: /proc VmHWM), greedy with and without prompt lookup on repetitive prompts
+(``--big-prompts`` random sequences of 16 tokens, each repeated 4 times), ``--big-new-tokens``
+new tokens, and its verify cost.
 
 The verify cost: the median time of a ``decode_positions`` call feeding T = 1 .. k + 1 rows onto
 a 128-token cache, batch 1, on the trained model and on a random-init ``--verify-preset``
@@ -77,7 +85,14 @@ def prompt_sets(gen, text: str, n: int) -> dict[str, list[list[int]]]:
         ids = gen.encode(p)[0][:48]  # + 8 quoted + 64 new: within gpt-tiny's 128 positions
         quote.append(ids + gen.encode("\n\n")[0] + ids[:8])
         plain.append(ids[:16])
-    return {"quote": quote, "plain": plain}
+    extract = []
+    for p in paragraphs:
+        lines = [ln for ln in p.split("\n") if ln.strip()]
+        if len(lines) < 3:
+            continue
+        passage, second = gen.encode("\n".join(lines[:4]))[0][:44], gen.encode(lines[1])[0]
+        extract.append(passage + gen.encode("\n\nRepeat the second line:\n")[0] + second[:4])
+    return {"quote": quote, "extract": extract, "plain": plain}
 
 
 def measure(gen, prompts, draft, k: int, new: int, reps: int) -> dict:
@@ -142,6 +157,50 @@ def random_export(work: str, preset: str) -> str:
     return out
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MB (/proc's VmHWM)."""
+    from gpt_compress.memory import status_bytes
+
+    peak = status_bytes("VmHWM")
+    return round(peak / 2 ** 20, 1) if peak is not None else 0.0
+
+
+def big_row(export_dir: str, prompts: int, new: int, k: int, reps: int) -> dict:
+    """The ``--big-preset`` row, run in its own process (``--big-worker``): prompt lookup on
+    repetitive prompts, the verify cost, the runner's peak RSS and weight size."""
+    from gpt_compress.inference.runner import Generator
+
+    gen = Generator.from_dir(export_dir, backend="paddle", fused=True)
+    rng = np.random.default_rng(0)
+    sets = [list(map(int, np.tile(rng.integers(0, gen.vocab_size, 16), 4))) for _ in range(prompts)]
+    gen.generate(sets[0], max_new_tokens=4)  # warm-up
+    row = measure(gen, sets, "ngram", k, new, reps)
+    row["verify_cost"] = verify_cost(gen.backend, gen.vocab_size, k, reps=5, cached=64)
+    weights = os.path.join(export_dir, "fused.pdiparams")
+    row["weights_mb"] = round(os.path.getsize(weights) / 2 ** 20, 1) if os.path.isfile(weights) else None
+    row["peak_rss_mb"] = peak_rss_mb()
+    return row
+
+
+def run_big(a) -> dict:
+    """Export the random-init ``--big-preset`` in a child process (reused after), then measure it
+    in another, so the peak RSS is the runner's alone."""
+    import subprocess
+
+    export_dir = os.path.join(a.work, f"{a.big_preset}-export")
+    for args in (["--big-export"], ["--big-worker", export_dir]):
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--work", a.work, "--big-preset",
+                               a.big_preset, "--big-prompts", str(a.big_prompts), "--big-new-tokens",
+                               str(a.big_new_tokens), "-k", str(a.k), "--reps", "1", *args],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-1500:]}
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row.update(preset=a.big_preset, prompts=a.big_prompts, new_tokens=a.big_new_tokens,
+               prompt="random 16 tokens x 4")
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gptc_bench_speculative"),
@@ -152,10 +211,22 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("-k", type=int, default=5, help="draft tokens per step")
     p.add_argument("--verify-preset", default="gpt-bench", help="random-init preset for the verify cost ('': skip)")
+    p.add_argument("--big-preset", default="gpt-345M", help="random-init preset of the big row ('': skip)")
+    p.add_argument("--big-prompts", type=int, default=3)
+    p.add_argument("--big-new-tokens", type=int, default=48)
+    p.add_argument("--big-export", action="store_true", help=argparse.SUPPRESS)  # run_big's child: export
+    p.add_argument("--big-worker", default="", help=argparse.SUPPRESS)  # run_big's child: measure
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     import gpt_compress  # noqa: F401  (before paddle: the operators' OpenMP settings)
     from gpt_compress.inference.runner import Generator
+
+    if a.big_export:
+        random_export(a.work, a.big_preset)
+        return
+    if a.big_worker:
+        print(json.dumps(big_row(a.big_worker, a.big_prompts, a.big_new_tokens, a.k, a.reps)))
+        return
 
     target, draft_dir, text = prepare(a.work, a.train_steps)
     gen = Generator.from_dir(target, backend="paddle", fused=True)
@@ -172,6 +243,8 @@ def main() -> None:
     if a.verify_preset:
         big = Generator.from_dir(random_export(a.work, a.verify_preset), backend="paddle", fused=True)
         out["verify_cost"][a.verify_preset] = verify_cost(big.backend, big.vocab_size, a.k)
+    if a.big_preset:
+        out["results"][f"{a.big_preset}/ngram/repetitive"] = run_big(a)
     print(json.dumps(out, sort_keys=True))
 
 

@@ -88,7 +88,8 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a batch slot; more get 429 with Retry-After
     prefill_budget: int = 256  # prompt tokens prefilled between two decode steps (at least one request; no limit when none runs)
     admit_wait_steps: int = 4  # steps a lone arrival may wait for others (serve/batch.py: onnx, unfused)
-    speculative_tokens: int = 0  # greedy requests: up to N prompt-lookup draft tokens a step (fused program); 0: off
+    speculative_tokens: int = 0  # draft tokens a request gets per step, at most (fused program); 0: 5 with a draft, else off
+    draft: str = ""  # speculative decoding: "ngram" (prompt lookup), "auto" (the export's recorded draft) or an export dir
     request_timeout: float = 300.0  # seconds a request may take (queued + generating); 0: no limit
     max_tokens_default: int = 16  # max_tokens of a request that gives none (as OpenAI)
     max_n: int = 8  # most choices (n) per prompt

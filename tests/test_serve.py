@@ -500,6 +500,39 @@ def test_serve_config_section_and_cli_errors(export_dir, tmp_path):
     assert proc.returncode != 0 and "gptc serve: error:" in proc.stderr and "manifest.json" in proc.stderr
 
 
+def test_a_draft_model_serves_the_tokens_of_the_model(export_dir, gen, shakespeare, tmp_path_factory):
+    """`gptc serve --draft DIR` (the pruned export, its own slot cache): a greedy completion equals
+    the one without a draft, a seeded sampled one equals ``Generator.generate`` with the same draft
+    and k (the rejection rule: the model's distribution, tests/test_speculative.py), streamed or
+    not; /metrics gives the acceptance rate and the tokens per step. A draft it cannot load is
+    an error before it listens."""
+    draft = model_dirs(tmp_path_factory, shakespeare)["pruned_export"]
+    s = Server(export_dir, tmp_path_factory.mktemp("serve") / "draft.log", "--draft", draft,
+               "--speculative-tokens", "4").ready()
+    try:
+        prompt = "ROMEO:\nBut, soft! what light through yonder window breaks?\nROMEO:\nBut, soft!"
+        for sampling in ({}, dict(decode_strategy="sampling", temperature=0.8, top_p=0.9, seed=11)):
+            ref = gen.generate(prompt, max_new_tokens=24, **sampling,
+                               **({"draft": draft, "draft_tokens": 4} if sampling else {}))
+            body = dict(prompt=prompt, max_tokens=24, temperature=sampling.get("temperature", 0.0),
+                        top_p=sampling.get("top_p", 1.0), seed=sampling.get("seed"))
+            assert _complete(s.url, **body).json()["choices"][0]["token_ids"] == ref.sequences[0], sampling
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert [t for e in events for t in e["choices"][0]["token_ids"]] == ref.sequences[0], sampling
+        rate = s.metric("gptc_speculative_acceptance_rate")
+        per_step = s.metric("gptc_speculative_tokens_per_step")
+        assert s.metric("gptc_speculative_draft_tokens_total") > 0 and 0 < rate < 1 and per_step > 1
+        assert s.metric("gptc_speculative_draft_seconds_total") > 0
+    finally:
+        s.stop()
+    for args, message in [(["--draft", "auto"], "records no draft"),
+                          (["--draft", draft, "--backend", "onnx"], "needs --backend paddle")]:
+        proc = subprocess.run([sys.executable, "-m", "gpt_compress", "serve", "--model-dir", export_dir, *args],
+                              env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
 def test_schemathesis_fuzzes_the_servers_own_schema(export_dir, tmp_path):
     """schemathesis drives `gptc serve`'s OpenAPI schema (loopback only): generated requests
     across every endpoint, valid and invalid (coverage and fuzzing phases, deterministic

@@ -128,6 +128,8 @@ def test_ngram_lookup_proposes_the_latest_continuation_of_the_longest_suffix():
     ng = NgramDraft(3)
     assert ng.lookup([5, 1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], 2) == [8, 7]
     assert ng.lookup([4, 2, 6, 9, 2], 3) == [6, 9, 2]  # only the 1-token suffix occurs earlier
+    assert ng.lookup([4, 2, 6, 9, 2], 5) == [6, 9, 2, 6, 9]  # past the end: its own proposals
+    assert ng.lookup([8, 7, 7, 7, 7], 4) == [7, 7, 7, 7]  # a run of one token: k proposals, not 1
     assert ng.lookup([1, 2, 3], 4) == []
     with pytest.raises(InputError, match="n must be"):
         NgramDraft(0)
@@ -410,33 +412,12 @@ def test_sampling_with_the_model_as_its_own_draft_keeps_every_proposal(generator
     assert [len(s) for s in ngram.sequences] == [16, 16, 16] or gen.eos_token_id is not None
 
 
-def test_the_server_engine_with_prompt_lookup_gives_each_requests_tokens(generators, monkeypatch):
-    """In-process engine on the fused program, ``speculative_tokens=4``: greedy requests (self-
-    quoting prompts of different lengths, an EOS mid-run, ``max_tokens`` inside a run, a sampled
-    request next to them, joined as slots free up; a slot cache of 40 columns at first, so verify
-    steps meet repacks) get the tokens of generating each alone, and the proposals are counted."""
+def _run_engine(engine, jobs, cfgs):
+    """Submit every job at once; each one's token ids (all its events Finished)."""
     import queue
 
-    from gpt_compress.serve.engine import Engine, Failed, Finished, Request, request_config
-    from gpt_compress.serve import slots
-    from gpt_compress.serve.metrics import Metrics
+    from gpt_compress.serve.engine import Failed, Finished, Request
 
-    monkeypatch.setattr(slots, "INITIAL_CAPACITY", 40)
-    gen = generators("fused")
-    base = gen.encode(["ROMEO:\nBut, soft! what light through yonder window breaks?\nROMEO:\nBut, soft!",
-                       "To be, or not to be, that is the question. To be, or not",
-                       "First Citizen:\nBefore we proceed any further, hear me speak."])
-    jobs = [(base[0], 24, 0.0), (base[1], 7, 0.0), (base[2], 20, 0.0), (base[0][3:], 16, 0.0), (base[1], 12, 0.8)]
-    cfgs = [request_config(n, temp, 1.0, 0, 1.0, 5, 0) for _, n, temp in jobs]
-    # EOS: a token job 3 first produces at step 4 or later (the engine's EOS for every request).
-    ref3 = gen.generate([jobs[3][0]], config=cfgs[3]).sequences[0]
-    eos = next(t for j, t in enumerate(ref3) if j >= 4 and t not in ref3[:j])
-    want = [gen.generate([p], config=dataclasses.replace(c, eos_token_id=eos)).sequences[0]
-            for (p, _, _), c in zip(jobs, cfgs)]
-    assert want[3][-1] == eos and len(want[3]) < 16
-    metrics = Metrics()
-    engine = Engine(gen, max_batch=4, max_queue=8, metrics=metrics, speculative_tokens=4)
-    engine.eos = eos
     events = queue.Queue()
     engine.start()
     try:
@@ -452,6 +433,49 @@ def test_the_server_engine_with_prompt_lookup_gives_each_requests_tokens(generat
     finally:
         engine.stop()
     assert all(isinstance(e, Finished) for e in ends.values()), ends
-    assert [tokens[i] for i in range(len(jobs))] == want
-    assert engine.proposed > 0 and 0 < engine.accepted <= engine.proposed
+    return [tokens[i] for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, dirs, monkeypatch, draft):
+    """In-process engine on the fused program, up to 4 draft tokens per request and step (prompt
+    lookup, or the pruned export as a draft model with its own slot cache, named by ``auto``: the
+    draft the export records): greedy requests (self-quoting prompts of different lengths, an EOS
+    mid-run, ``max_tokens`` inside a run) get the tokens of generating each alone without a draft;
+    seeded sampled requests next to them (the rejection rule, each with its own generator) get
+    exactly what ``Generator.generate`` gives alone with the same draft (whose distribution is the
+    target's: the chi-square test above).
+    Requests join as slots free up; slot caches of 40 columns at first, so verify steps and the
+    draft's multi-step runs meet repacks. The proposals are counted in the metrics."""
+    from gpt_compress.serve import slots
+    from gpt_compress.serve.engine import Engine, request_config
+    from gpt_compress.serve.metrics import Metrics
+
+    monkeypatch.setattr(slots, "INITIAL_CAPACITY", 40)
+    gen = generators("fused")
+    base = gen.encode(["ROMEO:\nBut, soft! what light through yonder window breaks?\nROMEO:\nBut, soft!",
+                       "To be, or not to be, that is the question. To be, or not",
+                       "First Citizen:\nBefore we proceed any further, hear me speak."])
+    jobs = [(base[0], 24, 0.0), (base[1], 7, 0.0), (base[2], 20, 0.0), (base[0][3:], 16, 0.0), (base[1], 12, 0.8),
+            (base[0], 20, 1.0), (base[2][2:], 18, 0.7)]
+    cfgs = [request_config(n, temp, 1.0 if i != 6 else 0.9, 0 if i != 5 else 30, 1.0, 5 + i, 0)
+            for i, (_, n, temp) in enumerate(jobs)]
+    # EOS: a token job 3 first produces at step 4 or later (the engine's EOS for every request).
+    ref3 = gen.generate([jobs[3][0]], config=cfgs[3]).sequences[0]
+    eos = next(t for j, t in enumerate(ref3) if j >= 4 and t not in ref3[:j])
+    source = "auto" if draft == "model" else "ngram"
+    monkeypatch.setattr(gen, "recorded_draft", dirs["pruned_export"])  # as `gptc pipeline` records it
+    want = [gen.generate([p], config=dataclasses.replace(c, eos_token_id=eos),
+                         **({"draft": source, "draft_tokens": 4} if temp else {})).sequences[0]
+            for (p, _, temp), c in zip(jobs, cfgs)]
+    assert want[3][-1] == eos and len(want[3]) < 16
+    metrics = Metrics()
+    engine = Engine(gen, max_batch=4, max_queue=8, metrics=metrics, speculative_tokens=4, draft=source)
+    engine.eos = eos
+    assert _run_engine(engine, jobs, cfgs) == want
+    assert engine.proposed > 0 and 0 < engine.accepted < engine.proposed  # rows with different acceptance
     assert metrics.draft_tokens._value.get() == engine.proposed and engine.batch.relayouts >= 1
+    assert metrics.accepted_tokens._value.get() == engine.accepted
+    assert metrics.tokens_per_step._value.get() == pytest.approx(engine.spec_tokens / engine.spec_steps)
+    if draft == "model":
+        assert engine.drafter.relayouts >= 1 and len(engine.drafter) == 0

@@ -16,7 +16,8 @@ from .infer import _backend_options
 # flag -> Serve field
 FLAGS = {"backend": "backend", "host": "host", "port": "port", "max_batch": "max_batch", "max_queue": "max_queue",
          "timeout": "request_timeout", "model_name": "model_name", "threads": "threads",
-         "grace_period": "grace_period", "step_delay": "step_delay", "speculative_tokens": "speculative_tokens"}
+         "grace_period": "grace_period", "step_delay": "step_delay", "speculative_tokens": "speculative_tokens",
+         "draft": "draft"}
 
 
 def add_arguments(parser) -> None:
@@ -33,8 +34,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grace-period", type=float, default=None,
                         help="seconds SIGTERM waits for in-flight requests")
     parser.add_argument("--speculative-tokens", type=int, default=None,
-                        help="greedy requests: up to N prompt-lookup draft tokens a step, checked in one verify "
-                             "step (fused Paddle program; default Serve.speculative_tokens, 0: off)")
+                        help="speculative decoding: up to N draft tokens per request and step, checked in one "
+                             "verify step (fused Paddle program; default Serve.speculative_tokens; 0: 5 with "
+                             "--draft, else off)")
+    parser.add_argument("--draft", default=None,
+                        help="the draft: 'ngram' (prompt lookup, the default with --speculative-tokens), 'auto' "
+                             "(the draft the export's manifest records: gptc pipeline) or an export directory "
+                             "with the same tokenizer (default Serve.draft)")
     parser.add_argument("--step-delay", type=float, default=None, help=argparse.SUPPRESS)  # tests and demos only: Serve.step_delay
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $GPTC_API_KEY, see Serve.api_key_env)")
@@ -70,6 +76,27 @@ def _paddle_serving_options(options) -> dict:
     return {"options": options, "batched_from": 1 << 30}
 
 
+def _check_draft(cfg, manifest) -> None:
+    """A draft the server cannot load fails before it binds, naming the option."""
+    from ..errors import InputError
+    from ..inference.manifest import read_manifest
+
+    if cfg.draft in ("", "ngram"):
+        return
+    if cfg.backend != "paddle":
+        raise InputError(f"--draft {cfg.draft} needs --backend paddle (the fused program's slot cache)")
+    path = cfg.draft
+    if path == "auto":
+        recorded = manifest.data.get("draft", {}).get("path")
+        if not recorded:
+            raise InputError(f"--draft auto: {manifest.path} records no draft (gptc pipeline's draft stage writes "
+                             "one); pass an export directory or 'ngram'")
+        path = os.path.join(manifest.path, recorded)
+    if not os.path.isdir(path):
+        raise InputError(f"--draft {cfg.draft}: not found: {path} (give 'ngram', 'auto' or an export directory)")
+    read_manifest(path)
+
+
 def run(args) -> int:
     import uvicorn
 
@@ -87,6 +114,7 @@ def run(args) -> int:
         raise ModelDirError(f"--model-dir {args.model_dir} is a training checkpoint; `gptc serve` serves exported "
                             f"models: make one with `gptc export --model {args.model_dir} --output DIR`")
     manifest = read_manifest(args.model_dir)  # a wrong directory fails now, with the usual message
+    _check_draft(cfg, manifest)
     name = cfg.model_name or os.path.basename(manifest.path.rstrip(os.sep))
     api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
     # Paddle: the fused program when the export has one (serve/slots.py: one slot per sequence in

@@ -131,7 +131,9 @@ class AdaptiveK:
 # --------------------------------------------------------------------------------------
 class NgramDraft:
     """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
-    sequence's last ``n`` tokens (else of its last n - 1, ... 1); no model, no probabilities."""
+    sequence's last ``n`` tokens (else of its last n - 1, ... 1); no model, no probabilities.
+    A continuation that runs into the sequence's end goes on with its own proposals (a sequence
+    that repeats a period of p tokens gets k proposals, not p)."""
 
     has_probs = False
 
@@ -156,7 +158,11 @@ class NgramDraft:
             hits = np.nonzero((windows == tail).all(axis=1))[0]
             if hits.size:
                 start = int(hits[-1]) + size
-                return [int(t) for t in h[start:start + k]]
+                out = [int(t) for t in h[start:start + k]]
+                period = len(h) - start  # the match ends this many tokens before the sequence
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     def propose(self, histories, ids, mask, k, steps, active, pick, suppress=None, eos=None):
@@ -260,6 +266,30 @@ def accept_sampled(p: np.ndarray, q: Optional[np.ndarray], drafts: np.ndarray, n
     return n, int(_sample(p[n:n + 1], rng)[0])
 
 
+def pick_row(logits: np.ndarray, step: int, cfg: GenerationConfig, eos: Optional[int],
+             rng: np.random.Generator) -> tuple[int, Optional[np.ndarray]]:
+    """One sequence's draft token from the draft's logits (V,) at generation step ``step``:
+    (greedy: the argmax, None; sampling: one draw and the distribution (V,) it came from, the
+    rule's ``q``), after the logits processors, as ``speculative_tokens``' drafts."""
+    scores = _scores(logits[None], np.array([step]), cfg, eos)
+    if cfg.decode_strategy == "greedy":
+        return int(np.argmax(scores[0])), None
+    probs = sampling_probs(scores, cfg)
+    return int(_sample(probs, rng)[0]), probs[0]
+
+
+def verify_row(logits: np.ndarray, drafts: np.ndarray, q: Optional[np.ndarray], n: int, step: int,
+               cfg: GenerationConfig, eos: Optional[int], rng: np.random.Generator) -> tuple[int, int]:
+    """One sequence's verify: the target's logits (>= n + 1, V) at its fed positions (its newest
+    token, then its drafts), the first ``n`` of ``drafts`` (q (>= n, V) their draft probabilities,
+    None for point masses), generation step ``step`` of the first position -> (kept, next token):
+    greedy ``accept_greedy``, sampling ``accept_sampled``."""
+    scores = _scores(logits, step + np.arange(len(logits)), cfg, eos)
+    if cfg.decode_strategy == "greedy":
+        return accept_greedy(np.argmax(scores, axis=-1), drafts, n)
+    return accept_sampled(sampling_probs(scores, cfg), q, drafts, n, rng)
+
+
 def _scores(logits: np.ndarray, steps: np.ndarray, cfg: GenerationConfig, eos: Optional[int]) -> np.ndarray:
     """The logits processors of ``generation._processed`` row by row: rows (N, V) at generation
     steps (N,) (``logit_bias``; ``min_new_tokens`` keeps EOS out of early steps). The penalties
@@ -356,13 +386,8 @@ def speculative_tokens(backend: VerifyBackend, draft, prompts: Sequence[Sequence
         kept = np.zeros(batch, dtype=np.int64)
         nxt = np.full(batch, pad_token_id, dtype=np.int64)
         for b in np.nonzero(active)[0]:
-            at = steps[b] + np.arange(t)
-            scores = _scores(tlogits[b], at, cfg, eos)
-            if greedy:
-                kept[b], nxt[b] = accept_greedy(np.argmax(scores, axis=-1), drafts[b], counts[b])
-            else:
-                kept[b], nxt[b] = accept_sampled(sampling_probs(scores, cfg), None if q is None else q[b],
-                                                 drafts[b], counts[b], rng)
+            kept[b], nxt[b] = verify_row(tlogits[b], drafts[b], None if q is None else q[b], counts[b], steps[b],
+                                         cfg, eos, rng)
             before = len(out[b])
             emit(b, list(drafts[b, :kept[b]]) + [nxt[b]])
             stats.tokens += len(out[b]) - before

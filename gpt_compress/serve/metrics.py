@@ -23,9 +23,18 @@ class Metrics:
         self.prompt_tokens = Counter("gptc_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("gptc_generation_tokens", "Tokens generated", registry=r)
         self.draft_tokens = Counter("gptc_speculative_draft_tokens", "Draft tokens checked by verify steps "
-                                    "(prompt lookup)", registry=r)
+                                    "(prompt lookup or the draft model)", registry=r)
         self.accepted_tokens = Counter("gptc_speculative_accepted_tokens", "Draft tokens kept (acceptance "
                                        "rate: this over gptc_speculative_draft_tokens)", registry=r)
+        self.spec_steps = Counter("gptc_speculative_steps", "Request steps that checked draft tokens (each "
+                                  "gives its kept drafts and one token of the model's)", registry=r)
+        self.acceptance_rate = Gauge("gptc_speculative_acceptance_rate", "Draft tokens kept over draft tokens "
+                                     "checked, since the start", registry=r)
+        self.tokens_per_step = Gauge("gptc_speculative_tokens_per_step", "Tokens a request gains per step that "
+                                     "checked drafts, since the start (1 without speculation: the speed-up in "
+                                     "model steps)", registry=r)
+        self.draft_seconds = Counter("gptc_speculative_draft_seconds", "Seconds the draft model ran "
+                                     "(its cost against the saved steps)", registry=r)
         self.queue_depth = Gauge("gptc_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.running = Gauge("gptc_running_batch_size", "Sequences in the running decode batch", registry=r)
         self.batch_size = Histogram("gptc_decode_batch_size", "Sequences per decode step", registry=r,

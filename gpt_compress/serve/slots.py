@@ -228,6 +228,16 @@ class SlotDecoder:
             self._mask[i, s + kept.get(k, t):s + t] = 0
         self._mask = self._mask[:, :s + max(kept.values(), default=t)]
 
+    def drop(self, counts: dict[Hashable, int]) -> None:
+        """Mask the last ``counts[key]`` columns each row was fed (a draft model's proposals the
+        target rejected, fed over several steps; a relayout in between keeps their order), then
+        move the write column back past the trailing columns no row holds any more."""
+        for i, k in enumerate(self.keys):
+            if counts.get(k, 0) > 0:
+                self._mask[i, np.flatnonzero(self._mask[i])[-counts[k]:]] = 0
+        live = np.flatnonzero(self._mask[:len(self.keys)].any(axis=0))
+        self._mask = self._mask[:, :int(live[-1]) + 1 if live.size else 0]
+
     # ------------------------------------------------------------------ leave
     def remove(self, keys) -> None:
         """Free the slots of ``keys`` at once (unknown keys are ignored): the last running rows
