@@ -52,9 +52,11 @@ inline void pack_pairs_f(const float* x, int64_t M, int64_t K, float* xp) {
 // from the steps before (pair p, weight row n at slot + (p * NBLK512 + n) * 16: an exact store
 // and load), and after the last step (c1 == kc) y[m][n] (ldy apart) gets hsum, the k tail and
 // + bias; rows past M skipped.
+// pf: pf_lines cache lines from there are prefetched, spread over the k steps (see itile_lanes).
 template <int PR, int NR>
 inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, int64_t c0, int64_t c1,
-                     const float* w, float* slot, float* y, int64_t ldy, const float* bias) {
+                     const float* w, float* slot, float* y, int64_t ldy, const float* bias, const char* pf = nullptr,
+                     int64_t pf_lines = 0) {
   const int64_t kc = K / 8;
   __m512 acc[PR][NR];
   GPTC_UNROLL for (int p = 0; p < PR; ++p)
@@ -62,6 +64,9 @@ inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int
       acc[p][n] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(slot + (p * NBLK512 + n) * 16);
   const float* xb = xp + (m0 / 2) * kc * 16;
   for (int64_t c = c0; c < c1; ++c) {
+    if (pf != nullptr)
+      for (int64_t l = (c - c0) * pf_lines / (c1 - c0); l < (c - c0 + 1) * pf_lines / (c1 - c0); ++l)
+        _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
     __m512 wv[NR];
     GPTC_UNROLL for (int n = 0; n < NR; ++n) {
       wv[n] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(w + n * K + 8 * c))));
@@ -107,9 +112,13 @@ inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, con
   auto tiles = [&](auto pr, int64_t m, int64_t c0, int64_t c1) {
     constexpr int PR = decltype(pr)::value;
     float* sl = slots + (m / 2) * NBLK512 * 16;
+    // The first row tile's pass over the block prefetches the rows eight tiles ahead (memory-bound
+    // at small M; past the block's rows, the next block's, which follow them in memory).
+    const bool first = m == 0 && c0 == 0;
     int n = 0;
     for (; n + NR <= nr; n += NR)
-      ftile512<PR, NR>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
+      ftile512<PR, NR>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n),
+                       first ? reinterpret_cast<const char*>(w + (n + 8 * NR) * K) : nullptr, NR * K * 4 / 64);
     for (; n < nr; ++n) ftile512<PR, 1>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
   };
   for (int64_t c0 = 0; c0 < kc || c0 == 0; c0 += chunk) {  // K < 8: one pass of the tail alone
@@ -331,7 +340,7 @@ inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, i
 // input rows are the lanes of a 512-bit register, so the weight rows are read where they lie,
 // with no per-block packing (which costs as much as several rows' dots at such M). A register
 // holds P consecutive 4-code groups of each of 16 / P rows (P = 1 for up to 16 rows, 2 for up
-// to 8): lane r * P + p holds row r's group p of the step. vpdpbusd's unsigned operand is the
+// to 8, 4 for up to 4): lane r * P + p holds row r's group p of the step. vpdpbusd's unsigned operand is the
 // weight, P groups broadcast straight from the row (a load, no shuffle): int8 codes + 128 (xor
 // 0x80), or int4 codes as stored (0..15, w + 8); its signed operand, the input codes. Lane r * P
 // of each accumulator starts at -128 (int8) or -8 (int4) times row r's input code sum over the
@@ -350,7 +359,7 @@ struct LaneInputs {
   int p = 0;
 };
 
-inline int lane_groups(int64_t M) { return M <= 8 ? 2 : 1; }
+inline int lane_groups(int64_t M) { return M <= 4 ? 4 : M <= 8 ? 2 : 1; }
 
 // shift: 7 for int8 weights (start -128 * sum), 3 for int4 (-8 * sum).
 inline void pack_lanes(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk, int shift,
@@ -382,11 +391,13 @@ inline __m512i bcast_groups(const int8_t* w) {
     int32_t v;
     std::memcpy(&v, w, 4);
     return _mm512_set1_epi32(v);
-  } else {
-    static_assert(P == 2, "one or two groups a lane group");
+  } else if constexpr (P == 2) {
     long long v;
     std::memcpy(&v, w, 8);
     return _mm512_set1_epi64(v);
+  } else {
+    static_assert(P == 4, "one, two or four groups a lane group");
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   }
 }
 
@@ -395,15 +406,19 @@ inline __m512i bcast_groups(const int8_t* w) {
 // byte 4 P t of a 32-code chunk hold, in their low nibbles, the codes of step t of the chunk
 // and, in their high ones, those of step t + 4 / P (export/fused.py's pack_int4: byte j holds
 // codes j and j + 16), split with two ands and a shift.
+// pf: pf_lines cache lines from there are prefetched, spread over the blocks (the rows of the
+// tiles ahead: at small M a tile is memory-bound, and rows as short as a head's leave the hardware
+// prefetchers too little to lock on to).
 template <int P, int NR, bool I4>
 inline void itile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int8_t* const* q,
-                        const float* const* sw, float* out, const float* bias) {
+                        const float* const* sw, float* out, const float* bias, const char* pf, int64_t pf_lines) {
   constexpr int S = 8 / P;  // steps a 32-code chunk
   __m512 f[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) f[n] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32(I4 ? 0x0F0F0F0F : int32_t(0x80808080));  // int4: nibbles; int8: + 128
   const int64_t chunks = blk / 32;
   for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = b * pf_lines / nb; l < (b + 1) * pf_lines / nb; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
     __m512i acc[NR];
     const __m512i st = _mm512_loadu_si512(in.start + b * 16);
     GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = st;
@@ -433,8 +448,10 @@ inline void itile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int
         }
       }
     }
-    if constexpr (P == 2)  // a row's two lanes: each gets their sum (exact int32)
+    if constexpr (P >= 2)  // a row's P lanes: each gets their sum (exact int32)
       GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm512_add_epi32(acc[n], _mm512_shuffle_epi32(acc[n], _MM_PERM_CDAB));
+    if constexpr (P == 4)
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm512_add_epi32(acc[n], _mm512_shuffle_epi32(acc[n], _MM_PERM_BADC));
     const __m512 xsc = _mm512_loadu_ps(in.s + b * 16);
     GPTC_UNROLL for (int n = 0; n < NR; ++n)
       f[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[n]), _mm512_mul_ps(xsc, _mm512_set1_ps(sw[n][b])), f[n]);
@@ -455,12 +472,19 @@ inline void iblock_lanes(const LaneInputs& in, int64_t M, int64_t nb, int64_t bl
       for (int n = 0; n < rows; ++n) y[m * ldy + n0 + n] = out[n * 16 + m * P];
   };
   auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
+  // The rows eight tiles ahead of a tile's, into L2 (the rows follow each other in memory; past the block's
+  // last row, the next block's; a prefetch past the weights' end is harmless).
+  auto ahead = [&](int n, int rows) { return reinterpret_cast<const char*>(q[n]) + 8 * rows * row; };
+  auto lines = [&](int rows) { return rows * row / 64; };
   int n = 0;
   if (row % 4096 != 0)
-    for (; n + 12 <= nr; n += 12) itile_lanes<P, 12, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 12);
-  for (; n + 6 <= nr; n += 6) itile_lanes<P, 6, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 6);
-  for (; n + 2 <= nr; n += 2) itile_lanes<P, 2, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 2);
-  for (; n < nr; ++n) itile_lanes<P, 1, I4>(in, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 1);
+    for (; n + 12 <= nr; n += 12)
+      itile_lanes<P, 12, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 12), lines(12)), put(n, 12);
+  for (; n + 6 <= nr; n += 6)
+    itile_lanes<P, 6, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 6), lines(6)), put(n, 6);
+  for (; n + 2 <= nr; n += 2)
+    itile_lanes<P, 2, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 2), lines(2)), put(n, 2);
+  for (; n < nr; ++n) itile_lanes<P, 1, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 1), lines(1)), put(n, 1);
 }
 #endif
 

@@ -261,7 +261,10 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
       const int64_t row = L.bits == 4 ? K / 2 : K, nb = K / L.blk;
       for (int n = 0; n < nr; ++n) q[n] = L.wq + (n0 + n) * row, sw[n] = L.scale + (n0 + n) * nb;
       const LaneInputs& li = pk_in.lanes;
-      if (li.p == 2)
+      if (li.p == 4)
+        L.bits == 4 ? iblock_lanes<4, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
+                    : iblock_lanes<4, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
+      else if (li.p == 2)
         L.bits == 4 ? iblock_lanes<2, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
                     : iblock_lanes<2, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
       else
