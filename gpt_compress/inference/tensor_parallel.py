@@ -31,11 +31,10 @@ class TensorParallelBackend:
     """``prefill``/``decode``/``score``/``reorder_cache`` of rank ``rank``'s programs with the
     logits all-gathered along the vocabulary (every rank returns the full logits)."""
 
-    def __init__(self, model_dir: str, rank: int, device: str = "cpu", **options):
-        from .predictor import PaddleBackend  # Paddle: only in the rank processes, not the launcher
-
+    def __init__(self, model_dir: str, rank: int, device: str = "cpu", fused: Optional[bool] = None, **options):
         self.top = read_tp_manifest(model_dir) if os.path.isfile(os.path.join(model_dir, MANIFEST)) else None
-        self.local = PaddleBackend(os.path.join(model_dir, f"rank_{rank}"), device=device, **options)
+        self.local = rank_backend(os.path.join(model_dir, f"rank_{rank}"), device, fused, **options)
+        self.fused = type(self.local).__name__ == "FusedBackend"
         self.rank = rank
 
     def _gather(self, local: np.ndarray) -> np.ndarray:
@@ -72,6 +71,24 @@ class TensorParallelBackend:
         ``forward`` runs on the batch, then only those rows of its slice are all-gathered."""
         local = self.local.score(input_ids, attention_mask)
         return self._gather(local.reshape(-1, local.shape[-1])[np.asarray(rows, dtype=np.int64)])
+
+
+def rank_backend(rank_dir: str, device: str = "cpu", fused: Optional[bool] = None, **options):
+    """The runner of one rank directory: its fused program (``export/fused_tp.py``) on CPU when it
+    has one (``fused=None``: if the operators build here, else the unfused programs with a
+    warning; ``True``: required; ``False``: never), else its unfused Paddle programs."""
+    from .fused import paddle_backend  # Paddle: only in the rank processes, not the launcher
+    from .manifest import Manifest
+
+    with open(os.path.join(rank_dir, MANIFEST), encoding="utf-8") as f:
+        data = json.load(f)
+    if not data.get("formats"):  # a quantized checkpoint's ranks: the fused program only
+        if fused is False or device != "cpu":
+            raise ValueError(f"{rank_dir} holds only the fused CPU program (a quantized checkpoint)")
+        return paddle_backend(Manifest(os.path.abspath(rank_dir), data), fused=True, **options)
+    from .manifest import read_manifest
+
+    return paddle_backend(read_manifest(rank_dir), fused=fused, device=device, **options)
 
 
 def run_rank(model_dir: str, request: str, output: str) -> None:
