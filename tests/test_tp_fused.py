@@ -31,6 +31,25 @@ def dirs(tmp_path_factory, shakespeare):
     return model_dirs(tmp_path_factory, shakespeare)
 
 
+@pytest.fixture(scope="module")
+def exports(dirs, tmp_path_factory):
+    """mode -> (single-card export, mp2 partition) of the trained model, made on first use."""
+    from gpt_compress.export.partition import partition
+
+    made = {}
+
+    def get(mode):
+        if mode not in made:
+            base = tmp_path_factory.mktemp(f"tp_{mode}")
+            ckpt = dirs["ckpt"] if mode == "fp32" else _quantized_checkpoint(dirs["ckpt"], mode, base / "q")
+            single = dirs["export"] if mode == "fp32" else _single_card(ckpt, base / "single")
+            partition(ckpt, str(base / "tp"), mp_degree=2)  # every rank program validated against dygraph
+            made[mode] = single, str(base / "tp")
+        return made[mode]
+
+    return get
+
+
 def _quantized_checkpoint(ckpt, mode, out):
     from gpt_compress.checkpoint import load_model
     from gpt_compress.config import QuantConfig
@@ -73,17 +92,13 @@ def _run_ranks(tp_dir, inputs, tmp_path, mode="fused"):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
-def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, tmp_path, mode):
+def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, exports, tmp_path, mode):
     """Prefill + 8 decode steps of a left-padded batch, scoring logits and evaluation log-probs
     within F32_ATOL (float32) / INT_RTOL relative (int8, int4) of the single-card fused program,
     and the same greedy and beam-search tokens."""
     from gpt_compress.data.tokenizer import Tokenizer
-    from gpt_compress.export.partition import partition
 
-    ckpt = dirs["ckpt"] if mode == "fp32" else _quantized_checkpoint(dirs["ckpt"], mode, tmp_path / "q")
-    single = dirs["export"] if mode == "fp32" else _single_card(ckpt, tmp_path / "single")
-    tp_dir = str(tmp_path / "tp")
-    partition(ckpt, tp_dir, mp_degree=2)  # every rank program validated against dygraph
+    single, tp_dir = exports(mode)
     for r in range(2):
         manifest = json.load(open(os.path.join(tp_dir, f"rank_{r}", "manifest.json")))
         ops = manifest["fused"]["ops"]
@@ -105,3 +120,35 @@ def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, tmp_p
     assert np.array_equal(got["hits"], want["hits"])
     assert got["greedy"] == want["greedy"]
     assert got["beam"] == want["beam"]
+
+
+def test_serve_tp2_answers_the_single_card_servers_completion(exports, tmp_path):
+    """`gptc serve --tp 2` (the engine on rank 0, rank 1 in lock-step) and `gptc serve` on the
+    single-card export complete the same prompts with the same greedy text, one request and
+    three at once (a batch that rows join and leave)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_serve import Server
+
+    single, tp_dir = exports("fp32")
+    servers = [Server(single, tmp_path / "single.log"), Server(tp_dir, tmp_path / "tp.log", "--tp", "2")]
+    try:
+        assert servers[1].info["tp"] == 2
+        answers = []
+        for s in servers:
+            s.ready()
+
+            def complete(prompt, n, url=s.url):
+                r = httpx.post(url + "/v1/completions", timeout=120,
+                               json={"prompt": prompt, "max_tokens": n, "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(3) as pool:
+                answers.append([complete("ROMEO:", 24)] + list(pool.map(complete, PROMPTS, [8, 20, 14])))
+        assert answers[0] == answers[1] and all(answers[0]), answers
+    finally:
+        for s in servers:
+            s.stop()
+    assert servers[1].proc.returncode == 0  # SIGTERM: rank 0 drained, then released rank 1
