@@ -152,3 +152,28 @@ def test_serve_tp2_answers_the_single_card_servers_completion(exports, tmp_path)
         for s in servers:
             s.stop()
     assert servers[1].proc.returncode == 0  # SIGTERM: rank 0 drained, then released rank 1
+
+
+def test_gptc_eval_on_a_partitioned_export_gives_the_single_card_perplexity(exports, shared_data, tmp_path):
+    """`gptc eval` on the mp2 partition (two launched ranks; each rank's vocabulary slice reduced
+    to its maximum and sum of exponentials, ``TensorParallelBackend.label_scores``) gives the
+    single-card export's WikiText perplexity."""
+    from gpt_compress.eval.wikitext import evaluate_wikitext
+    from gpt_compress.inference.runner import Generator
+
+    single, tp_dir = exports("fp32")
+    wiki = tmp_path / "wiki.raw"
+    with open(shared_data / "wikitext-2" / "wiki.test.raw", encoding="utf-8", newline="") as f:
+        wiki.write_text("".join(f.readlines()[:40]), encoding="utf-8", newline="")
+    out = tmp_path / "tp_wikitext.json"
+    res = subprocess.run([sys.executable, "-m", "gpt_compress", "eval", "--model", tp_dir, "--task", "wikitext",
+                          "--data", str(wiki), "--seq-len", "64", "--stride", "32", "--no-progress",
+                          "--output", str(out)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    gen = Generator.from_dir(single, backend="paddle")
+    want = evaluate_wikitext(gen, gen.tokenizer, str(wiki), "raw", seq_len=64, stride=32, batch_size=8, progress=False)
+    assert got["mp_degree"] == 2 and got["num_windows"] == want.num_windows > 1
+    # Float32 logits a few ulps apart, then the same log-softmax summed another way: the mean NLL
+    # over the windows' tokens keeps that relative size; 1e-5 is far above it.
+    assert abs(got["ppl"] - want.ppl) <= 1e-5 * want.ppl, (got["ppl"], want.ppl)

@@ -155,8 +155,7 @@ def _serve_rank(args, cfg) -> int:
     import paddle.distributed as dist
 
     from ..inference.manifest import read_tp_manifest
-    from ..inference.runner import Generator
-    from ..inference.tensor_parallel import TensorParallelBackend
+    from ..inference.tensor_parallel import TensorParallelBackend, tp_generator
     from ..parallel.fleet import init_mp
     from ..serve.lockstep import LockstepBackend, follow
 
@@ -172,16 +171,9 @@ def _serve_rank(args, cfg) -> int:
         follow(local)
         return 0
     backend = LockstepBackend(local)
-    tokenizer = None
-    if top.get("tokenizer"):
-        from ..data.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.load(args.model_dir)
 
     def load():
-        return Generator(backend, vocab_size=top["vocab_size"], max_positions=top["max_position_embeddings"],
-                         eos_token_id=top["eos_token_id"], pad_token_id=top["pad_token_id"] or 0,
-                         tokenizer=tokenizer, name=f"tensor-parallel:{args.model_dir}")
+        return tp_generator(args.model_dir, backend)
 
     try:
         return _serve(args, cfg, load, os.path.abspath(args.model_dir))
