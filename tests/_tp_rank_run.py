@@ -1,10 +1,10 @@
-"""One rank of tests/test_tp_fused.py, started by ``paddle.distributed.launch``: runs a partitioned
-export's rank programs (``TensorParallelBackend``, fused or not as asked) on the inputs of an
-``.npz`` (a left-padded prompt batch and the tokens to feed after it) and writes, on rank 0, the
-gathered logits of the prefill and of every decode step, scoring logits, the greedy and beam
-tokens of the prompts and the evaluation scores of the batch.
+"""One rank of tests/test_tp_fused.py, started by ``paddle.distributed.launch``: runs partitioned
+exports' fused rank programs (``TensorParallelBackend``) on the inputs of an ``.npz`` (a
+left-padded prompt batch and the tokens to feed after it) and writes, on rank 0, for each export
+the gathered logits of the prefill and of every decode step, scoring logits, the evaluation
+scores of the batch and the greedy and beam tokens of the prompts (OUT_i.npz, OUT_i.json).
 
-    python -m paddle.distributed.launch --nproc_per_node 2 tests/_tp_rank_run.py MODEL_DIR IN.npz OUT.npz fused
+    python -m paddle.distributed.launch --nproc_per_node 2 tests/_tp_rank_run.py IN.npz OUT DIR [DIR ...]
 """
 import json
 import sys
@@ -36,23 +36,25 @@ def outputs(backend, data, vocab_size: int, max_positions: int) -> dict:
             "beam": gen.generate(prompts, max_new_tokens=12, decode_strategy="beam_search", num_beams=3).sequences}
 
 
-def main(model_dir: str, inputs: str, output: str, mode: str) -> None:
+def main(inputs: str, output: str, *model_dirs: str) -> None:
     import paddle.distributed as dist
 
     from gpt_compress.inference.manifest import read_tp_manifest
     from gpt_compress.inference.tensor_parallel import TensorParallelBackend
     from gpt_compress.parallel.fleet import init_mp
 
-    top = read_tp_manifest(model_dir)
-    init_mp(int(top["mp_degree"]))
-    backend = TensorParallelBackend(model_dir, rank=dist.get_rank(), fused=mode == "fused")
-    assert backend.fused == (mode == "fused")
-    out = outputs(backend, np.load(inputs), top["vocab_size"], top["max_position_embeddings"])
-    if dist.get_rank() == 0:
-        with open(output + ".json", "w", encoding="utf-8") as f:
-            json.dump({"greedy": out.pop("greedy"), "beam": out.pop("beam")}, f)
-        np.savez(output, **out)
+    init_mp(int(read_tp_manifest(model_dirs[0])["mp_degree"]))
+    for i, model_dir in enumerate(model_dirs):  # one launch for several partitions of one degree
+        top = read_tp_manifest(model_dir)
+        backend = TensorParallelBackend(model_dir, rank=dist.get_rank(), fused=True)
+        assert backend.fused
+        out = outputs(backend, np.load(inputs), top["vocab_size"], top["max_position_embeddings"])
+        if dist.get_rank() == 0:
+            with open(f"{output}_{i}.json", "w", encoding="utf-8") as f:
+                json.dump({"greedy": out.pop("greedy"), "beam": out.pop("beam")}, f)
+            np.savez(f"{output}_{i}.npz", **out)
+        del backend
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

@@ -33,7 +33,7 @@ def dirs(tmp_path_factory, shakespeare):
 
 
 @pytest.fixture(scope="module")
-def exports(dirs, tmp_path_factory):
+def exports(dirs, shakespeare, tmp_path_factory):
     """mode -> (single-card export, mp2 partition) of the trained model, made on first use."""
     from gpt_compress.export.partition import partition
 
@@ -42,23 +42,34 @@ def exports(dirs, tmp_path_factory):
     def get(mode):
         if mode not in made:
             base = tmp_path_factory.mktemp(f"tp_{mode}")
-            ckpt = dirs["ckpt"] if mode == "fp32" else _quantized_checkpoint(dirs["ckpt"], mode, base / "q")
+            ckpt = dirs["ckpt"] if mode == "fp32" else _quantized_checkpoint(dirs["ckpt"], mode, base / "q", shakespeare[1])
             single = dirs["export"] if mode == "fp32" else _single_card(ckpt, base / "single")
-            partition(ckpt, str(base / "tp"), mp_degree=2)  # every rank program validated against dygraph
+            # The export's own gate (every rank program against dygraph) once; the test compares the rest.
+            partition(ckpt, str(base / "tp"), mp_degree=2, validate=mode == "fp32")
             made[mode] = single, str(base / "tp")
         return made[mode]
 
     return get
 
 
-def _quantized_checkpoint(ckpt, mode, out):
+def _quantized_checkpoint(ckpt, mode, out, prefix):
+    """Weight-only int8 / int4 (blocks of 32) or PTQ W8A8 blocks (the tied embedding and head
+    weight-only int8), as tests/test_fused.py quantizes, saved as a checkpoint."""
+    from _parity_helpers import calib_batches
+
     from gpt_compress.checkpoint import load_model
     from gpt_compress.config import QuantConfig
     from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.qat.ptq import calibrate
     from gpt_compress.qat.quantize import quantize_model, save_quantized
 
-    qcfg = QuantConfig(targets=[], weight_only=["*"], weight_bits=4 if mode == "int4" else 8)
+    if mode == "w8a8":
+        qcfg = QuantConfig(weight_only=["gpt.wte"])
+    else:
+        qcfg = QuantConfig(targets=[], weight_only=["*"], weight_bits=4 if mode == "int4" else 8)
     model = quantize_model(load_model(ckpt), qcfg)
+    if mode == "w8a8":
+        calibrate(model, calib_batches(prefix, 2), qcfg)
     model.eval()
     return save_quantized(model, str(out), tokenizer=Tokenizer.load(ckpt))
 
@@ -80,47 +91,53 @@ def _run_single(export_dir, inputs):
     return outputs(FusedBackend(manifest, threads=1), np.load(inputs), manifest.vocab_size, manifest.max_positions)
 
 
-def _run_ranks(tp_dir, inputs, tmp_path, mode="fused"):
-    out, logs = str(tmp_path / f"tp_{mode}.npz"), str(tmp_path / f"logs_{mode}")
+def _run_ranks(tp_dirs, inputs, tmp_path):
+    """The rank programs' outputs for ``inputs``, one launch of two ranks for all ``tp_dirs``."""
+    out, logs = str(tmp_path / "tp"), str(tmp_path / "logs")
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", logs,
-           os.path.join(ROOT, "tests", "_tp_rank_run.py"), tp_dir, inputs, out, mode]
+           os.path.join(ROOT, "tests", "_tp_rank_run.py"), inputs, out, *tp_dirs]
     res = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"{res.stderr[-2000:]}\n{log_tail(logs)}"
-    got = dict(np.load(out))
-    with open(out + ".json", encoding="utf-8") as f:
-        got.update(json.load(f))
-    return got
+    runs = []
+    for i in range(len(tp_dirs)):
+        got = dict(np.load(f"{out}_{i}.npz"))
+        with open(f"{out}_{i}.json", encoding="utf-8") as f:
+            got.update(json.load(f))
+        runs.append(got)
+    return runs
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
-def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, exports, tmp_path, mode):
+@pytest.mark.parametrize("modes", [["fp32"], ["int8", "int4", "w8a8"]], ids=["fp32", "quantized"])
+def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, exports, tmp_path, modes):
     """Prefill + 8 decode steps of a left-padded batch, scoring logits and evaluation log-probs
-    within F32_ATOL (float32) / INT_RTOL relative (int8, int4) of the single-card fused program,
-    and the same greedy and beam-search tokens."""
+    within F32_ATOL (float32) / INT_RTOL relative (int8, int4, W8A8) of the single-card fused
+    program, and the same greedy and beam-search tokens."""
     from gpt_compress.data.tokenizer import Tokenizer
 
-    single, tp_dir = exports(mode)
-    for r in range(2):
-        manifest = json.load(open(os.path.join(tp_dir, f"rank_{r}", "manifest.json")))
-        ops = manifest["fused"]["ops"]
-        assert ops["custom_op.gptc_tp_attention_"] == ops["custom_op.gptc_tp_mlp"] == 2, ops
-        assert ops["pd_op.mp_allreduce_sum"] == 5, ops  # the embedding's + two a block
     ids, mask = left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
     feed = np.random.default_rng(0).integers(0, 1024, (len(ids), 8))
     inputs = str(tmp_path / "inputs.npz")
     np.savez(inputs, ids=ids, mask=mask, feed=feed)
-    want = _run_single(single, inputs)
-    got = _run_ranks(tp_dir, inputs, tmp_path)
-    for key in ("steps", "score", "logprobs"):
-        diff = np.abs(got[key] - want[key])
-        if mode == "fp32":
-            assert diff.max() <= F32_ATOL, (key, float(diff.max()))
-        else:
-            rel = float(diff.max() / np.abs(want[key]).max())
-            assert rel <= INT_RTOL, (key, rel)
-    assert np.array_equal(got["hits"], want["hits"])
-    assert got["greedy"] == want["greedy"]
-    assert got["beam"] == want["beam"]
+    made = [exports(mode) for mode in modes]
+    for _, tp_dir in made:
+        for r in range(2):
+            manifest = json.load(open(os.path.join(tp_dir, f"rank_{r}", "manifest.json")))
+            ops = manifest["fused"]["ops"]
+            assert ops["custom_op.gptc_tp_attention_"] == ops["custom_op.gptc_tp_mlp"] == 2, ops
+            assert ops["pd_op.mp_allreduce_sum"] == 5, ops  # the embedding's + two a block
+    runs = _run_ranks([tp_dir for _, tp_dir in made], inputs, tmp_path)
+    for mode, (single, _), got in zip(modes, made, runs):
+        want = _run_single(single, inputs)
+        for key in ("steps", "score", "logprobs"):
+            diff = float(np.abs(got[key] - want[key]).max())
+            if mode == "fp32":
+                assert diff <= F32_ATOL, (mode, key, diff)
+            else:
+                rel = diff / float(np.abs(want[key]).max())
+                assert rel <= INT_RTOL, (mode, key, rel)
+        assert np.array_equal(got["hits"], want["hits"]), mode
+        assert got["greedy"] == want["greedy"], mode
+        assert got["beam"] == want["beam"], mode
 
 
 def test_serve_tp2_answers_the_single_card_servers_completion(exports, tmp_path):
