@@ -147,7 +147,7 @@ def test_serve_tp2_answers_the_single_card_servers_completion(exports, tmp_path)
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-    from test_serve import Server
+    from _serve_helpers import Server
 
     single, tp_dir = exports("fp32")
     servers = [Server(single, tmp_path / "single.log"), Server(tp_dir, tmp_path / "tp.log", "--tp", "2")]
