@@ -113,9 +113,16 @@ class TensorParallelBackend:
 def rank_backend(rank_dir: str, device: str = "cpu", fused: Optional[bool] = None, **options):
     """The runner of one rank directory: its fused program (``export/fused_tp.py``) on CPU when it
     has one (``fused=None``: if the operators build here, else the unfused programs with a
-    warning; ``True``: required; ``False``: never), else its unfused Paddle programs."""
+    warning; ``True``: required; ``False``: never), else its unfused Paddle programs. The fused
+    program's ``threads`` default to an equal share of ``$OMP_NUM_THREADS`` (or of the cores) a rank:
+    the launched ranks run side by side."""
+    from ..parallel.launch import launched_world
+    from ..runtime import math_threads
     from .fused import paddle_backend  # Paddle: only in the rank processes, not the launcher
     from .manifest import Manifest
+
+    if not options.get("threads"):
+        options["threads"] = max(1, math_threads() // max(1, launched_world()[1]))
 
     with open(os.path.join(rank_dir, MANIFEST), encoding="utf-8") as f:
         data = json.load(f)
