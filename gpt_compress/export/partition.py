@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import warnings
 from typing import Optional
 
 import paddle
@@ -37,7 +38,7 @@ import paddle.nn as nn
 
 from ..checkpoint import load_model, read_config
 from ..config import ParallelConfig
-from ..errors import ExportError
+from ..errors import ExportError, KernelError
 from ..fileio import check_output, write_checksums, write_dir_atomic
 from ..inference.manifest import (MANIFEST, TOKENIZER_FILES, build_manifest, build_tp_manifest, tp_rank_entries,
                                   write_manifest)
@@ -89,7 +90,13 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
     if fused or quantized:  # from the whole model, before shard_model swaps its layers
         from ..parallel.fleet import mp_group
 
-        fused_layer = FusedRankLM(fused_weights(model), rank, mp, mp_group().id)
+        try:
+            fused_layer = FusedRankLM(fused_weights(model), rank, mp, mp_group().id)
+        except KernelError as e:  # no compiler here: the unfused rank programs run everywhere
+            if quantized:
+                raise ExportError(f"a quantized checkpoint partitions into fused rank programs only: {e}") from None
+            warnings.warn(f"no fused rank programs exported: {e}", stacklevel=2)
+    has_fused = fused_layer is not None
     partial = output.rstrip("/") + ".partial"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -114,7 +121,7 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
     del fused_layer
     dist.barrier()
     if validate:  # every program of the rank: the unfused ones, then the fused one
-        for use_fused in ([] if quantized else [False]) + ([True] if fused or quantized else []):
+        for use_fused in ([] if quantized else [False]) + ([True] if has_fused else []):
             backend = TensorParallelBackend(partial, rank=rank, fused=use_fused)
             what = "fused" if use_fused else "unfused"
             validate_backend(backend, ref, f"{rank_dir} (tensor parallel, mp {mp}, {what})",
