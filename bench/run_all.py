@@ -4,7 +4,7 @@ Each result is added as ``bench/results/<host>/<date>_<bench>.json`` and the tab
 and docs/performance.md are regenerated from the newest results.
 
     OMP_NUM_THREADS=2 python bench/run_all.py                    # the default set: decode (gpt-bench)
-    OMP_NUM_THREADS=2 python bench/run_all.py --only all         # train, decode, compress, parallel, speculative
+    OMP_NUM_THREADS=2 python bench/run_all.py --only all         # train, decode, compress, parallel, speculative, tp_decode
     OMP_NUM_THREADS=2 python bench/run_all.py --only train,decode
     python bench/run_all.py --only ""                             # only regenerate the tables
 
@@ -43,6 +43,7 @@ BENCHES = {  # name -> script and arguments
     "compress": ["bench/compress.py", "--rounds", "1"],
     "parallel": ["bench/parallel.py"],
     "speculative": ["bench/speculative.py"],
+    "tp_decode": ["bench/tp_decode.py", "--workdir", "output/bench_tp", "--presets", "gpt-bench,gpt-345M"],
 }
 DEFAULT = ("decode",)  # `make bench`; `--only all` (`make bench-full`) runs every one of BENCHES
 

@@ -10,6 +10,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mp-degree", type=int, required=True, help="tensor-parallel ranks (divides heads, FFN, vocab)")
     parser.add_argument("--no-validate", action="store_true",
                         help="skip running every rank program against the single-card logits")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="float checkpoints: only the unfused rank programs (no fused CPU program per rank)")
     parser.add_argument("--log-dir", default=None, help="launcher logs (default: OUTPUT.logs)")
     add_overwrite_argument(parser)
 
@@ -24,12 +26,12 @@ def run(args) -> int:
                       Output("--log-dir", args.log_dir or args.output.rstrip("/") + ".logs", "run", lock=False),
                       inputs=(args.model,))
         out = partition(args.model, args.output, args.mp_degree, validate=not args.no_validate, log_dir=args.log_dir,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, fused=not args.no_fused)
         print_json({"output": out, "mp_degree": args.mp_degree, "validated": not args.no_validate})
         return 0
     if world != args.mp_degree:
         from ..config import ConfigError
 
         raise ConfigError(f"--mp-degree {args.mp_degree} but {world} processes were launched")
-    export_rank(args.model, args.output, args.mp_degree, validate=not args.no_validate)
+    export_rank(args.model, args.output, args.mp_degree, validate=not args.no_validate, fused=not args.no_fused)
     return 0

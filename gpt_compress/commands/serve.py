@@ -9,7 +9,12 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 
+from ..fileio import write_text_atomic
 from ._common import add_config_arguments, config_from_args
 from .infer import _backend_options
 
@@ -46,6 +51,10 @@ def add_arguments(parser) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $GPTC_API_KEY, see Serve.api_key_env)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="serve a `gptc partition` directory on its N tensor-parallel ranks (N processes; "
+                             "the engine on rank 0 drives the others in lock-step)")
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)  # --tp: rank 0's listening line, for the launcher side
 
 
 def _server_class():
@@ -98,15 +107,18 @@ def _check_draft(cfg, manifest) -> None:
 
 
 def run(args) -> int:
-    import uvicorn
-
     from ..inference.manifest import read_manifest
     from ..inference.runner import Generator
-    from ..serve.app import create_app
 
     cfg = config_from_args(args).serve
     changes = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
     cfg = dataclasses.replace(cfg, **changes)  # __post_init__ checks the result
+    if args.tp > 1:
+        from ..parallel.launch import launched_world
+
+        if launched_world()[1] == 1:
+            return _launch_ranks(args)
+        return _serve_rank(args, cfg)
     if os.path.isfile(os.path.join(args.model_dir, "config.json")) and \
             not os.path.isfile(os.path.join(args.model_dir, "manifest.json")):
         from ..errors import ModelDirError
@@ -115,13 +127,26 @@ def run(args) -> int:
                             f"models: make one with `gptc export --model {args.model_dir} --output DIR`")
     manifest = read_manifest(args.model_dir)  # a wrong directory fails now, with the usual message
     _check_draft(cfg, manifest)
-    name = cfg.model_name or os.path.basename(manifest.path.rstrip(os.sep))
-    api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+
+    def load():
+        return Generator.from_dir(manifest.path, backend=cfg.backend, verify=not args.no_verify, **options)
+
     # Paddle: the fused program when the export has one (serve/slots.py: one slot per sequence in
     # its in-place cache); the serving options below apply when it falls back to the unfused ones.
     options = _backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
     if cfg.backend == "paddle":
         options.update(_paddle_serving_options(options.get("options")))
+    return _serve(args, cfg, load, manifest.path)
+
+
+def _serve(args, cfg, load, model_dir: str) -> int:
+    """Run the HTTP server over the ``Generator`` that ``load()`` returns until it is stopped."""
+    import uvicorn
+
+    from ..serve.app import create_app
+
+    name = cfg.model_name or os.path.basename(model_dir.rstrip(os.sep))
+    api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     fatal: list[str] = []
@@ -132,9 +157,6 @@ def run(args) -> int:
         if server:
             server[0].should_exit = True
 
-    def load():
-        return Generator.from_dir(manifest.path, backend=cfg.backend, verify=not args.no_verify, **options)
-
     app = create_app(load, cfg, name, api_key, on_fatal=on_fatal)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,10 +165,75 @@ def run(args) -> int:
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
                             timeout_graceful_shutdown=cfg.grace_period, lifespan="on")
     server.append(_server_class()(config))
-    print(json.dumps({"event": "listening", "url": f"http://{cfg.host}:{port}", "port": port, "model": name,
-                      "backend": cfg.backend, "max_batch": cfg.max_batch, "api_key": bool(api_key)}), flush=True)
+    line = json.dumps({"event": "listening", "url": f"http://{cfg.host}:{port}", "port": port, "model": name,
+                       "backend": cfg.backend, "max_batch": cfg.max_batch, "api_key": bool(api_key),
+                       **({"tp": args.tp} if args.tp > 1 else {})})
+    print(line, flush=True)
+    if args.ready_file:
+        write_text_atomic(args.ready_file, line + "\n")
     server[0].run(sockets=[sock])
     if fatal:
         print(f"gptc serve: error: {fatal[0]}", flush=True)
         return 1
     return 0
+
+
+def _serve_rank(args, cfg) -> int:
+    """One launched rank of ``--tp N`` (serve/lockstep.py): rank 0 serves, the others follow it."""
+    import paddle.distributed as dist
+
+    from ..inference.manifest import read_tp_manifest
+    from ..inference.tensor_parallel import TensorParallelBackend, tp_generator
+    from ..parallel.fleet import init_mp
+    from ..serve.lockstep import LockstepBackend, follow
+
+    top = read_tp_manifest(args.model_dir)
+    if int(top["mp_degree"]) != args.tp:
+        from ..config import ConfigError
+
+        raise ConfigError(f"--tp {args.tp}, but {args.model_dir} has {top['mp_degree']} ranks")
+    init_mp(args.tp)
+    local = TensorParallelBackend(args.model_dir, rank=dist.get_rank(), **({"threads": cfg.threads} if cfg.threads else {}))
+    if dist.get_rank() != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains its requests, then releases this one
+        follow(local)
+        return 0
+    backend = LockstepBackend(local)
+
+    def load():
+        return tp_generator(args.model_dir, backend)
+
+    try:
+        return _serve(args, cfg, load, os.path.abspath(args.model_dir))
+    finally:
+        backend.stop()
+
+
+def _launch_ranks(args) -> int:
+    """``--tp N`` as the user started it: launch the N ranks, print rank 0's listening line once it
+    is up, pass SIGTERM/SIGINT on to the launcher and return its exit status."""
+    from ..parallel.launch import launch_command, log_tail
+
+    with tempfile.TemporaryDirectory(prefix="gptc-serve-tp-") as tmp:
+        ready, logs = os.path.join(tmp, "ready.json"), os.path.join(tmp, "logs")
+        cmd = launch_command(args.tp, [*sys.argv[1:], "--ready-file", ready], log_dir=logs)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        passed: list[int] = []
+
+        def pass_on(sig, frame):
+            passed.append(sig)
+            proc.send_signal(sig)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, pass_on)
+        while not os.path.isfile(ready) and proc.poll() is None:
+            time.sleep(0.1)
+        if os.path.isfile(ready):
+            with open(ready, encoding="utf-8") as f:
+                print(f.read().strip(), flush=True)
+        code = proc.wait()
+        if passed and code == passed[0]:  # the launcher exits with the signal it stopped the ranks for
+            code = 0
+        if code:
+            print(f"gptc serve --tp {args.tp}: the ranks exited with {code}:\n{log_tail(logs)}", file=sys.stderr)
+        return code

@@ -10,7 +10,10 @@ Three paths, best first:
 * ``scores_rows`` (the fused Paddle program, ``inference/fused.py``, which also runs int8 and
   exports without the scoring programs): one call per group of sequences gives logits (n, V)
   at the chosen flat rows only; they are reduced here (``label_logprobs``).
-* otherwise (older exports, tensor-parallel, a transformers model in the tests) ``score``'s full
+* ``scores_labels`` (tensor-parallel exports, ``inference/tensor_parallel.py``): each rank
+  reduces its vocabulary slice of the logits at the chosen rows to its maximum, sum of
+  exponentials, the label's logit and its argmax, and only those cross the ranks.
+* otherwise (older exports, a transformers model in the tests) ``score``'s full
   (B, T, V) logits, reduced at the chosen rows only. ``label_logprobs`` is also the reference
   the fast paths are tested against.
 """
@@ -49,6 +52,16 @@ def score_positions(backend, input_ids: np.ndarray, labels: np.ndarray, select: 
             lp, top = backend.head_scores(hidden[i:i + rows], y[i:i + rows])
             lps.append(np.asarray(lp, dtype=np.float64))
             hits.append(np.asarray(top) == y[i:i + rows])
+    elif getattr(backend, "scores_labels", False):  # tensor parallel: a few numbers a row cross the ranks
+        done = 0
+        for seqs in _groups(select.sum(axis=1), rows):
+            sub = np.nonzero(select[seqs])
+            flat = sub[0] * select.shape[1] + sub[1]
+            mask = None if attention_mask is None else attention_mask[seqs]
+            lp, top = backend.label_scores(np.asarray(input_ids)[seqs], mask, flat, y[done:done + len(flat)])
+            lps.append(lp)
+            hits.append(top == y[done:done + len(flat)])
+            done += len(flat)
     else:
         for logits, part in _logit_rows(backend, input_ids, select, attention_mask, rows):
             lp, hit = label_logprobs(logits, y[part])

@@ -10,7 +10,8 @@ the pipeline) never branch on quantisation state:
 * float: ``static.save_paddle_programs`` (+ ``onnx.convert_programs``);
 * int8, when the model has quantized layers (a ``gptc qat/ptq`` checkpoint):
   ``int8.save_int8_programs`` (the scoring programs included), and the manifest's ``quant`` entry;
-* tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank), unfused;
+* tensor-parallel, ``mp_degree > 1``: ``partition.partition`` (one process per rank): the
+  unfused and the fused programs per rank (a quantized checkpoint: the fused ones only);
 * single-card Paddle exports also get ``fused.save_fused``'s program (our CPU operators).
 
 Every single-card directory is built the same way inside one atomic directory write: programs,
@@ -72,9 +73,10 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
         raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models "
                           "(head 'lm') export for generation")
     if mp_degree > 1:
-        if formats != ["paddle"] or read_quant_state(checkpoint) is not None:
-            raise ExportError("a tensor-parallel export (mp_degree > 1) is float Paddle Inference only")
-        return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir, overwrite=overwrite)
+        if formats != ["paddle"]:
+            raise ExportError("a tensor-parallel export (mp_degree > 1) is Paddle Inference only")
+        return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir, overwrite=overwrite,
+                         fused=fused)
     return_freed_memory()  # before the model is loaded, so that freeing its weights later returns them
     # load_* verify checksums, parameter names and shapes vs the config.
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)

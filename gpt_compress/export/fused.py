@@ -26,7 +26,8 @@ Weights are stored (N, K) per Linear in the format the model was quantized to
 packed two per byte, low nibble first, stored code + 8), inputs quantized per token and block
 on the fly as the fake-quant model does (``dynamic_inputs``) or kept float; W8A8 (per-channel
 int8 weights, the calibrated per-tensor input scale). The tied embedding and the LM head share
-one tensor. Tensor-parallel exports are not fused.
+one tensor. Tensor-parallel exports (``gptc partition``) get a fused program per rank from
+``fused_tp.py``, built from the same weights.
 """
 from __future__ import annotations
 
@@ -318,6 +319,21 @@ def count_ops(program_json: str) -> dict[str, int]:
     return dict(names)
 
 
+def save_program(layer, spec: list, out_dir: str) -> None:
+    """``layer`` traced with ``spec`` (``to_static``) and saved as ``out_dir``'s ``fused.json`` +
+    ``fused.pdiparams`` (through a scratch directory: never half a program under those names)."""
+    static = paddle.jit.to_static(layer, input_spec=spec, full_graph=True)
+    scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
+    try:
+        paddle.jit.save(static, os.path.join(scratch, "fused"))
+        for src, dst in (("fused.json", FUSED_MODEL), ("fused.pdiparams", FUSED_PARAMS)):
+            if not os.path.isfile(os.path.join(scratch, src)):
+                raise ExportError(f"paddle.jit.save did not write {src} for the fused program")
+            os.replace(os.path.join(scratch, src), os.path.join(out_dir, dst))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def save_fused(model, out_dir: str, version: Optional[int] = None) -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
     (``model`` is not mutated; ``version``: the program of an older kernel version, 1 or 2, as
@@ -330,16 +346,7 @@ def save_fused(model, out_dir: str, version: Optional[int] = None) -> dict:
     version = version or KERNEL_VERSION
     layer = FusedLM(fused_weights(model), version=version, tokens=True)
     layer.eval()
-    static = paddle.jit.to_static(layer, input_spec=input_spec(cfg, version), full_graph=True)
-    scratch = tempfile.mkdtemp(prefix=".fused-", dir=out_dir)
-    try:
-        paddle.jit.save(static, os.path.join(scratch, "fused"))
-        for src, dst in (("fused.json", FUSED_MODEL), ("fused.pdiparams", FUSED_PARAMS)):
-            if not os.path.isfile(os.path.join(scratch, src)):
-                raise ExportError(f"paddle.jit.save did not write {src} for the fused program")
-            os.replace(os.path.join(scratch, src), os.path.join(out_dir, dst))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    save_program(layer, input_spec(cfg, version), out_dir)
     kernel = {**kernel_info(), "version": version}
     return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel,
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import warnings
 from typing import Optional
 
 import paddle
@@ -37,16 +38,24 @@ import paddle.nn as nn
 
 from ..checkpoint import load_model, read_config
 from ..config import ParallelConfig
-from ..errors import ExportError
+from ..errors import ExportError, KernelError
 from ..fileio import check_output, write_checksums, write_dir_atomic
 from ..inference.manifest import (MANIFEST, TOKENIZER_FILES, build_manifest, build_tp_manifest, tp_rank_entries,
                                   write_manifest)
 from ..inference.tensor_parallel import TensorParallelBackend
 from ..parallel.fleet import init_mp, shard_model
 from ..parallel.launch import launch_command, log_tail
-from ..parallel.plan import check_divisible
+from ..parallel.plan import check_divisible, rank_config
+from .fused import fused_weights
 from .static import ExportableLM, save_paddle_programs
 from .validate import reference, validate_backend
+
+
+# The fused int8/int4 rank programs vs the fake-quant dygraph model, relative to the logits'
+# magnitude: the kernels' int8 inputs are made per token and block as the fake quantization
+# makes them, but a value near a rounding edge can land on the other code (float32 rounding
+# of the inputs); the parity tests bound them closer.
+QUANT_ATOL = 5e-2
 
 
 class TensorParallelLM(ExportableLM):
@@ -63,35 +72,61 @@ class TensorParallelLM(ExportableLM):
         return self.model.lm_head(hidden)
 
 
-def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, atol: float = 1e-4) -> Optional[str]:
+def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, atol: float = 1e-4,
+                fused: bool = True) -> Optional[str]:
     """Body of one launched process: write ``output/rank_{r}``; rank 0 then writes the top
-    manifest. Returns ``output`` on rank 0, None elsewhere."""
+    manifest. Returns ``output`` on rank 0, None elsewhere. A quantized checkpoint (``gptc ptq``
+    / ``qat``) gets the fused rank programs only (they compute on the integer codes)."""
+    from ..qat.quantize import load_quantized, read_quant_state
+    from .fused_tp import FusedRankLM, save_fused_rank
+
     init_mp(mp)
     rank = dist.get_rank()
-    model = load_model(checkpoint)
+    quantized = read_quant_state(checkpoint) is not None
+    model = load_quantized(checkpoint) if quantized else load_model(checkpoint)
     cfg = model.config
     ref = reference(model) if validate else None
+    fused_layer = None
+    if fused or quantized:  # from the whole model, before shard_model swaps its layers
+        from ..parallel.fleet import mp_group
+
+        try:
+            fused_layer = FusedRankLM(fused_weights(model), rank, mp, mp_group().id)
+        except KernelError as e:  # no compiler here: the unfused rank programs run everywhere
+            if quantized:
+                raise ExportError(f"a quantized checkpoint partitions into fused rank programs only: {e}") from None
+            warnings.warn(f"no fused rank programs exported: {e}", stacklevel=2)
+    has_fused = fused_layer is not None
     partial = output.rstrip("/") + ".partial"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    model = shard_model(model, rank, mp, inference=True)
-    model.eval()
     paddle.set_grad_enabled(False)
-    rcfg = model.config  # the shard's (heads, FFN and vocabulary / mp)
+    if not quantized:
+        model = shard_model(model, rank, mp, inference=True)
+        model.eval()
+    rcfg = rank_config(cfg, mp)  # the shard's (heads, FFN and vocabulary / mp)
     tok = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(checkpoint, f))]
 
     def write(tmp):
-        files = {"paddle": save_paddle_programs(model, tmp, wrapper=TensorParallelLM(model))}
-        manifest = build_manifest(rcfg, files, ["paddle"], None, os.path.abspath(checkpoint))
+        formats = [] if quantized else ["paddle"]
+        files = {"paddle": {} if quantized else save_paddle_programs(model, tmp, wrapper=TensorParallelLM(model))}
+        manifest = build_manifest(rcfg, files, formats, None, os.path.abspath(checkpoint))
+        if fused_layer is not None:
+            manifest["fused"] = save_fused_rank(fused_layer, tmp)
         write_manifest(tmp, {**manifest, **tp_rank_entries(cfg, mp, rank)})
 
     rank_dir = write_dir_atomic(os.path.join(partial, f"rank_{rank}"), write)
+    del fused_layer
     dist.barrier()
-    if validate:
-        backend = TensorParallelBackend(partial, rank=rank)
-        validate_backend(backend, ref, f"{rank_dir} (tensor parallel, mp {mp})", atol=atol)
+    if validate:  # every program of the rank: the unfused ones, then the fused one
+        for use_fused in ([] if quantized else [False]) + ([True] if has_fused else []):
+            backend = TensorParallelBackend(partial, rank=rank, fused=use_fused)
+            what = "fused" if use_fused else "unfused"
+            validate_backend(backend, ref, f"{rank_dir} (tensor parallel, mp {mp}, {what})",
+                             atol=QUANT_ATOL if quantized else atol)
+            del backend
     dist.barrier()
     if rank != 0:
         return None
@@ -107,9 +142,11 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
 
 
 def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = True,
-              log_dir: Optional[str] = None, timeout: float = 1800, overwrite: bool = False) -> str:
+              log_dir: Optional[str] = None, timeout: float = 1800, overwrite: bool = False,
+              fused: bool = True) -> str:
     """Export ``checkpoint`` into ``mp_degree`` tensor-parallel rank directories under ``output``
-    by launching ``mp_degree`` processes with ``paddle.distributed.launch``."""
+    by launching ``mp_degree`` processes with ``paddle.distributed.launch``; ``fused``: each rank
+    also gets its fused program (``fused_tp.py``; always for a quantized checkpoint)."""
     check_output(output, overwrite)
     cfg, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
@@ -117,6 +154,7 @@ def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = Tru
     check_divisible(cfg, ParallelConfig(mp_degree=mp_degree))
     args = ["partition", "--model", os.path.abspath(checkpoint), "--output",
             os.path.abspath(output), "--mp-degree", str(mp_degree)] + ([] if validate else ["--no-validate"])
+    args += [] if fused else ["--no-fused"]
     log_dir = log_dir or os.path.abspath(output).rstrip("/") + ".logs"
     cmd = launch_command(mp_degree, args, log_dir=log_dir)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -5,7 +5,8 @@ batch-invariance contract) #includes ``gptc_common.h`` (profiler, thread count, 
 ``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_linear.h`` (input quantization,
 linear_block), ``gptc_gemv.h`` (M = 1 kernels, the Linear entry points), ``gptc_norm_attention.h``,
 ``gptc_decoder_ops.h`` (gptc_embed/gptc_layer/gptc_head), ``gptc_decoder_stack.h``
-(gptc_decoder, gptc_generate: all of them in one call) and ``gptc_head_score.h``; ``SOURCES``
+(gptc_decoder, gptc_generate: all of them in one call), ``gptc_head_score.h`` and ``gptc_tp_ops.h`` (the
+tensor-parallel rank programs' ops); ``SOURCES``
 lists them all. ``load_ops()`` compiles the unit with ``paddle.utils.cpp_extension.load`` (g++,
 ``-O3 -fopenmp`` and the instruction set of ``$GPTC_KERNEL_ISA``: ``native``, the default, is
 ``-march=native``; ``avx2`` is x86-64-v3, AVX2 + FMA + F16C without AVX-512 or VNNI, the build
@@ -47,7 +48,8 @@ DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
 # (tests/test_kernel_sources.py checks this list against the directory and the #include lines).
 SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_linear.h", "gptc_gemv.h",
-           "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_bench.h")
+           "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_tp_ops.h",
+           "gptc_bench.h")
 SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
 # Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests).
@@ -63,7 +65,8 @@ ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "b
 # $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (libiomp5 is not linked instead:
 # its threads spin for KMP_BLOCKTIME after every region, which stalls a busy machine.)
 LDFLAGS = ["-fopenmp"]
-OPS = ("gptc_generate", "gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head")
+OPS = ("gptc_generate", "gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head", "gptc_tp_embed", "gptc_tp_attention",
+       "gptc_tp_mlp", "gptc_tp_head")
 
 _lock = threading.Lock()
 _module = None

@@ -4,6 +4,8 @@
 //   gptc_decoder(ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...], weights [float32 blob,
 //       int8 blob, ...] + a layout attribute) -> logits (n,V): embed, every block and the head in one
 //       call (gptc_decoder_stack.h), the caches written in place as gptc_layer writes them.
+// Tensor-parallel rank programs (gptc partition) hold gptc_tp_embed, then per block gptc_tp_attention
+// and gptc_tp_mlp, then gptc_tp_head, with Paddle's mp_allreduce_sum between them (gptc_tp_ops.h).
 // Programs exported before it (still loaded and run) are three ops:
 //   gptc_embed(ids (B,T), mask (B,S+T), wte, wte_scale, wpe, wpe_scale) -> x (B,T,C)
 //   gptc_layer(x, mask, k_cache, v_cache, 16 weights) -> y (B,T,C); the new keys/values are
@@ -45,4 +47,5 @@
 #include "gptc_decoder_ops.h"
 #include "gptc_decoder_stack.h"
 #include "gptc_head_score.h"
+#include "gptc_tp_ops.h"
 #include "gptc_bench.h"

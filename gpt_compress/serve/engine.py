@@ -656,6 +656,8 @@ def decoder(backend, max_batch: int):
     (``SlotDecoder``), else merged concat-layout caches (``BatchDecoder``: onnx, unfused Paddle)."""
     from ..inference.fused import FusedBackend
 
+    if hasattr(backend, "batch_decoder"):  # tensor-parallel ranks replay it (serve/lockstep.py)
+        return backend.batch_decoder(max_batch)
     return SlotDecoder(backend, max_batch) if isinstance(backend, FusedBackend) else BatchDecoder(backend)
 
 
