@@ -21,7 +21,12 @@ transport errors). The soak runs ``--soak-clients`` clients for ``--soak`` secon
 batched server after ``--soak-warmup`` seconds of the same load, and reports the server's RSS
 (``/proc/PID/status``) then, every 60 s and at the end.
 
-The model is a random-init ``--preset`` exported like bench/decode.py does (``prepare``).
+The model is a random-init ``--preset`` exported like bench/decode.py does (``prepare``): the
+float32 export, or with ``--format int8`` / ``int4`` its weight-only fused program
+(``prepare_fused_int``). In the same run the in-process ``Generator`` runs the same mix one
+request after another (``generator``: tokens/s over ``--duration`` seconds, prefill included, as a
+1-client server's), so ``server_1_client_over_generator`` is what the HTTP server, the engine loop
+and streaming cost a single client.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import time
 import httpx
 import numpy as np
 
-from decode import ROOT, prepare  # bench/decode.py: random-init checkpoint + export of a preset
+from decode import ROOT, prepare, prepare_fused_int  # bench/decode.py: random-init exports of a preset
 
 MIX = [(16, 32), (64, 64), (128, 32), (32, 128), (256, 16), (48, 96)]  # (prompt tokens, output tokens)
 LEVELS = (1, 4, 16, 64)
@@ -181,6 +186,25 @@ def wait_idle(url: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
+def generator_rate(model_dir: str, backend: str, seconds: float, vocab: int, seed: int = 0) -> dict:
+    """The in-process ``Generator`` on the mix, one greedy request after another, for ``seconds``:
+    output tokens/s (prefill included), as one closed-loop client of the server sees it."""
+    from gpt_compress.inference.runner import Generator
+
+    gen = Generator.from_dir(model_dir, backend=backend)
+    rng = np.random.default_rng(seed)
+    for plen, out in MIX[:2]:  # warm-up (kernels per shape)
+        gen.generate([rng.integers(0, vocab, plen).tolist()], max_new_tokens=out, min_new_tokens=out)
+    tokens, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        plen, out = MIX[i % len(MIX)]
+        i += 1
+        res = gen.generate([rng.integers(0, vocab, plen).tolist()], max_new_tokens=out, min_new_tokens=out)
+        tokens += len(res.sequences[0])
+    wall = time.perf_counter() - t0
+    return {"output_tokens_per_s": round(tokens / wall, 1), "requests": i, "seconds": round(wall, 1)}
+
+
 def table(results: dict) -> str:
     rows = ["| clients | server | tokens/s | TTFT p50 / p99 ms | TTFT p99 after the burst | ITL p50 / p99 ms | errors "
             "| unserved |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -198,6 +222,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-bench")
     p.add_argument("--backend", default="paddle", choices=("paddle", "onnx"))
+    p.add_argument("--format", default="fp32", choices=("fp32", "int8", "int4"),
+                   help="the float32 export, or its weight-only int8/int4 fused program (paddle only)")
     p.add_argument("--max-batch", type=int, default=32, help="the batched server's --max-batch")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent clients per level")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per level and server")
@@ -214,10 +240,17 @@ def main() -> None:
     vocab = ModelConfig.from_preset(a.preset).vocab_size
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench-serve-")
     os.makedirs(workdir, exist_ok=True)
-    _, model_dir = prepare(workdir, a.preset)
+    ckpt, model_dir = prepare(workdir, a.preset)
+    if a.format != "fp32":
+        if a.backend != "paddle":
+            p.error("--format int8/int4 runs the fused Paddle program: --backend paddle")
+        model_dir = prepare_fused_int(workdir, a.preset, ckpt, int(a.format[3:]), model_dir)
     levels = [int(x) for x in a.levels.split(",")]
-    results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "mix": MIX, "duration_s": a.duration,
+    results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "format": a.format, "mix": MIX,
+               "duration_s": a.duration,
                "threads": os.environ.get("OMP_NUM_THREADS", ""), "serve_args": a.serve_arg, "levels": [{"clients": c} for c in levels]}
+    results["generator"] = generator_rate(model_dir, a.backend, a.duration, vocab)
+    print(json.dumps({"generator": results["generator"]}), file=sys.stderr)
     servers = {"batched": a.max_batch, "max_batch_1": 1}
     for name, max_batch in servers.items():
         proc, url = start_server(model_dir, a.backend, max_batch, os.path.join(workdir, f"{name}.log"),
@@ -247,6 +280,9 @@ def main() -> None:
     for entry in results["levels"]:
         b, s = entry["batched"]["output_tokens_per_s"], entry["max_batch_1"]["output_tokens_per_s"]
         entry["throughput_ratio"] = round(b / s, 2) if s else None
+        if entry["clients"] == 1:
+            g = results["generator"]["output_tokens_per_s"]
+            results["server_1_client_over_generator"] = round(b / g, 2) if g else None
     print(json.dumps(results))
     print(table(results), file=sys.stderr)
 

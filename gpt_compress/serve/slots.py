@@ -28,12 +28,23 @@ nothing), at the cost of computing them.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Hashable, Optional
 
 import numpy as np
 
 INITIAL_CAPACITY = 256  # columns allocated at first; doubled (to at most context + slack) when full
 PAD_WASTE = 1.25  # a prefill batch computes at most this many times its prompts' tokens (padding)
+
+
+def host_array(t) -> np.ndarray:
+    """A numpy array over the memory of a dense float32 CPU tensor ``t`` (no copy: what is
+    written lands in the tensor). Row copies through it cost a memmove, where a Paddle eager
+    ``__setitem__`` costs tens of microseconds of dispatch per call; the array does not keep
+    ``t`` alive (the caller holds both)."""
+    shape = tuple(int(d) for d in t.shape)
+    n = int(np.prod(shape))
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data_ptr())).reshape(shape)
 
 
 def prefill_groups(lengths: list[int], waste: float) -> list[list[int]]:
@@ -71,6 +82,7 @@ class SlotDecoder:
         self._fed = (0, 0)  # the last step_many's write column and columns (for keep)
         self.max_rows = 0  # the largest running batch so far (stats)
         self._tensors = backend._call(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
+        self._hosts = [host_array(t) for t in self._tensors]  # the same memory, for row copies
         self._views = backend._call(self._check_views)
         self._row_views: dict[int, list] = {}  # rows -> views of the first rows of _tensors
 
@@ -166,8 +178,8 @@ class SlotDecoder:
         if self.width < p:  # the other rows get masked columns up to p
             self._mask = np.pad(self._mask, ((0, 0), (0, p - self.width)))
         s, slot, t = self.width, len(self.keys), cache.length
-        for dst, src in zip(self._tensors, cache.tensors):
-            dst[slot, :, s - p:s] = src[row, :, t - p:t]
+        for dst, src in zip(self._hosts, cache.tensors):
+            dst[slot, :, s - p:s] = host_array(src)[row, :, t - p:t]
         self._mask[slot] = 0
         self._mask[slot, s - p:] = 1
 
@@ -252,8 +264,8 @@ class SlotDecoder:
         for key in gone:
             i, last = self.keys.index(key), len(self.keys) - 1
             if i != last:
-                for t in self._tensors:
-                    t[i, :, :s] = t[last, :, :s]
+                for h in self._hosts:
+                    h[i, :, :s] = h[last, :, :s]
                 self._mask[i] = self._mask[last]
                 self.keys[i] = self.keys[last]
             self._mask[last] = 0
@@ -273,9 +285,8 @@ class SlotDecoder:
             capacity = min(self.max_capacity, max(2 * capacity, need + capacity // 4))
         if need > capacity:
             raise ValueError(f"a row of {need} positions does not fit the slot cache ({capacity} columns)")
-        import paddle
-
         new = self._alloc(capacity)
+        hosts = [host_array(t) for t in new]
         mask = np.zeros((self.max_batch, width), np.int64)
         for r in range(n):
             cols = np.flatnonzero(self._mask[r])
@@ -284,10 +295,8 @@ class SlotDecoder:
             if not m:
                 continue
             contiguous = cols[-1] - cols[0] + 1 == m
-            idx = None if contiguous else paddle.to_tensor(cols)
-            for dst, src in zip(new, self._tensors):
-                dst[r, :, width - m:width] = (src[r, :, cols[0]:cols[-1] + 1] if contiguous
-                                         else paddle.index_select(src[r], idx, axis=1))
-        self._tensors, self._mask = new, mask
+            for dst, src in zip(hosts, self._hosts):
+                dst[r, :, width - m:width] = src[r, :, cols[0]:cols[-1] + 1] if contiguous else src[r][:, cols]
+        self._tensors, self._hosts, self._mask = new, hosts, mask
         self._row_views = {}
         self.relayouts += 1
