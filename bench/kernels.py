@@ -110,8 +110,8 @@ def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
         _, cache = backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
         calls.append((time.perf_counter() - t) * 1e6)
     # The program alone: inputs bound once (the backend's own handles), one position rewritten each run.
-    backend._call(backend._run, np.array([[5]], np.int64), mask, np.array([0], np.int64), cache.tensors)
-    runs = backend._call(_time_runs, backend._pred, steps)
+    backend.on_thread(backend._run, np.array([[5]], np.int64), mask, np.array([0], np.int64), cache.tensors)
+    runs = backend.on_thread(_time_runs, backend._pred, steps)
     out = {"prefill_call_ms": round(statistics.median(prefills), 2), "prefill_call_fastest_ms": round(min(prefills), 2)}
     for name, xs in (("generate_step_us", gen_steps), ("decode_call_us", calls), ("predictor_run_us", runs)):
         out[name] = round(statistics.median(xs), 1)

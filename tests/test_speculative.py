@@ -17,12 +17,13 @@ import pytest
 from gpt_compress.config import GenerationConfig
 from gpt_compress.errors import InputError
 from gpt_compress.model.generation import _sample, sampling_probs, stream_tokens
+from gpt_compress.inference.base import Backend
 from gpt_compress.model.speculative import (AdaptiveK, ModelDraft, NgramDraft, SpeculationStats, accept_sampled,
                                             speculative_tokens)
 
 
-class TableLM:
-    """A ``VerifyBackend`` over a random table: the logits of a position depend on its token, the
+class TableLM(Backend):
+    """A ``Backend`` over a random table: the logits of a position depend on its token, the
     previous unmasked token and its position (count of unmasked columns), so masked holes and
     left padding must be skipped exactly as attention and positions skip them."""
 
@@ -224,8 +225,6 @@ def test_bad_settings_are_one_line_errors():
         _spec(target, NgramDraft(), PROMPTS, _cfg(repetition_penalty=1.2), None)
     with pytest.raises(InputError, match="beam_search"):
         _spec(target, NgramDraft(), PROMPTS, _cfg(decode_strategy="beam_search", num_beams=2), None)
-    with pytest.raises(InputError, match="decode_positions"):
-        _spec(object(), NgramDraft(), PROMPTS, _cfg(), None)
     from gpt_compress.config import ConfigError
     from gpt_compress.sections import ServeConfig
 
@@ -289,7 +288,7 @@ def test_greedy_with_each_draft_equals_greedy_on_each_backend(generators, which)
     assert itself.speculation["acceptance_rate"] == 1.0
 
 
-class _Spy:
+class _Spy(Backend):
     """A fused backend proxy that keeps a copy of the cache (and the mask over it) each verify step
     starts from."""
 
@@ -309,6 +308,9 @@ class _Spy:
 
     def truncate_cache(self, cache, length):
         return self.backend.truncate_cache(cache, length)
+
+    def reorder_cache(self, cache, rows):
+        return self.backend.reorder_cache(cache, rows)
 
 
 def test_the_cache_after_rollbacks_is_bitwise_the_cache_built_without_speculation(generators):

@@ -13,7 +13,7 @@ $OMP_NUM_THREADS or all cores; one setting per process, passed as $GPTC_THREADS)
 Threads: unlike the unfused ``PaddleBackend`` (whose oneDNN/MKL kernels keep per-thread
 state, so its calls go to one worker thread), a fused predictor runs from any thread with
 bitwise the same outputs (``tests/test_fused.py``), so calls run on the caller's thread under
-the backend's lock (re-entrant: ``_call`` nests). That saves the worker-thread hop, two context
+the backend's lock (re-entrant: ``on_thread`` nests). That saves the worker-thread hop, two context
 switches per decode step. Each thread that calls owns one libgomp team of ``threads - 1``
 helpers for its life; parallel serving still gives each thread its own ``clone()``.
 
@@ -34,7 +34,8 @@ import numpy as np
 
 from ..errors import KernelError
 from ..kernels import control as make_control
-from ..runtime import GOMP_SPINCOUNT, math_threads, openmp_spin, restore_math_threads
+from ..runtime import GOMP_SPINCOUNT, openmp_spin, restore_math_threads
+from .base import Backend, resolve_threads
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (a growth adds at least this many)
@@ -65,12 +66,11 @@ class FusedCache:
         return int(self.tensors[0].shape[2])
 
 
-def _threads(n: int) -> int:
-    return n if n > 0 else math_threads()
+class FusedBackend(Backend):
+    """The ``Backend`` running ``fused.json`` with Paddle Inference on CPU."""
 
-
-class FusedBackend:
-    """``DecodeBackend`` + ``score`` running ``fused.json`` with Paddle Inference on CPU."""
+    scores_rows = True  # the head only at the scored positions, float or int8 (``eval/scoring.py``)
+    serve_decoder = "slots"  # the in-place cache takes rows in place (``serve/slots.py``)
 
     def __init__(self, model_dir: Union[str, Manifest], verify: bool = True, threads: int = DEFAULT_THREADS,
                  reserve: int = RESERVE, greedy_steps: int = GREEDY_STEPS):
@@ -86,7 +86,7 @@ class FusedBackend:
             verify_files(self.manifest.path, [info["model"], info["params"]])
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
-        self.threads, self.reserve = _threads(threads), reserve
+        self.threads, self.reserve = resolve_threads(threads), reserve
         # Greedy steps per program run (``decode_greedy_steps``): kernel version 3 programs only.
         self.greedy_steps = max(1, greedy_steps) if "control" in info.get("inputs", ()) else 1
         if self.threads > 1 and not openmp_spin():
@@ -111,19 +111,16 @@ class FusedBackend:
 
         return create_predictor(self.files, ProgramOptions(threads=self.threads))
 
-    def _call(self, fn, *args):
+    def on_thread(self, fn, *args):
         """Run ``fn(*args)`` on the calling thread, one call of this backend at a time."""
         with self._lock:
             return fn(*args)
 
-    def clone(self) -> "FusedBackend":
-        """An independent backend (own lock, own predictor) sharing this one's weights."""
-        other = object.__new__(FusedBackend)
-        other.__dict__.update(self.__dict__)
-        other._lock = threading.RLock()
-        other._pred = self._call(self._pred.clone)
-        other._io, other._bound = None, []
-        return other
+    def _init_clone(self, source: "FusedBackend") -> None:
+        """Own lock, own predictor (sharing ``source``'s weights), no handles bound yet."""
+        self._lock = threading.RLock()
+        self._pred = source._pred.clone()
+        self._io, self._bound = None, []
 
     # ------------------------------------------------------------------ cache
     def _alloc(self, batch: int, capacity: int) -> list:
@@ -178,7 +175,7 @@ class FusedBackend:
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
         """Prompt (B, T) -> last logits (B, V) float32, cache."""
-        return self._call(self._prefill, input_ids, attention_mask)
+        return self.on_thread(self._prefill, input_ids, attention_mask)
 
     def _prefill(self, input_ids, attention_mask):
         b, t = input_ids.shape
@@ -189,13 +186,13 @@ class FusedBackend:
     def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
         """New tokens (B, T) with the full mask (B, S + T) -> logits (B, V), the cache (updated in
         place: do not reuse the old one)."""
-        return self._call(self._decode, input_ids, attention_mask, cache)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache)
 
     def decode_greedy(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
         """``decode``'s argmax token per row (B,) int64 (``np.argmax``'s choice) and the cache: the
         program's token output when it has one (the logits stay in the predictor), else the
         argmax of the logits."""
-        return self._call(self._decode, input_ids, attention_mask, cache, True)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache, True)
 
     def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache,
                             steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
@@ -212,13 +209,13 @@ class FusedBackend:
             raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (kernel version "
                              f"{self.manifest.data['fused']['kernel'].get('version')}); re-export for several")
         control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)
-        return self._call(self._decode, input_ids, attention_mask, cache, True, control)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache, True, control)
 
     def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
         """New tokens (B, T) with the full mask (B, S + T) -> logits at every new position (B, T, V)
         in one program run (speculative decoding's verify step: the arithmetic of each position is
         bitwise that of feeding them one by one), the cache (updated in place)."""
-        return self._call(self._decode, input_ids, attention_mask, cache, False, None, True)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache, False, None, True)
 
     def truncate_cache(self, cache: FusedCache, length: int) -> FusedCache:
         """The cache cut to ``length`` positions: only its length changes (the next run overwrites
@@ -247,7 +244,7 @@ class FusedBackend:
 
     def reorder_cache(self, cache: FusedCache, rows: np.ndarray) -> FusedCache:
         """Gather cache rows (beam search): new tensors."""
-        return self._call(self._reorder, cache, rows)
+        return self.on_thread(self._reorder, cache, rows)
 
     def _reorder(self, cache, rows):
         import paddle
@@ -257,20 +254,16 @@ class FusedBackend:
 
     def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Full-sequence logits (B, T, V) float32."""
-        return self._call(self._score, input_ids, attention_mask)
+        return self.on_thread(self._score, input_ids, attention_mask)
 
     def _score(self, input_ids, attention_mask):
         b, t = input_ids.shape
         return self._logits_at(input_ids, attention_mask, np.arange(b * t)).reshape(b, t, -1)
 
-    # Evaluation of an export without the scoring programs (``eval/scoring.py``): the head only at
-    # the scored positions, float or int8.
-    scores_rows = True
-
     def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
         """Logits (n, V) float32 at the flat positions ``rows`` (n,) of ``input_ids`` (B, T)
         (``b * T + t``): the body runs on the whole batch, the LM head only at those rows."""
-        return self._call(self._logits_at, input_ids, attention_mask, rows)
+        return self.on_thread(self._logits_at, input_ids, attention_mask, rows)
 
     def _logits_at(self, input_ids, attention_mask, rows):
         b, t = input_ids.shape

@@ -9,7 +9,7 @@
 predictors on its ``rank_{r}/`` directory, then all of them run the same numpy decoding loop
 (``model/generation.py``) in lock-step: after each program call the ranks all-gather their
 vocabulary slices of the logits, so every rank picks the same next token. Rank 0 writes the
-result. ``TensorParallelBackend`` is the ``DecodeBackend`` doing that gather; for evaluation it
+result. ``TensorParallelBackend`` is the ``Backend`` doing that gather; for evaluation it
 gathers only the scored rows (``logits_at``; the rank programs are unfused and have no scoring
 programs: a rank's head holds a vocabulary slice, so its log-sum-exp is not the model's).
 """
@@ -24,10 +24,11 @@ from typing import Optional
 import numpy as np
 
 from ..fileio import write_json_atomic
+from .base import Backend
 from .manifest import MANIFEST, read_tp_manifest
 
 
-class TensorParallelBackend:
+class TensorParallelBackend(Backend):
     """``prefill``/``decode``/``score``/``reorder_cache`` of rank ``rank``'s programs with the
     logits all-gathered along the vocabulary (every rank returns the full logits)."""
 
@@ -59,6 +60,10 @@ class TensorParallelBackend:
     def reorder_cache(self, cache, rows):
         """Gather cache rows (beam search)."""
         return self.local.reorder_cache(cache, rows)
+
+    def truncate_cache(self, cache, length):
+        """This rank's cache cut to its first ``length`` positions."""
+        return self.local.truncate_cache(cache, length)
 
     def score(self, input_ids, attention_mask=None):
         """Full-sequence logits (B, T, V), gathered over the ranks."""

@@ -9,7 +9,7 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    running, no one waits on them and all that fit are admitted): on the fused program they are
    prefilled together (``SlotDecoder.prefill_many``: left-padded batches of similar lengths;
    alone, one by one, if that fails or on the other backends), then they join the running
-   batch together (``decoder``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
+   batch together (``decoder.py``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
    slot of a preallocated cache; ``BatchDecoder`` on the other backends merges caches); their
    first tokens are chosen at once. With ``BatchDecoder``, while a large batch runs, a lone
    arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the running
@@ -45,8 +45,7 @@ from ..config import GenerationConfig
 from ..eval.scoring import top_logprobs
 from ..model.generation import next_tokens, uses_history
 from ..model.speculative import NgramDraft
-from .batch import BatchDecoder
-from .slots import SlotDecoder
+from .decoder import make_decoder
 
 log = logging.getLogger("gptc.serve")
 
@@ -141,11 +140,11 @@ class Engine:
         self.step_delay = step_delay
         self.prefill_budget = prefill_budget
         self.admit_wait_steps = admit_wait_steps
-        self.batch = decoder(generator.backend, max_batch)
+        self.batch = make_decoder(generator.backend, max_batch)
         # Prompt lookup (``model/speculative.py``): up to this many draft tokens per greedy request
         # and step, checked in one verify step (``SlotDecoder.step_many``); 0: off.
         self.speculative_tokens = speculative_tokens
-        if speculative_tokens and not isinstance(self.batch, SlotDecoder):
+        if speculative_tokens and not self.batch.verifies:
             raise ValueError("speculative decoding in the server needs the fused Paddle program (backend paddle)")
         self.ngram = NgramDraft()
         self.proposed = self.accepted = 0  # draft tokens checked / kept (stats)
@@ -284,7 +283,7 @@ class Engine:
         (at least one request); with nothing running, as many as the batch has room for. Prefill
         them together (``_prefill``), then join them together."""
         with self._cond:
-            if (not getattr(self.batch, "cheap_join", False) and self._running and self._pending
+            if (not self.batch.cheap_join and self._running and self._pending
                     and len(self._pending) < max(1, len(self._running) // 4)
                     and self.steps - self._pending[0].submitted_step < self.admit_wait_steps):
                 return  # a join copies the batch's cache: let a few arrivals gather (a few steps at most)
@@ -365,7 +364,7 @@ class Engine:
         """Prefill ``reqs`` (setting their first logits); returns ``[(req, join state), ...]``.
         Together in one call when the decoder can (``SlotDecoder.prefill_many``); if that fails,
         or the decoder cannot, one by one, so that a failing prompt fails only its request."""
-        if len(reqs) > 1 and hasattr(self.batch, "prefill_many"):
+        if len(reqs) > 1 and self.batch.batches_prefill:
             try:
                 results = self.batch.prefill_many([req.prompt for req in reqs])
             except Exception:
@@ -541,14 +540,6 @@ def _top(logprobs: np.ndarray, tok: int, k: int) -> dict:
     top = np.argpartition(-logprobs, k - 1)[:k] if k else np.zeros(0, np.int64)
     top = top[np.argsort(-logprobs[top], kind="stable")]
     return {"logprob": float(logprobs[tok]), "top": [(int(i), float(logprobs[i])) for i in top]}
-
-
-def decoder(backend, max_batch: int):
-    """The batch decoder for ``backend``: slots in the in-place cache of the fused Paddle program
-    (``SlotDecoder``), else merged concat-layout caches (``BatchDecoder``: onnx, unfused Paddle)."""
-    from ..inference.fused import FusedBackend
-
-    return SlotDecoder(backend, max_batch) if isinstance(backend, FusedBackend) else BatchDecoder(backend)
 
 
 def request_config(max_tokens: int, temperature: float, top_p: float, top_k: int, repetition_penalty: float,
