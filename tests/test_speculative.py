@@ -16,7 +16,7 @@ import pytest
 
 from gpt_compress.config import GenerationConfig
 from gpt_compress.errors import InputError
-from gpt_compress.model.generation import _sample, sampling_probs, stream_tokens
+from gpt_compress.model.generation import sample_rows, sampling_probs, stream_tokens
 from gpt_compress.inference.base import Backend
 from gpt_compress.model.speculative import (AdaptiveK, ModelDraft, NgramDraft, SpeculationStats, accept_sampled,
                                             speculative_tokens)
@@ -149,8 +149,8 @@ def _reference_rule(p, q, drafts, n, rng):
         r = np.array([max(pi - qi, 0.0) for pi, qi in zip(p[j].astype(np.float64), q_j)])
         if r.sum() <= 0:
             r = p[j].astype(np.float64)
-        return j, int(_sample((r / r.sum())[None], rng)[0])
-    return n, int(_sample(p[n][None], rng)[0])
+        return j, int(sample_rows((r / r.sum())[None], rng)[0])
+    return n, int(sample_rows(p[n][None], rng)[0])
 
 
 @pytest.mark.parametrize("with_q", [True, False])
@@ -160,7 +160,7 @@ def test_seeded_acceptance_equals_the_reference_rule(with_q):
         v, n = 6, int(rng.integers(0, 5))
         p = rng.dirichlet(np.ones(v) * 0.5, n + 1).astype(np.float32)
         q = rng.dirichlet(np.ones(v) * 0.5, max(n, 1)).astype(np.float32) if with_q else None
-        drafts = (np.array([_sample(q[j][None], rng)[0] for j in range(n)]) if with_q
+        drafts = (np.array([sample_rows(q[j][None], rng)[0] for j in range(n)]) if with_q
                   else rng.integers(0, v, n))
         got = accept_sampled(p, q, drafts, n, np.random.default_rng(trial))
         assert got == _reference_rule(p, q, drafts, n, np.random.default_rng(trial)), trial
@@ -226,7 +226,7 @@ def test_bad_settings_are_one_line_errors():
     with pytest.raises(InputError, match="beam_search"):
         _spec(target, NgramDraft(), PROMPTS, _cfg(decode_strategy="beam_search", num_beams=2), None)
     from gpt_compress.config import ConfigError
-    from gpt_compress.sections import ServeConfig
+    from gpt_compress.config import ServeConfig
 
     with pytest.raises(ConfigError, match="Serve.speculative_tokens must be >= 0"):
         ServeConfig(speculative_tokens=-1)

@@ -11,7 +11,7 @@ import signal
 import socket
 
 from ._common import add_config_arguments, config_from_args
-from .infer import _backend_options
+from .infer import backend_options
 
 # flag -> Serve field
 FLAGS = {"backend": "backend", "host": "host", "port": "port", "max_batch": "max_batch", "max_queue": "max_queue",
@@ -91,7 +91,7 @@ def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
     # Paddle: the fused program when the export has one (serve/slots.py: one slot per sequence in
     # its in-place cache); the serving options below apply when it falls back to the unfused ones.
-    options = _backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
+    options = backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
     if cfg.backend == "paddle":
         options.update(_paddle_serving_options(options.get("options")))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

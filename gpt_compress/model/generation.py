@@ -128,7 +128,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
 
 
-def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One draw per row by inverse CDF (deterministic for a seeded generator)."""
     cdf = np.cumsum(probs.astype(np.float64), axis=-1)
     u = rng.random(probs.shape[0]) * cdf[:, -1]
@@ -174,7 +174,7 @@ def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: Generation
     scores = _processed(logits, seen, step, cfg, eos_token_id, counts)
     if cfg.decode_strategy == "greedy":
         return np.argmax(scores, axis=-1)
-    return _sample(sampling_probs(scores, cfg), rng)
+    return sample_rows(sampling_probs(scores, cfg), rng)
 
 
 def sampling_probs(scores: np.ndarray, cfg: GenerationConfig) -> np.ndarray:

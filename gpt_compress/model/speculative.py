@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..errors import InputError
-from .generation import (NEG_INF, GenerationOutput, _sample, apply_logit_bias, collect_sequences, pad_left,
+from .generation import (NEG_INF, GenerationOutput, sample_rows, apply_logit_bias, collect_sequences, pad_left,
                          sampling_probs)
 
 DRAFT_TOKENS = 5  # k: draft tokens proposed per verify step (at most; ``AdaptiveK`` lowers it)
@@ -223,8 +223,8 @@ def accept_sampled(p: np.ndarray, q: Optional[np.ndarray], drafts: np.ndarray, n
             resid[d] = 0.0
         if not resid.sum() > 0:  # p == q up to rounding: nothing to correct
             resid = p[j].astype(np.float64)
-        return j, int(_sample(resid[None] / resid.sum(), rng)[0])
-    return n, int(_sample(p[n:n + 1], rng)[0])
+        return j, int(sample_rows(resid[None] / resid.sum(), rng)[0])
+    return n, int(sample_rows(p[n:n + 1], rng)[0])
 
 
 def _scores(logits: np.ndarray, steps: np.ndarray, cfg: GenerationConfig, eos: Optional[int]) -> np.ndarray:
@@ -276,7 +276,7 @@ def speculative_tokens(backend, draft, prompts: Sequence[Sequence[int]], cfg: Ge
         if greedy:
             return np.argmax(scores, axis=-1), None
         probs = sampling_probs(scores, cfg)
-        return _sample(probs, rng), probs
+        return sample_rows(probs, rng), probs
 
     def emit(b, tokens):
         for t in tokens:
