@@ -81,14 +81,14 @@ class FusedBackend(Backend):
         if not info:
             raise ModelDirError(f"{self.manifest.path} has no fused program; re-export it with this "
                                 "gpt-compress, or pass fused=False")
+        check_kernel_version(self.manifest)
         self.files = {"model": self.manifest.file(info["model"]), "params": self.manifest.file(info["params"])}
         if verify:
             verify_files(self.manifest.path, [info["model"], info["params"]])
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
         self.threads, self.reserve = resolve_threads(threads), reserve
-        # Greedy steps per program run (``decode_greedy_steps``): kernel version 3 programs only.
-        self.greedy_steps = max(1, greedy_steps) if "control" in info.get("inputs", ()) else 1
+        self.greedy_steps = max(1, greedy_steps)  # per program run (``decode_greedy_steps``)
         if self.threads > 1 and not openmp_spin():
             asked = f"{self.threads} threads as asked" if threads else "1 thread"
             if not threads:
@@ -148,8 +148,8 @@ class FusedBackend(Backend):
         run's tensors: a decode step binds nothing), the logits copied out. Per batch-1 step
         this saves the three ``paddle.to_tensor`` and most of ``Predictor.run(list)``'s own
         cost (bench/kernels.py's ``decode_wrapper``). ``tokens``: the argmax per row instead of
-        the logits (the program's second output, else ``np.argmax`` of the logits); with
-        ``control`` (version 3: ``decode_greedy_steps``) the (n, steps) tokens."""
+        the logits (the program's second output: ``np.argmax``'s choice); with ``control``
+        (``decode_greedy_steps``) the (n, steps) tokens."""
         if self._io is None:
             names = self._pred.get_input_names()
             self._io = ([self._pred.get_input_handle(n) for n in names],
@@ -157,8 +157,8 @@ class FusedBackend(Backend):
         inputs, outputs = self._io
         for handle, arr in zip(inputs, (ids, mask, rows)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
-        if len(inputs) > 3 + len(caches):  # kernel version 3: ``control`` last (one step unless asked)
-            inputs[-1].copy_from_cpu(control if control is not None else make_control(ids.shape[0]))
+        # ``control`` last: one step unless asked for more
+        inputs[-1].copy_from_cpu(control if control is not None else make_control(ids.shape[0]))
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
             for handle, tensor in zip(inputs[3:], caches):
@@ -168,9 +168,7 @@ class FusedBackend(Backend):
         restore_math_threads()  # the run set the process's count to the predictor's (runtime.py)
         if not tokens:
             return outputs[0].copy_to_cpu()
-        if len(outputs) == 1:
-            return np.argmax(outputs[0].copy_to_cpu(), axis=-1)
-        out = outputs[1].copy_to_cpu()  # (n,), or (n, steps) from a version-3 program
+        out = outputs[1].copy_to_cpu()  # (n, steps)
         return out if control is not None else out.reshape(-1)
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
@@ -197,17 +195,14 @@ class FusedBackend(Backend):
     def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache,
                             steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
                             suppress_eos: int = 0):
-        """``steps`` greedy decode steps in one program run (kernel version 3; ``greedy_steps``
-        says how many a caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
+        """``steps`` greedy decode steps in one program run (``greedy_steps`` says how many a
+        caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
         (B, S + 1), then each step's tokens with one more mask column of ones. Returns the tokens
         (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
         (B,) bool before the call or by an earlier step's ``eos_token_id`` (as
         ``generation.stream_tokens`` step by step), and the cache, now holding S + steps positions.
         The first ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its
         logit taken as -inf)."""
-        if self.greedy_steps < 2:
-            raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (kernel version "
-                             f"{self.manifest.data['fused']['kernel'].get('version')}); re-export for several")
         control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)
         return self.on_thread(self._decode, input_ids, attention_mask, cache, True, control)
 
@@ -270,6 +265,19 @@ class FusedBackend(Backend):
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
         return self._run(input_ids, attention_mask, rows, self._alloc(b, t))
+
+
+def check_kernel_version(manifest: Manifest) -> None:
+    """Raise ``ModelDirError`` (one line: what to run) when ``manifest``'s fused program is of
+    another kernel version than the operators run (``kernels.KERNEL_VERSION``)."""
+    from ..kernels import KERNEL_VERSION
+
+    version = manifest.data.get("fused", {}).get("kernel", {}).get("version")
+    if version != KERNEL_VERSION:
+        raise ModelDirError(f"{manifest.path}: its fused program is of kernel version {version}, and this "
+                            f"gpt-compress runs version {KERNEL_VERSION} only; export it again from its checkpoint "
+                            f"(gptc export --model CHECKPOINT --output {manifest.path} --overwrite), or run the "
+                            "unfused programs (--no-fused, fused=False)")
 
 
 def paddle_backend(manifest: Manifest, fused: Optional[bool] = None, verify: bool = True, **options):
