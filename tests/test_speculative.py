@@ -62,6 +62,9 @@ class TableLM(Backend):
         assert 0 < length <= cache.shape[1]
         return cache[:, :length]
 
+    def score(self, ids, mask=None):
+        return self._logits(ids, np.ones_like(ids) if mask is None else mask, range(ids.shape[1]))
+
     def reorder_cache(self, cache, rows):
         return cache[rows]
 
@@ -311,6 +314,9 @@ class _Spy(Backend):
 
     def reorder_cache(self, cache, rows):
         return self.backend.reorder_cache(cache, rows)
+
+    def score(self, ids, mask=None):
+        return self.backend.score(ids, mask)
 
 
 def test_the_cache_after_rollbacks_is_bitwise_the_cache_built_without_speculation(generators):

@@ -5,8 +5,9 @@ validation (``export/validate.py``) and the server (``serve/``).
 A backend runs the network on numpy arrays and keeps a KV cache whose type is its own. Prompts
 of different lengths are left-padded; the attention mask (B, S) carries the padding, so
 positions (``cumsum(mask) - 1``) and attention skip it. ``Backend`` declares every capability
-once: the three methods generation cannot do without are abstract, with ``truncate_cache``
-(speculative decoding rolls a cache back); every other one has a default here that a backend
+once: the methods generation cannot do without are abstract (``prefill``, ``decode``,
+``reorder_cache``, ``truncate_cache``: speculative decoding rolls a cache back; ``score``, from
+``Scorer``, the part evaluation reads); every other one has a default here that a backend
 overrides when it does better (``decode_greedy``: the argmax without handing the logits out) or
 that says what the backend lacks (``logits_at`` without ``scores_rows``). Callers read the
 class attributes (``greedy_steps``, ``scores_positions``, ``scores_rows``, ``serve_decoder``)
@@ -45,17 +46,42 @@ def decode_each(decode: Callable, input_ids: np.ndarray, attention_mask: np.ndar
     return np.stack(out, axis=1), cache
 
 
-class Backend(ABC):
+class Scorer(ABC):
+    """What evaluation (``eval/scoring.py``) reads from a model: ``score``, and the faster paths
+    a model declares (``scores_positions``, ``scores_rows``). Every ``Backend`` is one; a model
+    that only scores (a peer in the tests) derives from this alone."""
+
+    # ``hidden_states`` + ``head_scores``: evaluation takes the LM head only at scored positions.
+    scores_positions: bool = False
+    # ``logits_at``: the body on the whole batch, the LM head only at chosen flat rows.
+    scores_rows: bool = False
+
+    @abstractmethod
+    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Full-sequence logits (B, T, V) float32."""
+
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+        """Final hidden states (B, T, hidden) float32 (only with ``scores_positions``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no hidden states program (scores_positions)")
+
+    def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """hidden (N, hidden) float32, labels (N,) -> log p(label) (N,) float64 and the argmax
+        (N,) int64 (only with ``scores_positions``): logits exist only for these N rows."""
+        raise NotImplementedError(f"{type(self).__name__} has no scoring head program (scores_positions)")
+
+    def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        """Logits (n, V) float32 at the flat positions ``rows`` (n,) of ``input_ids`` (B, T)
+        (``b * T + t``; only with ``scores_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run the LM head at chosen rows (scores_rows)")
+
+
+class Backend(Scorer):
     """One model behind the decoding, scoring and serving loops (all arrays numpy)."""
 
     # Greedy steps one ``decode_greedy_steps`` call runs (1: the backend runs one a call, and
     # ``decode_greedy_steps`` is not offered).
     greedy_steps: int = 1
-    # ``hidden_states`` + ``head_scores``: evaluation takes the LM head only at scored positions.
-    scores_positions: bool = False
-    # ``logits_at``: the body on the whole batch, the LM head only at chosen flat rows.
-    scores_rows: bool = False
-    # The server's decoder for this backend (``serve/engine.py``'s ``DECODERS``): "batch" merges
+    # The server's decoder for this backend (``serve/decoder.py``'s ``make_decoder``): "batch" merges
     # caches through numpy (``serve/batch.py``); "slots" keeps one in-place cache of ``FusedCache``
     # rows (``serve/slots.py``: needs ``manifest`` and ``on_thread``).
     serve_decoder: str = "batch"
@@ -101,25 +127,6 @@ class Backend(ABC):
         (B, T, V) float32 and the cache holding S + T positions (speculative decoding's verify
         step); by default one ``decode`` per position."""
         return decode_each(self.decode, input_ids, attention_mask, cache)
-
-    # ------------------------------------------------------------------ scoring
-    def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
-        """Full-sequence logits (B, T, V) float32."""
-        raise NotImplementedError(f"{type(self).__name__} does not score whole sequences")
-
-    def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
-        """Final hidden states (B, T, hidden) float32 (only with ``scores_positions``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no hidden states program (scores_positions)")
-
-    def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """hidden (N, hidden) float32, labels (N,) -> log p(label) (N,) float64 and the argmax
-        (N,) int64 (only with ``scores_positions``): logits exist only for these N rows."""
-        raise NotImplementedError(f"{type(self).__name__} has no scoring head program (scores_positions)")
-
-    def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
-        """Logits (n, V) float32 at the flat positions ``rows`` (n,) of ``input_ids`` (B, T)
-        (``b * T + t``; only with ``scores_rows``)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot run the LM head at chosen rows (scores_rows)")
 
     # ------------------------------------------------------------------ resources and threads
     def release(self) -> None:
