@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import add_config_arguments, config_from_args, fail, print_json
+from ._common import add_config_arguments, fail, generation_config, print_json
 from ._speculative import add_draft_arguments, check_draft_arguments, speedup_report
 from .generate import parse_prompt_ids, read_prompts_jsonl
 
@@ -48,10 +48,8 @@ def run(args) -> int:
     from ..inference.manifest import InputError, ModelDirError
     from ..inference.runner import Generator
 
-    cfg = config_from_args(args)
+    cfg = generation_config(args)
     gen_cfg = cfg.generation
-    if gen_cfg.seed is None:
-        gen_cfg.seed = cfg.global_.seed
     try:
         texts = list(args.prompt) + (read_prompts_jsonl(args.input_file) if args.input_file else [])
     except (OSError, ValueError) as e:
