@@ -220,8 +220,7 @@ def _json_line(cmd: list[str], env: dict) -> dict:
 
 def _reusable(out: str) -> bool:
     """An export in ``out`` to reuse: complete, and its fused program (if any) of this kernel
-    version (an older one runs, but not as fast: a bench measures the current program). A stale
-    one is removed."""
+    version (the only one that runs). A stale one is removed."""
     from gpt_compress.inference.manifest import MANIFEST
     from gpt_compress.kernels import KERNEL_VERSION
 

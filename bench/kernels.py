@@ -7,13 +7,11 @@ For each weight format a worker process (``--worker``) runs the fused backend on
 ``bench/decode.py`` writes (reused from ``--workdir``) with ``$GPTC_PROFILE`` set, so the ops
 (``kernels/gptc_common.h``) sum the wall time of every section (embed; per layer: ln1, qkv,
 attention, out, ln2, fc, proj; head_ln, head_linear) and the gaps from one run's op to the next
-run's (``outside_program``: Paddle Inference's run entry/exit, our Python). Programs of one
-``gptc_decoder`` op (kernel version 2) run the whole step in one OpenMP region: ``embed`` then
-includes the op's checks and setup and the region's fork (thread 0 does not wait for the other
-threads to wake: a late one shows in the first layer's qkv), ``ln1`` the layer norm alone, and
-there is no ``between_ops``; Paddle's per-run cost of the op's inputs is in ``outside_program``. Older per-layer programs (``gptc_embed`` ->
-``gptc_layer``... -> ``gptc_head``) report ``between_ops`` (the gaps between two ops of one run:
-Paddle's executor), and their ``ln1`` includes each layer's fork.
+run's (``outside_program``: Paddle Inference's run entry/exit, our Python). The program's one
+``gptc_generate`` op runs the whole step in one OpenMP region: ``embed`` then includes the op's
+checks and setup and the region's fork (thread 0 does not wait for the other threads to wake: a
+late one shows in the first layer's qkv), ``ln1`` the layer norm alone, and ``between_ops`` stays
+empty; Paddle's per-run cost of the op's inputs is in ``outside_program``.
 It reports per batch-1 decode step, in microseconds:
 
 - ``generate_step_us``: ``Generator.generate`` (greedy) wall time per new token, prefill excluded
@@ -110,8 +108,8 @@ def worker(path: str, prompt: int, new: int, steps: int, reps: int) -> dict:
         _, cache = backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
         calls.append((time.perf_counter() - t) * 1e6)
     # The program alone: inputs bound once (the backend's own handles), one position rewritten each run.
-    backend._call(backend._run, np.array([[5]], np.int64), mask, np.array([0], np.int64), cache.tensors)
-    runs = backend._call(_time_runs, backend._pred, steps)
+    backend.on_thread(backend._run, np.array([[5]], np.int64), mask, np.array([0], np.int64), cache.tensors)
+    runs = backend.on_thread(_time_runs, backend._pred, steps)
     out = {"prefill_call_ms": round(statistics.median(prefills), 2), "prefill_call_fastest_ms": round(min(prefills), 2)}
     for name, xs in (("generate_step_us", gen_steps), ("decode_call_us", calls), ("predictor_run_us", runs)):
         out[name] = round(statistics.median(xs), 1)

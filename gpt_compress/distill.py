@@ -33,13 +33,9 @@ from paddle.autograd import PyLayer
 from paddle.nn.functional.loss import base_softmax_with_cross_entropy
 
 from .config import DistillConfig, ModelConfig
-from .train.loss import _counted, causal_lm_loss, head_weight
+from .train.loss import as_tensor, causal_lm_loss, counted_positions, head_weight
 
 DEFAULT_CHUNK = 256  # rows per chunk: about five live (256, vocab) fp32 tensors
-
-
-def _tensor(x):
-    return x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
 
 
 @contextlib.contextmanager
@@ -72,7 +68,7 @@ def pca_projections(teacher, blocks: Sequence[int], width: int, batches: Iterabl
     states: dict[int, list[np.ndarray]] = {b: [] for b in blocks}
     for batch in batches:
         with capture_blocks(teacher, blocks) as got:
-            teacher.gpt(_tensor(batch["input_ids"]))
+            teacher.gpt(as_tensor(batch["input_ids"]))
         for b in blocks:
             states[b].append(got[b].reshape([-1, got[b].shape[-1]]).numpy().astype(np.float64))
     out = {}
@@ -157,7 +153,7 @@ def kd_logits_reference(z_s, z_t, labels, loss_mask, T: float, alpha: float):
     log_qt = y_t - paddle.logsumexp(y_t, axis=-1, keepdim=True)  # not F.log_softmax: see _softmax_lse
     kl = (paddle.exp(log_qt) * (log_qt - y_s + paddle.logsumexp(y_s, axis=-1, keepdim=True))).sum(axis=-1)
     ce = F.cross_entropy(z_s.reshape([-1, v]), labels.reshape([-1]).clip(min=0), reduction="none").reshape([-1])
-    valid = _counted(labels, loss_mask).astype(kl.dtype)
+    valid = counted_positions(labels, loss_mask).astype(kl.dtype)
     return ((alpha * T * T * kl + (1.0 - alpha) * ce) * valid).sum() / paddle.clip(valid.sum(), min=1.0)
 
 
@@ -169,7 +165,7 @@ def kd_logits_loss(student, hidden, teacher, t_hidden, labels, loss_mask=None, T
         return kd_logits_reference(student.logits(hidden), teacher.logits(t_hidden), labels, loss_mask, T, alpha)
     hidden = hidden.reshape([-1, hidden.shape[-1]])  # (N, H_s)
     t_hidden = t_hidden.reshape([-1, t_hidden.shape[-1]])  # (N, H_t)
-    counted = _counted(labels, loss_mask)
+    counted = counted_positions(labels, loss_mask)
     keep = paddle.nonzero(counted).reshape([-1])  # (K,)
     if keep.shape[0] == 0:
         return hidden.sum() * 0.0
@@ -257,10 +253,10 @@ class DistillLoss:
         """The distillation loss of ``student`` on a trainer batch (``input_ids``, ``labels``, [``loss_mask``])."""
         if self.pairs is None:
             self._resolve(student.config, None)
-        ids = _tensor(batch["input_ids"])
-        labels = _tensor(batch["labels"]).astype("int64")
+        ids = as_tensor(batch["input_ids"])
+        labels = as_tensor(batch["labels"]).astype("int64")
         mask = batch.get("loss_mask")
-        mask = None if mask is None else _tensor(mask)
+        mask = None if mask is None else as_tensor(mask)
         with capture_blocks(student, [s for s, _ in self.pairs]) as s_states:
             hidden = student.gpt(ids)  # (B, T, H_s)
         with paddle.no_grad(), capture_blocks(self.teacher, [t for _, t in self.pairs]) as t_states:
@@ -268,7 +264,7 @@ class DistillLoss:
         loss = kd_logits_loss(student, hidden, self.teacher, t_hidden, labels, mask, self.temperature, self.alpha,
                               self.chunk)
         if self.pairs:
-            valid = _counted(labels, mask).astype("float32").reshape([-1, 1])  # (N, 1)
+            valid = counted_positions(labels, mask).astype("float32").reshape([-1, 1])  # (N, 1)
             count = paddle.clip(valid.sum(), min=1.0)
             mse = 0.0
             for s, t in self.pairs:

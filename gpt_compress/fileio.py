@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Callable, Iterator, Optional
 
-from .errors import CheckpointError, DiskFullError, OutputError
+from .errors import CheckpointError, DataError, DiskFullError, OutputError
 
 CHECKSUMS = "checksums.json"
 CHUNK = 1 << 22  # 4 MiB reads: hashing a 500 MB weight file stays in bounded memory
@@ -108,6 +108,22 @@ def read_json(path: str, error: type = ValueError, missing: str = "", hint: str 
             return json.load(f)
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise error(f"{path} is not valid JSON: {e}{hint}") from None
+
+
+def jsonl_strings(path: str, key: str) -> Iterator[tuple[int, str]]:
+    """(line number, the ``key`` string) of every non-blank line of the JSONL file ``path``; a
+    line that is not a JSON object with a ``key`` string raises ``DataError`` naming file and line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)[key]
+                if not isinstance(value, str):
+                    raise TypeError(f"\"{key}\" is a {type(value).__name__}")
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{path}:{n}: expected a JSON object with a \"{key}\" string ({e})") from None
+            yield n, value
 
 
 def json_count(data: dict, key: str, path: str, error: type = ValueError, hint: str = "") -> int:

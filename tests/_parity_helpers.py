@@ -5,24 +5,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpt_compress.inference.base import Backend
+
 PROMPTS = ["First Citizen:\nBefore we proceed any further, hear me speak.",
            "ROMEO:\nBut, soft!", "To be, or not to be"]
 
 
-class Recorder:
-    """A DecodeBackend proxy that keeps the logits of every prefill/decode step.
+class Recorder(Backend):
+    """A backend proxy that keeps the logits of every prefill/decode step.
 
-    With ``greedy`` (and a backend that has ``decode_greedy``, the fast path greedy generation
-    takes) it offers ``decode_greedy`` too: each such step runs the backend's ``decode`` on a copy
-    of the cache for its logits (recorded), then ``decode_greedy`` on the cache itself, and
-    counts the steps whose token is not the argmax of those logits in ``greedy_mismatches``
-    (``greedy_steps`` counts the calls). Without ``greedy`` the backend is driven through
-    ``decode`` alone (the logits path)."""
+    With ``greedy`` and a backend that makes the argmax itself (overrides ``decode_greedy``, the
+    fast path greedy generation takes), its ``decode_greedy`` is checked too: each such step runs
+    the backend's ``decode`` on a copy of the cache for its logits (recorded), then
+    ``decode_greedy`` on the cache itself, and counts the steps whose token is not the argmax of
+    those logits in ``greedy_mismatches`` (``greedy_calls`` counts the calls). Otherwise the
+    backend is driven through ``decode`` alone (the logits path: ``Backend.decode_greedy``)."""
 
     def __init__(self, backend, greedy: bool = True):
         self.backend, self.logits = backend, []
-        self.greedy_steps = self.greedy_mismatches = 0
-        if greedy and hasattr(backend, "decode_greedy"):
+        self.greedy_calls = self.greedy_mismatches = 0
+        if greedy and type(backend).decode_greedy is not Backend.decode_greedy:
             self.decode_greedy = self._decode_greedy
 
     def prefill(self, ids, mask):
@@ -40,12 +42,15 @@ class Recorder:
         logits, _ = self.backend.decode(ids, mask, twin)
         self.logits.append(logits)
         tokens, cache = self.backend.decode_greedy(ids, mask, cache)
-        self.greedy_steps += 1
+        self.greedy_calls += 1
         self.greedy_mismatches += int(np.sum(tokens != np.argmax(logits, axis=-1)))
         return tokens, cache
 
     def reorder_cache(self, cache, rows):
         return self.backend.reorder_cache(cache, rows)
+
+    def truncate_cache(self, cache, length):
+        return self.backend.truncate_cache(cache, length)
 
     def score(self, ids, mask=None):
         return self.backend.score(ids, mask)
@@ -106,7 +111,7 @@ def assert_step_parity(gens, atol):
         assert len(got.logits) == len(ref)
         diffs = [float(np.max(np.abs(a - r))) for a, r in zip(got.logits, ref)]
         assert max(diffs) < atol, f"{b}: per-step max abs diff {max(diffs):.3g} (step {int(np.argmax(diffs))})"
-        assert got.greedy_mismatches == 0, (b, got.greedy_mismatches, got.greedy_steps)
+        assert got.greedy_mismatches == 0, (b, got.greedy_mismatches, got.greedy_calls)
 
 
 # An int8 program vs its fake-quant dygraph model, in absolute logits: float32 noise (the same

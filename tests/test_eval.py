@@ -15,6 +15,7 @@ from conftest import FULL_DATA, LAMBADA_PASSAGES
 from gpt_compress.data.glue import read_task
 from gpt_compress.eval.lambada import evaluate_lambada
 from gpt_compress.eval.wikitext import build_windows, evaluate_wikitext, read_wikitext
+from gpt_compress.inference.base import Scorer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL = 1e-4  # relative tolerance the issue sets for perplexities across implementations
@@ -35,8 +36,8 @@ def wiki_part(shared_data, tmp_path_factory):
     return str(path)
 
 
-class HFBackend:
-    """transformers GPT2LMHeadModel behind the evaluators' ``score`` interface."""
+class HFBackend(Scorer):
+    """transformers GPT2LMHeadModel behind the evaluators' ``Scorer`` interface."""
 
     def __init__(self, path):
         import transformers
@@ -116,7 +117,7 @@ def test_same_numbers_on_every_backend(gens, backend, wiki_part, shared_data):
     assert abs(got_l.target_ppl - ref_l.target_ppl) / ref_l.target_ppl < REL
 
 
-class FullLogits:
+class FullLogits(Scorer):
     """A backend reduced to ``score``: evaluation then reduces full (B, T, V) logits in numpy,
     the reference the position-only path must equal."""
 

@@ -210,7 +210,7 @@ def test_adapter_save_on_full_disk_keeps_the_previous_adapter(base, device):
     from gpt_compress.checkpoint import load_model
     from gpt_compress.errors import DiskFullError
     from gpt_compress.finetune.lora import adapter_state, apply_lora, load_adapters, save_adapters
-    from gpt_compress.sections import LoraConfig
+    from gpt_compress.config import LoraConfig
 
     model = apply_lora(load_model(str(base / "ckpt")), LoraConfig(enabled=True, rank=4, targets=["*"]))
     path = device.root / "lora_adapter"

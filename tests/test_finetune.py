@@ -18,7 +18,7 @@ from gpt_compress.config import ModelConfig
 from gpt_compress.data.glue import read_task
 from gpt_compress.data.tokenizer import encode_prompts
 from gpt_compress.errors import ConfigError, DataError
-from gpt_compress.sections import FinetuneConfig, LoraConfig
+from gpt_compress.config import FinetuneConfig, LoraConfig
 from gpt_compress.finetune.data import (Row, collate_packed, collate_padded, encode_rows, hold_out, pack, plan_batches,
                                         read_rows)
 from gpt_compress.finetune.lora import apply_lora, load_adapters, merge_lora, save_adapters
@@ -421,7 +421,7 @@ def test_tang_finetune_lowers_perplexity_and_generated_poems_keep_the_form(tang_
     "《title》author" prompts of 7-22 tokens it would have to count characters since the last line
     end, which it did not learn (the previous recipe: 5.4%; at width 64, 400 steps of 4 on this
     tokenizer: 12%, the same with prompts fixed to 24 tokens: 44%)."""
-    from gpt_compress.config_train import GenerationConfig
+    from gpt_compress.config import GenerationConfig
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.finetune.metrics import generate_texts
 
@@ -456,7 +456,7 @@ def test_a_finetuned_model_fixes_text_prompts_as_its_finetuning_did(tang_full, c
     from gpt_compress.checkpoint import read_prompt_tokens
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.inference.runner import Generator
-    from gpt_compress.sections import ServeConfig
+    from gpt_compress.config import ServeConfig
     from gpt_compress.serve.app import _encode
     from gpt_compress.serve.protocol import CompletionRequest
 

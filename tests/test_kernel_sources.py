@@ -77,3 +77,25 @@ def test_the_isa_choice_is_part_of_the_cache_key_and_a_bad_one_is_named(monkeypa
         kernels.cache_key()
     assert "GPTC_KERNEL_ISA='avx512'" in str(e.value) and "native or avx2" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_weight_formats_are_the_same_numbers_in_cpp_and_python():
+    """The weight block formats are defined twice, once per language: gptc_common.h's
+    ``weight_format`` constants (the kernels read the weights so) and export/fused.py's
+    ``WEIGHT_FORMAT`` (the export writes them so); every constant of one is the other's."""
+    import numpy as np
+
+    from gpt_compress.export.fused import WEIGHT_FORMAT, pack_int4
+
+    text = (Path(kernels.DIR) / "gptc_common.h").read_text(encoding="utf-8")
+    block = re.search(r"namespace weight_format \{(.*?)\}  // namespace weight_format", text, re.S)
+    assert block, "gptc_common.h has no weight_format namespace"
+    cpp = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", block.group(1))}
+    assert cpp == WEIGHT_FORMAT
+    # pack_int4 writes that format: input j of a run in byte j's low nibble, j + 16 in its high one.
+    codes = np.arange(-8, 8).repeat(4).reshape(2, 32)  # two rows of one run each
+    packed = pack_int4(codes).view(np.uint8).astype(np.int64)
+    assert packed.shape == (2, WEIGHT_FORMAT["kInt4RunBytes"])
+    low, high = packed & 0xF, packed >> 4
+    assert (low - WEIGHT_FORMAT["kInt4Offset"] == codes[:, :16]).all()
+    assert (high - WEIGHT_FORMAT["kInt4Offset"] == codes[:, WEIGHT_FORMAT["kInt4HighInput"]:]).all()

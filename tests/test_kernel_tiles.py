@@ -1,8 +1,12 @@
 """The matrix kernels of the fused ops (kernels/gptc_tiles.h: the GEMM micro-kernels and tiles, their
-row and column remainders, K tails) against their one-row paths, called directly on random weights
-of odd sizes: an output's arithmetic must not depend on M, so a left-padded batch prefilled at once
-(on 2 threads), each row prefilled alone and each row fed token by token give bitwise the same
-layer outputs, and a head's logits are bitwise the same for one row or many. The rows alone are
+row and column remainders, K tails) against their one-row paths, run through gptc_generate on
+random weights of odd sizes: an output's arithmetic must not depend on M, so a left-padded batch
+prefilled at once (on 2 threads), each row prefilled alone and each row fed token by token give
+bitwise the same layer outputs, and a head's logits are bitwise the same for one row or many.
+A layer case is a one-block program whose embedding table holds the inputs x (one row per
+position, no position embedding) and whose head is the identity, so its logits are the final
+layer norm of the block's outputs; a head case is a program of no block, so the head reads the
+layer norm of x itself. The rows alone are
 M = 2, 7, 8, 17 (and 64 rows of a head), every case has N not a multiple of the micro-kernels'
 column tiles, and the float cases K tails.
 
@@ -17,7 +21,7 @@ import numpy as np
 import pytest
 
 from _kernel_helpers import build_pair, compare_builds, other_build_outputs, threads
-from gpt_compress.export.fused import pack_int4
+from gpt_compress.export.fused import FusedLM, pack_int4
 
 HEADS, EPS, GELU_NEW = 2, 1e-5, 2
 # rows of the batch (left-padded to 17): M = 85, and 17, 11, 8, 7, 2 alone; 11 and 23 leave 11 rows
@@ -47,99 +51,115 @@ HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96),
 FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k")  # float dot products (the rest: exact int32 dots)
 
 
-def _weights(rng, c: int, d: int, f: int, bits: int, channel: bool = False) -> list:
-    """The 16 weight inputs of gptc_layer for hidden size c, head dim d, FFN width f (int weights:
-    scales per block of 32, or per output channel: one block of K, W8A8's)."""
-    import paddle
-
+def _block(rng, c: int, d: int, f: int, bits: int, act: float) -> dict:
+    """One block's weights (``export/fused.py``'s layer spec) for hidden size c, head dim d, FFN
+    width f (int weights: scales per block of 32, or per output channel: one block of K, W8A8's)."""
     inner = HEADS * d
 
     def vec(n, scale=0.1, shift=0.0):
-        return paddle.to_tensor((shift + scale * rng.standard_normal(n)).astype(np.float32))
+        return (shift + scale * rng.standard_normal(n)).astype(np.float32)
 
     def linear(n, k):
         if bits == 32:
-            w, s = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), np.zeros([1], np.float32)
+            w, s = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), None
         else:
             top = 7 if bits == 4 else 127
             codes = rng.integers(-top, top + 1, (n, k))  # symmetric abs-max codes (qat.quantize)
-            s = (rng.uniform(0.5, 1.5, (n, 1 if channel else k // 32)) / (top * np.sqrt(k))).astype(np.float32)
+            s = (rng.uniform(0.5, 1.5, (n, 1 if act > 0 else k // 32)) / (top * np.sqrt(k))).astype(np.float32)
             w = pack_int4(codes) if bits == 4 else codes.astype(np.int8)
-        return [paddle.to_tensor(w), paddle.to_tensor(s), vec(n)]
+        return {"w": w, "s": s, "b": vec(n), "bits": bits, "act": act}
 
-    return ([vec(c, shift=1.0), vec(c)] + linear(3 * inner, c) + linear(c, inner)
-            + [vec(c, shift=1.0), vec(c)] + linear(f, c) + linear(c, f))
+    ln_1 = (vec(c, shift=1.0), vec(c))
+    qkv, out = linear(3 * inner, c), linear(c, inner)
+    ln_2 = (vec(c, shift=1.0), vec(c))
+    return {"heads": HEADS, "ln_1": ln_1, "ln_2": ln_2, "linears": [qkv, out, linear(f, c), linear(c, f)]}
 
 
-def _layer(ops, weights, x, mask, d, bits, act):
-    """gptc_layer on x (B, T, C) with the full mask (B, L): outputs (B, T, C); fresh caches."""
+def _program(ops, table: np.ndarray, blocks: list, head: dict, positions: int):
+    """A fused program (``FusedLM``) whose token embeddings are the rows of ``table`` (C columns),
+    with a zero position embedding of ``positions`` rows, the final layer norm of unit gain and
+    no bias, and ``head`` (a ``fused_weights`` head spec)."""
+    c = table.shape[1]
+
+    def table_spec(w):
+        return lambda: {"w": w, "s": None, "bits": 32}
+
+    weights = {"wte": table_spec(table.astype(np.float32)), "wpe": table_spec(np.zeros((positions, c), np.float32)),
+               "layers": iter(blocks), "head": lambda wte_bits: {"tied": False, **head},
+               "ln_f": (np.ones(c, np.float32), np.zeros(c, np.float32)), "eps": EPS, "activation": GELU_NEW,
+               "config": None}
+    return FusedLM(weights, ops=ops)
+
+
+def _run(program, ids, mask, rows, caches) -> np.ndarray:
+    """The program's logits (n, V) at the flat ``rows`` of ``ids`` (B, T) with the full ``mask``."""
     import paddle
 
-    b, t, _ = x.shape
-    kc = paddle.zeros([b, HEADS, mask.shape[1], d])
-    vc = paddle.zeros([b, HEADS, mask.shape[1], d])
-    out = ops.gptc_layer(paddle.to_tensor(x), paddle.to_tensor(mask), kc, vc, *weights, HEADS, EPS, GELU_NEW,
-                         [bits] * 4, [act] * 4)
-    return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
+    return program(paddle.to_tensor(np.asarray(ids, np.int64)), paddle.to_tensor(np.asarray(mask, np.int64)),
+                   paddle.to_tensor(np.asarray(rows, np.int64)), caches).numpy()
 
 
 def layer_case(ops, name: str) -> np.ndarray:
-    """The batch's layer outputs (B, T, C) of case ``name``, after asserting each row's are bitwise
-    the same prefilled alone and token by token."""
+    """The batch's layer outputs, seen through the final layer norm (B, T, C), of case ``name``,
+    after asserting each row's are bitwise the same prefilled alone and token by token."""
     import paddle
 
     bits, c, d, f, act = LAYERS[name]
     rng = np.random.default_rng(bits + c + f)
-    weights = _weights(rng, c, d, f, bits, channel=act > 0)
+    block = _block(rng, c, d, f, bits, act)
     t = max(LENGTHS)
     x = rng.standard_normal((len(LENGTHS), t, c)).astype(np.float32)
+    ids = np.arange(x.shape[0] * t).reshape(x.shape[0], t)  # position (b, t) embeds as x[b, t]
+    program = _program(ops, x.reshape(-1, c), [block], {"w": np.eye(c, dtype=np.float32), "s": None,
+                                                        "bits": 32, "act": -1.0}, t)
     mask = np.zeros((len(LENGTHS), t), np.int64)
     for i, n in enumerate(LENGTHS):
         mask[i, t - n:] = 1
+
+    def cache(b, n):
+        return [paddle.zeros([b, HEADS, n, d]), paddle.zeros([b, HEADS, n, d])]
+
     with threads(2):
-        batch = _layer(ops, weights, x, mask, d, bits, act)
+        batch = _run(program, ids, mask, np.arange(ids.size), cache(len(LENGTHS), t)).reshape(len(LENGTHS), t, c)
     with threads(1):
         for i, n in enumerate(LENGTHS):
-            row = x[i:i + 1, t - n:]
-            alone = _layer(ops, weights, row, np.ones((1, n), np.int64), d, bits, act)[0]
+            row = ids[i:i + 1, t - n:]
+            alone = _run(program, row, np.ones((1, n), np.int64), np.arange(n), cache(1, n))
             assert np.array_equal(alone, batch[i, t - n:]), f"{name} row {i}: alone vs in the batch"
             # Token by token: each step a one-row call (its keys/values from the earlier steps' cache).
-            kc, vc = paddle.zeros([1, HEADS, n, d]), paddle.zeros([1, HEADS, n, d])
+            kv = cache(1, n)
             for j in range(n):
-                out = ops.gptc_layer(paddle.to_tensor(row[:, j:j + 1]), paddle.to_tensor(np.ones((1, j + 1), np.int64)),
-                                     kc, vc, *weights, HEADS, EPS, GELU_NEW, [bits] * 4, [act] * 4)
-                step = (out[0] if isinstance(out, (list, tuple)) else out).numpy()[0, 0]
+                step = _run(program, row[:, j:j + 1], np.ones((1, j + 1), np.int64), [0], kv)[0]
                 assert np.array_equal(step, alone[j]), f"{name} row {i}, token {j}: one-row step vs prefill"
     assert np.isfinite(batch).all() and np.abs(batch).max() > 0.1  # a real output, not zeros
     return batch
 
 
 def head_case(ops, name: str) -> np.ndarray:
-    """gptc_head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
+    """The head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
     one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
     then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 11, 8, 7 and 2 of the rows and each row alone give bitwise
     the same logits, and that they are near the float64 product of the dequantized weights."""
-    import paddle
 
     bits, c = HEADS_BITS[name]
     rng = np.random.default_rng(bits + c)
     v = 101
     if bits == 32:
         wf = (rng.standard_normal((v, c)) / np.sqrt(c)).astype(np.float32)
-        w, scales, deq = paddle.to_tensor(wf), np.zeros([1], np.float32), wf.astype(np.float64)
+        w, scales, deq = wf, np.zeros([1], np.float32), wf.astype(np.float64)
     else:
         top = 7 if bits == 4 else 127
         codes = rng.integers(-top, top + 1, (v, c))
         scales = (rng.uniform(0.5, 1.5, (v, c // 32)) / top).astype(np.float32)
-        w = paddle.to_tensor(pack_int4(codes) if bits == 4 else codes.astype(np.int8))
+        w = pack_int4(codes) if bits == 4 else codes.astype(np.int8)
         deq = (codes * np.repeat(scales, 32, axis=1)).astype(np.float64)
     x = rng.standard_normal((1, HEAD_ROWS, c)).astype(np.float32)
-    ln = [paddle.ones([c]), paddle.zeros([c])]
+    program = _program(ops, x[0], [], {"w": w, "s": scales if bits < 32 else None, "bits": bits,
+                                       "act": 0.0 if bits < 32 else -1.0}, HEAD_ROWS)
+    ids, mask = np.arange(HEAD_ROWS)[None], np.ones((1, HEAD_ROWS), np.int64)  # position t embeds as x[0, t]
 
     def head(r):
-        out = ops.gptc_head(paddle.to_tensor(x), paddle.to_tensor(np.asarray(r, np.int64)), *ln, w,
-                            paddle.to_tensor(scales), EPS, bits, 0.0 if bits < 32 else -1.0)
-        return (out[0] if isinstance(out, (list, tuple)) else out).numpy()
+        return _run(program, ids, mask, r, [])
 
     with threads(2):
         many = head(range(HEAD_ROWS))
@@ -165,7 +185,7 @@ def _gamma(n: int) -> float:
 
 
 def head_error_bound(x, h, deq, bits: int) -> np.ndarray:
-    """Per logit (rows, V), the most gptc_head's logits can differ from the float64 product of the
+    """Per logit (rows, V), the most the head's logits can differ from the float64 product of the
     layer-normed rows ``h`` (of inputs ``x`` (rows, K), unit gain, no bias) and the dequantized
     weights ``deq`` (V, K), from the arithmetic alone:
 

@@ -1,6 +1,8 @@
 """The package's layering, read from the source with ``ast`` (imports inside functions included):
 the core (model, data, train, parallel) never reaches into the deployment wing or the CLI, and
-no two subpackages (or top-level modules) import each other, directly or around a circle. In the
+no two subpackages (or top-level modules) import each other, directly or around a circle, no
+private name (``_x``) is imported from another module, and no module probes a backend for a
+capability (``inference/base.py``'s ``Backend`` declares them all). In the
 tests, no test module imports another: what two of them share lives in a ``tests/_*_helpers.py``
 module (a test file imported elsewhere would have its tests collected and its fixtures shared by
 accident, and would change whenever the other test changes)."""
@@ -115,3 +117,40 @@ def test_no_test_module_imports_another():
                 continue
             bad += [f"tests/{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not bad, "move what is shared into a tests/_*_helpers.py module:\n" + "\n".join(bad)
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name with a leading underscore stays in its module: what another module needs is public
+    (``from .x import _helper`` couples two modules through a name that promises nothing)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("gpt_compress")):
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                bad += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}" for n in names]
+    assert not bad, "make these public, or move them to the module that uses them:\n" + "\n".join(bad)
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    """``backend``, ``self.backend``, ``gen.backend``, ``draft_backend``: an expression naming a backend."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "backend" in name.lower()
+
+
+def test_backends_are_used_through_their_contract():
+    """Every capability of a backend is declared by ``inference/base.py``'s ``Backend``: no module
+    probes for one (``getattr``/``hasattr`` on a backend) or reaches into a backend's private
+    attributes."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE.parent)
+        if path == PACKAGE / "inference" / "base.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args and _names_a_backend(node.args[0])):
+                bad.append(f"{where}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and _names_a_backend(node.value)):
+                bad.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "declare the capability on inference.base.Backend:\n" + "\n".join(bad)

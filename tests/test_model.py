@@ -52,7 +52,7 @@ def test_classifier_pools_last_real_token():
 def test_sampling_at_a_tiny_temperature_is_its_greedy_limit(temperature):
     """A temperature that overflows the scaled scores (inf, or 0 in float32: NaN) samples the
     top score, as the limit T -> 0 does, never a NaN distribution's arbitrary token."""
-    from gpt_compress.config_train import GenerationConfig
+    from gpt_compress.config import GenerationConfig
     from gpt_compress.model.generation import next_tokens
 
     logits = np.array([[1.0, 3.0, 2.0, -np.inf], [-2.0, -5.0, -1.0, -3.0]], np.float32)
@@ -66,7 +66,7 @@ def test_sampling_at_a_tiny_temperature_is_its_greedy_limit(temperature):
 def test_openai_penalties_and_logit_bias_follow_openai_s_formula():
     """logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty + logit_bias[j],
     over the tokens generated so far (OpenAI's): each changes exactly the tokens it names."""
-    from gpt_compress.config_train import GenerationConfig
+    from gpt_compress.config import GenerationConfig
     from gpt_compress.model.generation import _processed, next_tokens
 
     logits = np.array([[4.0, 3.9, 3.0, 1.0]], np.float32)

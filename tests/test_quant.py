@@ -14,6 +14,7 @@ import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, ROOT, model_dirs
 from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol
+from gpt_compress.inference.base import Scorer
 from gpt_compress.inference.runner import Generator
 
 WIKI_CHARS = 20000
@@ -133,11 +134,14 @@ def _parity(qmodel, path, tokenizer, backends=("onnx", "paddle")):
     return diffs
 
 
-class _FullLogits:
+class _FullLogits(Scorer):
     """A backend reduced to ``score``: evaluation then reduces full (B, T, V) logits in numpy."""
 
     def __init__(self, gen):
-        self.score = gen.score
+        self.gen = gen
+
+    def score(self, ids, mask=None):
+        return self.gen.score(ids, mask)
 
 
 def _onnx_op_types(path, program="forward"):

@@ -25,7 +25,7 @@ from _export_helpers import ENV, ROOT, model_dirs
 pytest.importorskip("fastapi")  # the `serve` extra
 from fastapi.testclient import TestClient  # noqa: E402
 
-from gpt_compress.sections import ServeConfig  # noqa: E402
+from gpt_compress.config import ServeConfig  # noqa: E402
 from gpt_compress.serve.app import create_app  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\nBefore we proceed"]

@@ -16,13 +16,14 @@ import pytest
 
 from gpt_compress.config import GenerationConfig
 from gpt_compress.errors import InputError
-from gpt_compress.model.generation import _sample, sampling_probs, stream_tokens
+from gpt_compress.model.generation import sample_rows, sampling_probs, stream_tokens
+from gpt_compress.inference.base import Backend
 from gpt_compress.model.speculative import (AdaptiveK, ModelDraft, NgramDraft, SpeculationStats, accept_sampled,
                                             speculative_tokens)
 
 
-class TableLM:
-    """A ``VerifyBackend`` over a random table: the logits of a position depend on its token, the
+class TableLM(Backend):
+    """A ``Backend`` over a random table: the logits of a position depend on its token, the
     previous unmasked token and its position (count of unmasked columns), so masked holes and
     left padding must be skipped exactly as attention and positions skip them."""
 
@@ -60,6 +61,9 @@ class TableLM:
     def truncate_cache(self, cache, length):
         assert 0 < length <= cache.shape[1]
         return cache[:, :length]
+
+    def score(self, ids, mask=None):
+        return self._logits(ids, np.ones_like(ids) if mask is None else mask, range(ids.shape[1]))
 
     def reorder_cache(self, cache, rows):
         return cache[rows]
@@ -150,8 +154,8 @@ def _reference_rule(p, q, drafts, n, rng):
         r = np.array([max(pi - qi, 0.0) for pi, qi in zip(p[j].astype(np.float64), q_j)])
         if r.sum() <= 0:
             r = p[j].astype(np.float64)
-        return j, int(_sample((r / r.sum())[None], rng)[0])
-    return n, int(_sample(p[n][None], rng)[0])
+        return j, int(sample_rows((r / r.sum())[None], rng)[0])
+    return n, int(sample_rows(p[n][None], rng)[0])
 
 
 @pytest.mark.parametrize("with_q", [True, False])
@@ -161,7 +165,7 @@ def test_seeded_acceptance_equals_the_reference_rule(with_q):
         v, n = 6, int(rng.integers(0, 5))
         p = rng.dirichlet(np.ones(v) * 0.5, n + 1).astype(np.float32)
         q = rng.dirichlet(np.ones(v) * 0.5, max(n, 1)).astype(np.float32) if with_q else None
-        drafts = (np.array([_sample(q[j][None], rng)[0] for j in range(n)]) if with_q
+        drafts = (np.array([sample_rows(q[j][None], rng)[0] for j in range(n)]) if with_q
                   else rng.integers(0, v, n))
         got = accept_sampled(p, q, drafts, n, np.random.default_rng(trial))
         assert got == _reference_rule(p, q, drafts, n, np.random.default_rng(trial)), trial
@@ -226,10 +230,8 @@ def test_bad_settings_are_one_line_errors():
         _spec(target, NgramDraft(), PROMPTS, _cfg(repetition_penalty=1.2), None)
     with pytest.raises(InputError, match="beam_search"):
         _spec(target, NgramDraft(), PROMPTS, _cfg(decode_strategy="beam_search", num_beams=2), None)
-    with pytest.raises(InputError, match="decode_positions"):
-        _spec(object(), NgramDraft(), PROMPTS, _cfg(), None)
     from gpt_compress.config import ConfigError
-    from gpt_compress.sections import ServeConfig
+    from gpt_compress.config import ServeConfig
 
     with pytest.raises(ConfigError, match="Serve.speculative_tokens must be >= 0"):
         ServeConfig(speculative_tokens=-1)
@@ -291,7 +293,7 @@ def test_greedy_with_each_draft_equals_greedy_on_each_backend(generators, which)
     assert itself.speculation["acceptance_rate"] == 1.0
 
 
-class _Spy:
+class _Spy(Backend):
     """A fused backend proxy that keeps a copy of the cache (and the mask over it) each verify step
     starts from."""
 
@@ -311,6 +313,12 @@ class _Spy:
 
     def truncate_cache(self, cache, length):
         return self.backend.truncate_cache(cache, length)
+
+    def reorder_cache(self, cache, rows):
+        return self.backend.reorder_cache(cache, rows)
+
+    def score(self, ids, mask=None):
+        return self.backend.score(ids, mask)
 
 
 def test_the_cache_after_rollbacks_is_bitwise_the_cache_built_without_speculation(generators):

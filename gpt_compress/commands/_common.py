@@ -32,6 +32,14 @@ def config_from_args(args) -> Config:
     return load_config(getattr(args, "config", None), overrides)
 
 
+def generation_config(args) -> Config:
+    """``config_from_args`` for a generating command: ``Generation.seed`` unset takes ``Global.seed``."""
+    cfg = config_from_args(args)
+    if cfg.generation.seed is None:
+        cfg.generation.seed = cfg.global_.seed
+    return cfg
+
+
 def training_config(args, required: str, hint: str) -> Config:
     """``config_from_args`` for a training command whose setting ``required`` ("Section.key", the
     data it trains on) must be set: empty, it raises ``ConfigError("... is empty: " + hint)``."""

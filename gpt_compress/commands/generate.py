@@ -3,12 +3,12 @@ finetuned with ``Finetune.prompt_tokens`` are fixed to that length (``data/token
 ``--prompt-ids`` are used as given."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from ..errors import DataError, InputError
-from ._common import add_config_arguments, config_from_args, fail, find_tokenizer, print_json
+from ..fileio import jsonl_strings
+from ._common import add_config_arguments, fail, find_tokenizer, generation_config, print_json
 from ._speculative import add_draft_arguments, check_draft_arguments, speedup_report
 
 
@@ -26,19 +26,8 @@ def add_arguments(parser) -> None:
 
 def read_prompts_jsonl(path: str) -> list[str]:
     """Prompts from a JSONL file; a bad line is reported with file and line number."""
-    prompts = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    prompt = json.loads(line)["prompt"]
-                    if not isinstance(prompt, str):
-                        raise TypeError(f"\"prompt\" is a {type(prompt).__name__}")
-                except (ValueError, KeyError, TypeError) as e:
-                    raise DataError(f"{path}:{n}: expected a JSON object with a \"prompt\" string ({e})") from None
-                prompts.append(prompt)
+        prompts = [prompt for _, prompt in jsonl_strings(path, "prompt")]
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
@@ -70,10 +59,8 @@ def run(args) -> int:
     from ..inference.runner import special_ids
     from ..model.generation import check_logit_bias, generate
 
-    cfg = config_from_args(args)
+    cfg = generation_config(args)
     gen = cfg.generation
-    if gen.seed is None:
-        gen.seed = cfg.global_.seed
     check_draft_arguments(args)
     model = load_model(args.model)
     if not hasattr(model, "logits"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import add_config_arguments, config_from_args, fail, print_json
+from ._common import add_config_arguments, fail, generation_config, print_json
 from ._speculative import add_draft_arguments, check_draft_arguments, speedup_report
 from .generate import parse_prompt_ids, read_prompts_jsonl
 
@@ -30,7 +30,8 @@ def add_arguments(parser) -> None:
     add_draft_arguments(parser)
 
 
-def _backend_options(args) -> dict:
+def backend_options(args) -> dict:
+    """The ``Generator.from_dir`` options of ``--backend``, ``--threads`` and ``--no-fused``."""
     if args.backend == "onnx":
         return {"threads": args.threads}
     out = {"fused": False} if args.backend == "paddle" and args.no_fused else {}
@@ -47,10 +48,8 @@ def run(args) -> int:
     from ..inference.manifest import InputError, ModelDirError
     from ..inference.runner import Generator
 
-    cfg = config_from_args(args)
+    cfg = generation_config(args)
     gen_cfg = cfg.generation
-    if gen_cfg.seed is None:
-        gen_cfg.seed = cfg.global_.seed
     try:
         texts = list(args.prompt) + (read_prompts_jsonl(args.input_file) if args.input_file else [])
     except (OSError, ValueError) as e:
@@ -66,7 +65,7 @@ def run(args) -> int:
         check_fits("infer", sized, batch=len(texts) + len(ids), seq=1, what=args.model_dir)
     try:
         gen = Generator.from_dir(args.model_dir, backend=args.backend, tokenizer=args.tokenizer_dir,
-                                 verify=not args.no_verify, **_backend_options(args))
+                                 verify=not args.no_verify, **backend_options(args))
         prompts = gen.encode(texts) + ids if texts else ids  # text: fixed as in finetuning (Generator.encode)
         if texts and gen.prompt_tokens:
             print(f"infer: text prompts fixed to {gen.prompt_tokens} tokens as in finetuning", file=sys.stderr)
@@ -89,7 +88,7 @@ def run(args) -> int:
         draft, path = None, gen.recorded_draft if args.draft == "auto" else args.draft
         if args.draft != "ngram" and path:  # loaded like the model: same backend and options
             draft = Generator.from_dir(path, backend=args.backend, verify=not args.no_verify,
-                                       **_backend_options(args))
+                                       **backend_options(args))
         spec = dict(draft=draft or args.draft, draft_tokens=args.num_speculative_tokens,
                     adaptive=not args.fixed_k) if args.draft else {}
         out = gen.generate(prompts, config=gen_cfg, truncate=args.truncate, on_tokens=on_tokens, **spec)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_config_arguments, config_from_args, fail, print_json
+from ._common import add_config_arguments, fail, generation_config, print_json
 from .generate import parse_prompt_ids
 
 
@@ -29,10 +29,8 @@ def run(args) -> int:
         run_rank(args.model_dir, args.request, args.output)
         return 0
 
-    cfg = config_from_args(args)
+    cfg = generation_config(args)
     gen = cfg.generation
-    if gen.seed is None:
-        gen.seed = cfg.global_.seed
     prompts = list(args.prompt) + [parse_prompt_ids(p) for p in args.prompt_ids]
     if not prompts:
         return fail("give --prompt or --prompt-ids")

@@ -16,7 +16,7 @@ import time
 
 from ..fileio import write_text_atomic
 from ._common import add_config_arguments, config_from_args
-from .infer import _backend_options
+from .infer import backend_options
 
 # flag -> Serve field
 FLAGS = {"backend": "backend", "host": "host", "port": "port", "max_batch": "max_batch", "max_queue": "max_queue",
@@ -133,7 +133,7 @@ def run(args) -> int:
 
     # Paddle: the fused program when the export has one (serve/slots.py: one slot per sequence in
     # its in-place cache); the serving options below apply when it falls back to the unfused ones.
-    options = _backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
+    options = backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
     if cfg.backend == "paddle":
         options.update(_paddle_serving_options(options.get("options")))
     return _serve(args, cfg, load, manifest.path)

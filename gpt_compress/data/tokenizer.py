@@ -79,9 +79,9 @@ def _split_long(text: str) -> list[str]:
     return pieces
 
 
-def _batch_encode(backend: tokenizers.Tokenizer, texts: list[str]) -> list:
+def _batch_encode(hf: tokenizers.Tokenizer, texts: list[str]) -> list:
     # encode_batch_fast (tokenizers >= 0.20) skips offset tracking, which ids do not need.
-    fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    fast = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
     return fast(texts, add_special_tokens=False)
 
 

@@ -14,7 +14,6 @@ the positions of its longest target (``scoring.score_positions``).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -22,25 +21,19 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import DataError, InputError  # noqa: F401
+from ..fileio import jsonl_strings
 from .scoring import score_positions
 
 
 def read_lambada(path: str, limit: int | None = None) -> list[str]:
     """Texts of a LAMBADA JSONL file; a bad line is reported with file and line number."""
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{n}: expected a JSON object with a \"text\" string ({e})") from None
-            if not isinstance(text, str) or not text.split():
-                raise DataError(f"{path}:{n}: empty \"text\"")
-            texts.append(text)
-            if limit and len(texts) >= limit:
-                break
+    for n, text in jsonl_strings(path, "text"):
+        if not text.split():
+            raise DataError(f"{path}:{n}: empty \"text\"")
+        texts.append(text)
+        if limit and len(texts) >= limit:
+            break
     if not texts:
         raise DataError(f"{path}: no examples")
     return texts

@@ -46,13 +46,13 @@ def score_positions(backend, input_ids: np.ndarray, labels: np.ndarray, select: 
     if not len(y):
         return np.zeros(0, np.float64), np.zeros(0, bool)
     lps, hits = [], []
-    if getattr(backend, "scores_positions", False):
+    if backend.scores_positions:
         hidden = backend.hidden_states(input_ids, attention_mask)[b, t]  # (N, hidden)
         for i in range(0, len(y), rows):
             lp, top = backend.head_scores(hidden[i:i + rows], y[i:i + rows])
             lps.append(np.asarray(lp, dtype=np.float64))
             hits.append(np.asarray(top) == y[i:i + rows])
-    elif getattr(backend, "scores_labels", False):  # tensor parallel: a few numbers a row cross the ranks
+    elif backend.scores_labels:  # tensor parallel: a few numbers a row cross the ranks
         done = 0
         for seqs in _groups(select.sum(axis=1), rows):
             sub = np.nonzero(select[seqs])
@@ -75,7 +75,7 @@ def _logit_rows(backend, input_ids, select: np.ndarray, attention_mask, rows: in
     slice of those positions)``, at most about ``rows`` rows at a time (``logits_at`` when the
     backend has it, else ``score``'s full logits, cut at the chosen rows)."""
     done = 0
-    if getattr(backend, "scores_rows", False):
+    if backend.scores_rows:
         for seqs in _groups(select.sum(axis=1), rows):  # sequences whose rows fit one call
             sub = np.nonzero(select[seqs])
             flat = sub[0] * select.shape[1] + sub[1]
@@ -106,7 +106,7 @@ def top_logprobs(backend, input_ids: np.ndarray, labels: np.ndarray, select: np.
     lp, ids, top = np.zeros(n), np.zeros((n, k), np.int64), np.zeros((n, k))
     if not n:
         return lp, ids, top
-    if k <= 1 and getattr(backend, "scores_positions", False):
+    if k <= 1 and backend.scores_positions:
         hidden = backend.hidden_states(input_ids, attention_mask)[b, t]  # (N, hidden)
         best = np.zeros(n, np.int64)
         for i in range(0, n, rows):

@@ -6,24 +6,21 @@ One program serves all three (so a runner holds one copy of the weights)::
     fused(input_ids (B,T), attention_mask (B,S+T), rows (n,), cache_key_0, cache_value_0, ...)
         -> logits (n, V) of the flat positions ``rows`` of the (B*T) new tokens
 
-It is one ``gptc_generate`` op (kernel version 3): embed, every block and the LM head in one call
-(Paddle's executor cost per op, paid once a call; the op's threads stay in one parallel region).
-A last input, ``control`` (int64 ``[steps, eos, pad, suppress, finished_0, ...]``), lets one call run
-several greedy decode steps, each feeding the previous step's tokens (``FusedBackend
-.decode_greedy_steps``): a generated token then costs no Python and no predictor run of its own.
-Version-2 exports hold the same op without ``control`` (``gptc_decoder``); both still run. Each block writes
-its new keys/values **in place** into the caller's preallocated caches ``(B, H_i, capacity, D)``
-at positions ``S..S+T-1`` (``S`` = mask columns - T): the op declares the caches as an inplace
-vector output, and Paddle Inference shares the fed tensors' memory, so nothing is concatenated
-or copied per step (checked by ``tests/test_fused.py``). Prefill is the same call with ``S = 0``;
-scoring asks for every row. Exports of kernel version 1 hold the same
-computation as ``gptc_embed`` -> one ``gptc_layer`` per block -> ``gptc_head`` (bitwise the same
-logits); those ops stay registered so they still run, and ``FusedLM(..., version=1)`` (or 2)
-builds that form.
+It is one ``gptc_generate`` op (kernel version 3, ``kernels.KERNEL_VERSION``: the one format the
+ops run; an export of an older version is refused with the command that writes it again): embed,
+every block and the LM head in one call (Paddle's executor cost per op, paid once a call; the
+op's threads stay in one parallel region). A last input, ``control`` (int64 ``[steps, eos, pad,
+suppress, finished_0, ...]``), lets one call run several greedy decode steps, each feeding the
+previous step's tokens (``FusedBackend.decode_greedy_steps``): a generated token then costs no
+Python and no predictor run of its own. Each block writes its new keys/values **in place** into
+the caller's preallocated caches ``(B, H_i, capacity, D)`` at positions ``S..S+T-1`` (``S`` =
+mask columns - T): the op declares the caches as an inplace vector output, and Paddle Inference
+shares the fed tensors' memory, so nothing is concatenated or copied per step (checked by
+``tests/test_fused.py``). Prefill is the same call with ``S = 0``; scoring asks for every row.
 
 Weights are stored (N, K) per Linear in the format the model was quantized to
 (``qat.quantize``): float32; weight-only int8 / int4 (blocks of ``weight_block_size``, int4
-packed two per byte, low nibble first, stored code + 8), inputs quantized per token and block
+packed as ``WEIGHT_FORMAT`` says), inputs quantized per token and block
 on the fly as the fake-quant model does (``dynamic_inputs``) or kept float; W8A8 (per-channel
 int8 weights, the calibrated per-tensor input scale). The tied embedding and the LM head share
 one tensor. Tensor-parallel exports (``gptc partition``) get a fused program per rank from
@@ -45,6 +42,17 @@ from paddle.static import InputSpec
 from ..errors import ExportError, KernelError
 
 FUSED_MODEL, FUSED_PARAMS = "fused.json", "fused.pdiparams"
+# The weight block formats, as the kernels define them (kernels/gptc_common.h, namespace
+# weight_format: tests/test_kernel_sources.py checks that the two agree).
+WEIGHT_FORMAT = {
+    "kFloatBits": 32,  # float32 values
+    "kInt8Bits": 8,  # one signed code a byte (codes of 2..8 bits are stored so)
+    "kInt4Bits": 4,  # two codes a byte, packed in runs
+    "kInt4Run": 32,  # inputs of one packed run
+    "kInt4RunBytes": 16,  # its bytes: byte j holds input j (low nibble), j + 16 (high)
+    "kInt4HighInput": 16,  # the input a byte's high nibble holds, past the low one's
+    "kInt4Offset": 8,  # a code w is stored as w + 8 (0..15)
+}
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_new": 2}
 LINEARS = ("attn.qkv", "attn.out", "mlp.fc_in", "mlp.fc_out")
 
@@ -52,12 +60,13 @@ LINEARS = ("attn.qkv", "attn.out", "mlp.fc_in", "mlp.fc_out")
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """Signed codes (N, K) in [-8, 7] -> (N, K/2) int8 bytes holding code + 8: in each run of 32
     inputs, byte j holds input j (low nibble) and input j + 16 (high nibble), the layout one
-    16-byte load unpacks (``kernels/gptc_ops.cc``)."""
+    16-byte load unpacks (``WEIGHT_FORMAT``)."""
+    run, high, offset = WEIGHT_FORMAT["kInt4Run"], WEIGHT_FORMAT["kInt4HighInput"], WEIGHT_FORMAT["kInt4Offset"]
     n, k = codes.shape
-    if k % 32:
-        raise ExportError(f"int4 fused weights need a multiple of 32 inputs, got {k}")
-    u = (codes.astype(np.int16) + 8).astype(np.uint8).reshape(n, k // 32, 32)
-    return (u[..., :16] | (u[..., 16:] << 4)).astype(np.uint8).reshape(n, k // 2).view(np.int8)
+    if k % run:
+        raise ExportError(f"int4 fused weights need a multiple of {run} inputs, got {k}")
+    u = (codes.astype(np.int16) + offset).astype(np.uint8).reshape(n, k // run, run)
+    return (u[..., :high] | (u[..., high:] << 4)).astype(np.uint8).reshape(n, k // 2).view(np.int8)
 
 
 def _packed(codes_nk: np.ndarray, scales_nb: np.ndarray, bits: int):
@@ -143,8 +152,8 @@ def fused_weights(model) -> dict:
             "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
 
 
-class _Packer:
-    """The weights of a ``gptc_decoder`` program packed into blobs, a float32 and an int8 one per
+class WeightPacker:
+    """The weights of a ``gptc_generate`` program packed into blobs, a float32 and an int8 one per
     group (the embeddings, each block; the last with the final norm and head): a few op inputs instead of one
     per weight (Paddle's executor costs about as much per input as per op). Each piece starts on a
     64-byte boundary; ``layout_of`` gives the op's 4 numbers per piece (blob, offset in elements,
@@ -190,118 +199,93 @@ class _Packer:
 
 
 class FusedLM(nn.Layer):
-    """The fused program as a Layer (runs eagerly too): weights as persistable buffers in the
-    op formats, ``forward`` = embed, layers, head (see the module docstring): one
-    ``gptc_generate`` call (``version`` 3), one ``gptc_decoder`` call (2) or the per-layer ops (1).
-    ``tokens=True`` (versions 2, 3; the saved program): ``forward`` returns the logits and each
-    row's argmax int64 ((n,); (n, steps) for version 3), so greedy decoding fetches the tokens,
-    not the (n, V) logits."""
+    """The fused program as a Layer (runs eagerly too): weights packed in blobs in the op formats
+    (persistable buffers), ``forward`` = one ``gptc_generate`` call (see the module docstring).
+    ``tokens=True`` (the saved program): ``forward`` returns the logits and each row's argmax
+    int64 ((n, steps)), so greedy decoding fetches the tokens, not the (n, V) logits."""
 
-    def __init__(self, weights: dict, ops=None, version: int = 3, tokens: bool = False):
+    def __init__(self, weights: dict, ops=None, tokens: bool = False):
         super().__init__()
         from ..kernels import load_ops
 
-        if version not in (1, 2, 3):
-            raise ValueError(f"no fused program of kernel version {version}; versions: 1, 2, 3")
         self.ops = ops or load_ops()
-        self.version, self.stack = version, version >= 2
-        stack, self.tokens = self.stack, tokens and self.stack
+        self.tokens = tokens
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
-        self._packer = _Packer() if stack else None
-        self._none = self._buf("none", np.zeros([1], np.float32))
-        # Each spec's arrays are dropped once copied into their buffers (``fused_weights``).
-        self.wte, self.wte_s, self.wte_bits = self._table("wte", weights["wte"]())
-        self.wpe, self.wpe_s, self.wpe_bits = self._table("wpe", weights["wpe"]())
+        self._packer = WeightPacker()
+        self._none = self._packer.add(np.zeros([1], np.float32))
+        # Each spec's arrays are dropped once copied into their pieces (``fused_weights``).
+        self.wte, self.wte_s, self.wte_bits = self._table(weights["wte"]())
+        self.wpe, self.wpe_s, self.wpe_bits = self._table(weights["wpe"]())
         self.layer_args, self.layer_attrs = [], []
-        for i, lay in enumerate(weights["layers"]):
-            if self._packer is not None:
-                self._packer.close()  # the previous group (the embeddings, or block i - 1)
-            args = [self._buf(f"l{i}_ln1_w", lay["ln_1"][0]), self._buf(f"l{i}_ln1_b", lay["ln_1"][1])]
+        for lay in weights["layers"]:
+            self._packer.close()  # the previous group (the embeddings, or block i - 1)
+            args = [self._packer.add(lay["ln_1"][0]), self._packer.add(lay["ln_1"][1])]
             for j, lin in enumerate(lay["linears"]):
-                args += self._linear(f"l{i}_{j}", lin)
+                args += self._linear(lin)
                 if j == 1:
-                    args += [self._buf(f"l{i}_ln2_w", lay["ln_2"][0]), self._buf(f"l{i}_ln2_b", lay["ln_2"][1])]
+                    args += [self._packer.add(lay["ln_2"][0]), self._packer.add(lay["ln_2"][1])]
             self.layer_args.append(args)
             self.layer_attrs.append((lay["heads"], [lin["bits"] for lin in lay["linears"]],
                                      [float(lin["act"]) for lin in lay["linears"]]))
-        self.ln_f = (self._buf("ln_f_w", weights["ln_f"][0]), self._buf("ln_f_b", weights["ln_f"][1]))
+        self.ln_f = (self._packer.add(weights["ln_f"][0]), self._packer.add(weights["ln_f"][1]))
         head = weights["head"](self.wte_bits)
         if head["tied"]:
             self.head_w, self.head_s = self.wte, self.wte_s
         else:
-            self.head_w = self._buf("head_w", head["w"])
-            self.head_s = self._buf("head_s", head["s"]) if head["s"] is not None else self._none
+            self.head_w = self._packer.add(head["w"])
+            self.head_s = self._packer.add(head["s"]) if head["s"] is not None else self._none
         self.head_bits, self.head_act = head["bits"], float(head["act"])
-        if stack:  # gptc_decoder's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16
-            pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
-            self.layout = self._packer.layout_of(pieces + [w for args in self.layer_args for w in args])
-            self._packer.close()
-            self.blobs = []
-            for i, blob in enumerate(self._packer.blobs):
-                self.register_buffer(f"weights_{i}", blob, persistable=True)
-                self.blobs.append(getattr(self, f"weights_{i}"))
-            self._packer = None
+        # The op's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16.
+        pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
+        self.layout = self._packer.layout_of(pieces + [w for args in self.layer_args for w in args])
+        self._packer.close()
+        self.blobs = []
+        for i, blob in enumerate(self._packer.blobs):
+            self.register_buffer(f"weights_{i}", blob, persistable=True)
+            self.blobs.append(getattr(self, f"weights_{i}"))
+        self._packer = None
 
-    def _buf(self, name: str, array: np.ndarray):
-        """A persistable buffer holding ``array`` (per-layer ops), or its piece index in the blobs (stack)."""
-        if self._packer is not None:
-            return self._packer.add(array)
-        self.register_buffer(name, paddle.to_tensor(np.ascontiguousarray(array)), persistable=True)
-        return getattr(self, name)
-
-    def _table(self, name: str, spec: dict):
-        w = self._buf(name, spec["w"])
-        s = self._buf(name + "_s", spec["s"]) if spec["s"] is not None else self._none
+    def _table(self, spec: dict):
+        w = self._packer.add(spec["w"])
+        s = self._packer.add(spec["s"]) if spec["s"] is not None else self._none
         return w, s, spec["bits"]
 
-    def _linear(self, name: str, spec: dict) -> list:
-        w = self._buf(name + "_w", spec["w"])
-        s = self._buf(name + "_s", spec["s"]) if spec["s"] is not None else self._none
+    def _linear(self, spec: dict) -> list:
+        w = self._packer.add(spec["w"])
+        s = self._packer.add(spec["s"]) if spec["s"] is not None else self._none
         b = spec["b"] if spec["b"] is not None else np.zeros([spec["w"].shape[0]], np.float32)
-        return [w, s, self._buf(name + "_b", b)]
+        return [w, s, self._packer.add(b)]
 
     def forward(self, input_ids, attention_mask, rows, caches, control=None):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V)
-        (and their argmax with ``tokens``); the caches are written in place. ``control``
-        (version 3; None: one step): int64 [steps, eos (-1: none), pad, steps without eos,
-        finished per row]."""
-        if self.stack:
-            attrs = (self.blobs, self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs],
-                     self.eps, self.activation, [b for a in self.layer_attrs for b in a[1]],
-                     [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
-            if self.version == 3:
-                if control is None:
-                    from ..kernels import control as make_control
+        (and their argmax with ``tokens``); the caches are written in place. ``control`` (None:
+        one step): int64 [steps, eos (-1: none), pad, steps without eos, finished per row]."""
+        attrs = (self.blobs, self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs],
+                 self.eps, self.activation, [b for a in self.layer_attrs for b in a[1]],
+                 [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
+        if control is None:
+            from ..kernels import control as make_control
 
-                    control = paddle.to_tensor(make_control(input_ids.shape[0]))
-                out = self.ops.gptc_generate(input_ids, attention_mask, rows, control, list(caches), *attrs)
-            else:
-                out = self.ops.gptc_decoder(input_ids, attention_mask, rows, list(caches), *attrs)
-            return (out[0], out[1]) if self.tokens else out[0]
-        x = self.ops.gptc_embed(input_ids, attention_mask, self.wte, self.wte_s, self.wpe, self.wpe_s,
-                                self.wte_bits, self.wpe_bits)
-        for i, (args, (heads, bits, acts)) in enumerate(zip(self.layer_args, self.layer_attrs)):
-            out = self.ops.gptc_layer(x, attention_mask, caches[2 * i], caches[2 * i + 1], *args,
-                                      heads, self.eps, self.activation, bits, acts)
-            x = out[0] if isinstance(out, (list, tuple)) else out
-        return self.ops.gptc_head(x, rows, self.ln_f[0], self.ln_f[1], self.head_w, self.head_s, self.eps,
-                                  self.head_bits, self.head_act)
+            control = paddle.to_tensor(make_control(input_ids.shape[0]))
+        out = self.ops.gptc_generate(input_ids, attention_mask, rows, control, list(caches), *attrs)
+        return (out[0], out[1]) if self.tokens else out[0]
 
 
-def input_spec(cfg, version: int = 3) -> list:
+def input_spec(cfg, control: bool = True) -> list:
+    """The saved program's inputs: ids, mask, rows, the caches (a list) and ``control`` (not in
+    the tensor-parallel rank programs, which run one step a call: ``fused_tp.py``)."""
     caches = []
     for i in range(cfg.num_layers):
         for kind in ("key", "value"):
             caches.append(InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"cache_{kind}_{i}"))
-    control = [InputSpec([None], "int64", "control")] if version == 3 else []
     return [InputSpec([None, None], "int64", "input_ids"), InputSpec([None, None], "int64", "attention_mask"),
-            InputSpec([None], "int64", "rows"), caches] + control
+            InputSpec([None], "int64", "rows"), caches] + ([InputSpec([None], "int64", "control")] if control else [])
 
 
 def count_ops(program_json: str) -> dict[str, int]:
     """Operations of a saved PIR program by name (parameters counted as "parameter"), e.g.
-    ``{"custom_op.gptc_layer_": 2, "pd_op.data": 7, ...}``."""
+    ``{"custom_op.gptc_generate_": 1, "pd_op.data": 8, ...}``."""
     import json
     from collections import Counter
 
@@ -334,28 +318,24 @@ def save_program(layer, spec: list, out_dir: str) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def save_fused(model, out_dir: str, version: Optional[int] = None) -> dict:
+def save_fused(model, out_dir: str) -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
-    (``model`` is not mutated; ``version``: the program of an older kernel version, 1 or 2, as
-    earlier exports hold; default the current one). Returns the manifest's ``fused`` entry.
+    (``model`` is not mutated) in the current kernel version. Returns the manifest's ``fused`` entry.
     Raises ``KernelError`` when the operators cannot be built, ``ExportError`` for a model with no
     fused form."""
-    from ..kernels import KERNEL_VERSION, kernel_info
+    from ..kernels import kernel_info
 
     cfg = model.config
-    version = version or KERNEL_VERSION
-    layer = FusedLM(fused_weights(model), version=version, tokens=True)
+    layer = FusedLM(fused_weights(model), tokens=True)
     layer.eval()
-    save_program(layer, input_spec(cfg, version), out_dir)
-    kernel = {**kernel_info(), "version": version}
-    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel,
+    save_program(layer, input_spec(cfg), out_dir)
+    return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel_info(),
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
                         "head_bits": layer.head_bits},
-            "outputs": ["logits", "tokens"] if layer.stack else ["logits"],
+            "outputs": ["logits", "tokens"],
             "inputs": ["input_ids", "attention_mask", "rows"]
-                      + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")]
-                      + (["control"] if version == 3 else []),
+                      + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")] + ["control"],
             "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place"}
 
 

@@ -37,7 +37,7 @@ import paddle
 import paddle.nn as nn
 
 from ..errors import ExportError
-from .fused import FUSED_MODEL, FUSED_PARAMS, LINEARS, _Packer, count_ops, fused_weights, input_spec, save_program
+from .fused import FUSED_MODEL, FUSED_PARAMS, LINEARS, WeightPacker, count_ops, fused_weights, input_spec, save_program
 
 ROW_PARALLEL = ("attn.out", "mlp.fc_out")
 
@@ -89,7 +89,7 @@ class FusedRankLM(nn.Layer):
         self.cfg, self.rank, self.mp, self.ring_id = cfg, rank, mp, ring_id
         self.eps, self.activation = weights["eps"], weights["activation"]
         self.vocab, self.vocab_start = cfg.vocab_size, rank * cfg.vocab_size // mp
-        packer = _Packer()
+        packer = WeightPacker()
         wte, wpe = _row_split(weights["wte"](), rank, mp), weights["wpe"]()
         head = weights["head"](wte["bits"])
         tied = head["tied"]
@@ -157,7 +157,7 @@ def save_fused_rank(layer: FusedRankLM, out_dir: str) -> dict:
 
     layer.eval()
     rcfg = rank_config(layer.cfg, layer.mp)
-    save_program(layer, input_spec(rcfg, version=2), out_dir)
+    save_program(layer, input_spec(rcfg, control=False), out_dir)
     return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": {**kernel_info(), "version": KERNEL_VERSION},
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.block_attrs for b in a[1]}),

@@ -64,7 +64,7 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     ``atol`` (relative to the logits' magnitude). Returns the max abs diff."""
     ids, mask, full, nxt, step = ref
     # One program's runtime at a time: each predictor/session holds its own copy of the weights.
-    release = getattr(backend, "release", lambda: None)
+    release = backend.release
     logits, cache = backend.prefill(ids, mask)
     cache = _detached(cache)
     release()
@@ -73,7 +73,7 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     logits, _ = backend.decode(nxt, np.concatenate([mask, np.ones_like(nxt)], 1), cache)
     release()
     got.append((logits, step))
-    if getattr(backend, "scores_positions", False):  # the scoring programs, at the real positions
+    if backend.scores_positions:  # the scoring programs, at the real positions
         real, labels = mask > 0, np.roll(ids, -1, axis=1)
         hidden = backend.hidden_states(ids, mask)[real]
         release()
@@ -83,7 +83,7 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
         ref_lp = np.take_along_axis(full, labels[..., None], -1)[..., 0] - top[..., 0] - np.log(
             np.exp(full - top).sum(-1, dtype=np.float64))
         got.append((lp, ref_lp[real]))
-    if getattr(backend, "scores_rows", False):  # the fused program's head at chosen rows only
+    if backend.scores_rows:  # the fused program's head at chosen rows only
         got.append((backend.logits_at(ids, mask, np.flatnonzero(mask)), full[mask > 0]))
     # Padded query rows attend to nothing real; their logits are meaningless, compare real rows.
     diffs = [float(np.max(np.abs(np.where(mask[..., None] > 0, a - b, 0) if a.ndim == 3 else a - b)))

@@ -49,7 +49,7 @@ import numpy as np
 
 from ..data.tokenizer import fixed_prompt
 from ..errors import ConfigError, DataError
-from ..sections import FinetuneConfig
+from ..config import FinetuneConfig
 
 IGNORE_INDEX = -100
 PROMPT_FIELDS, RESPONSE_FIELDS, TEXT_FIELDS = ("src", "src_txt"), ("tgt", "tgt_txt"), ("text", "src_txt")

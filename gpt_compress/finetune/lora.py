@@ -22,7 +22,6 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import math
 import os
@@ -33,7 +32,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from ..errors import CheckpointError, ConfigError
-from ..sections import LoraConfig
+from ..config import LoraConfig, matches_any
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -92,15 +91,11 @@ class LoRAEmbedding(nn.Layer):
         return self._parameters["weight"] + paddle.matmul(self.lora_A, self.lora_B) * self.scaling
 
 
-def _matches(name: str, globs) -> bool:
-    return any(fnmatch.fnmatchcase(name, g) for g in globs)
-
-
 def lora_plan(model, cfg: LoraConfig) -> list[str]:
     """Names of the ``nn.Linear`` and ``nn.Embedding`` layers ``cfg`` selects."""
     return [name for name, layer in model.named_sublayers()
-            if isinstance(layer, (nn.Linear, nn.Embedding)) and _matches(name, cfg.targets)
-            and not _matches(name, cfg.skip)]
+            if isinstance(layer, (nn.Linear, nn.Embedding)) and matches_any(name, cfg.targets)
+            and not matches_any(name, cfg.skip)]
 
 
 def lora_layers(model) -> dict[str, nn.Layer]:

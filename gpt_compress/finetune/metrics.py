@@ -11,23 +11,19 @@ import numpy as np
 import paddle
 
 from ..errors import ConfigError
-from ..train.loss import IGNORE_INDEX, lm_head_loss
+from ..train.loss import IGNORE_INDEX, as_tensor, lm_head_loss
 
 _CJK_RANGES = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _CJK = re.compile(f"[{_CJK_RANGES}]")
 _CJK_TOKENS = re.compile(f"[{_CJK_RANGES}]|[^\\s{_CJK_RANGES}]+")  # one CJK character, or a run of others
 
 
-def _tensor(x):
-    return x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
-
-
 def finetune_loss(model, batch: dict) -> paddle.Tensor:
     """Mean cross-entropy over the batch's target tokens (labels != -100): the trainer's loss.
     Packed batches carry ``segment_ids`` + ``position_ids``, padded ones ``attention_mask``."""
-    opt = {k: _tensor(batch[k]) for k in ("attention_mask", "position_ids", "segment_ids") if k in batch}
-    hidden = model.gpt(_tensor(batch["input_ids"]), **opt)
-    return lm_head_loss(model, hidden, _tensor(batch["labels"]).astype("int64"))
+    opt = {k: as_tensor(batch[k]) for k in ("attention_mask", "position_ids", "segment_ids") if k in batch}
+    hidden = model.gpt(as_tensor(batch["input_ids"]), **opt)
+    return lm_head_loss(model, hidden, as_tensor(batch["labels"]).astype("int64"))
 
 
 @paddle.no_grad()

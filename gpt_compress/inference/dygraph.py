@@ -1,13 +1,14 @@
-"""The dygraph backend: runs the Paddle model in eager mode behind ``DecodeBackend``."""
+"""The dygraph backend: runs the Paddle model in eager mode behind the ``Backend`` contract (``base.py``)."""
 from __future__ import annotations
 
 import numpy as np
 import paddle
 
 from ..model.gpt import label_logprobs
+from .base import Backend
 
 
-class DygraphBackend:
+class DygraphBackend(Backend):
     """Decode with a ``GPTForCausalLM`` in eager mode; the cache is a list of (k, v) tensors."""
 
     scores_positions = True  # hidden_states + head_scores: evaluation takes logits only where it scores
@@ -30,12 +31,6 @@ class DygraphBackend:
     def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache):
         """New tokens (B, 1) with the full mask (B, S + 1) -> logits (B, V), cache."""
         return self._step(input_ids, attention_mask, cache)
-
-    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache):
-        """New tokens (B, T), full mask (B, S + T) -> logits at every new position (B, T, V), cache."""
-        from ..model.speculative import decode_each
-
-        return decode_each(self.decode, input_ids, attention_mask, cache)
 
     def truncate_cache(self, cache, length: int):
         """The cache cut to its first ``length`` positions."""

@@ -13,7 +13,7 @@ $OMP_NUM_THREADS or all cores; one setting per process, passed as $GPTC_THREADS)
 Threads: unlike the unfused ``PaddleBackend`` (whose oneDNN/MKL kernels keep per-thread
 state, so its calls go to one worker thread), a fused predictor runs from any thread with
 bitwise the same outputs (``tests/test_fused.py``), so calls run on the caller's thread under
-the backend's lock (re-entrant: ``_call`` nests). That saves the worker-thread hop, two context
+the backend's lock (re-entrant: ``on_thread`` nests). That saves the worker-thread hop, two context
 switches per decode step. Each thread that calls owns one libgomp team of ``threads - 1``
 helpers for its life; parallel serving still gives each thread its own ``clone()``.
 
@@ -34,7 +34,8 @@ import numpy as np
 
 from ..errors import KernelError
 from ..kernels import control as make_control
-from ..runtime import GOMP_SPINCOUNT, math_threads, openmp_spin, restore_math_threads
+from ..runtime import GOMP_SPINCOUNT, openmp_spin, restore_math_threads
+from .base import Backend, resolve_threads
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (a growth adds at least this many)
@@ -65,12 +66,11 @@ class FusedCache:
         return int(self.tensors[0].shape[2])
 
 
-def _threads(n: int) -> int:
-    return n if n > 0 else math_threads()
+class FusedBackend(Backend):
+    """The ``Backend`` running ``fused.json`` with Paddle Inference on CPU."""
 
-
-class FusedBackend:
-    """``DecodeBackend`` + ``score`` running ``fused.json`` with Paddle Inference on CPU."""
+    scores_rows = True  # the head only at the scored positions, float or int8 (``eval/scoring.py``)
+    serve_decoder = "slots"  # the in-place cache takes rows in place (``serve/slots.py``)
 
     def __init__(self, model_dir: Union[str, Manifest], verify: bool = True, threads: int = DEFAULT_THREADS,
                  reserve: int = RESERVE, greedy_steps: int = GREEDY_STEPS):
@@ -81,14 +81,17 @@ class FusedBackend:
         if not info:
             raise ModelDirError(f"{self.manifest.path} has no fused program; re-export it with this "
                                 "gpt-compress, or pass fused=False")
+        check_kernel_version(self.manifest)
         self.files = {"model": self.manifest.file(info["model"]), "params": self.manifest.file(info["params"])}
         if verify:
             verify_files(self.manifest.path, [info["model"], info["params"]])
         load_ops()  # registers the operators: before the predictor is created
         self.layers = self.manifest.layers
-        self.threads, self.reserve = _threads(threads), reserve
-        # Greedy steps per program run (``decode_greedy_steps``): kernel version 3 programs only.
-        self.greedy_steps = max(1, greedy_steps) if "control" in info.get("inputs", ()) else 1
+        self.threads, self.reserve = resolve_threads(threads), reserve
+        # Greedy steps per program run (``decode_greedy_steps``); a tensor-parallel rank program
+        # (``export/fused_tp.py``: collectives between its ops) has no ``control`` input and runs one.
+        self.controlled = "control" in info.get("inputs", ("control",))
+        self.greedy_steps = max(1, greedy_steps) if self.controlled else 1
         if self.threads > 1 and not openmp_spin():
             asked = f"{self.threads} threads as asked" if threads else "1 thread"
             if not threads:
@@ -111,19 +114,16 @@ class FusedBackend:
 
         return create_predictor(self.files, ProgramOptions(threads=self.threads))
 
-    def _call(self, fn, *args):
+    def on_thread(self, fn, *args):
         """Run ``fn(*args)`` on the calling thread, one call of this backend at a time."""
         with self._lock:
             return fn(*args)
 
-    def clone(self) -> "FusedBackend":
-        """An independent backend (own lock, own predictor) sharing this one's weights."""
-        other = object.__new__(FusedBackend)
-        other.__dict__.update(self.__dict__)
-        other._lock = threading.RLock()
-        other._pred = self._call(self._pred.clone)
-        other._io, other._bound = None, []
-        return other
+    def _init_clone(self, source: "FusedBackend") -> None:
+        """Own lock, own predictor (sharing ``source``'s weights), no handles bound yet."""
+        self._lock = threading.RLock()
+        self._pred = source._pred.clone()
+        self._io, self._bound = None, []
 
     # ------------------------------------------------------------------ cache
     def _alloc(self, batch: int, capacity: int) -> list:
@@ -151,8 +151,8 @@ class FusedBackend:
         run's tensors: a decode step binds nothing), the logits copied out. Per batch-1 step
         this saves the three ``paddle.to_tensor`` and most of ``Predictor.run(list)``'s own
         cost (bench/kernels.py's ``decode_wrapper``). ``tokens``: the argmax per row instead of
-        the logits (the program's second output, else ``np.argmax`` of the logits); with
-        ``control`` (version 3: ``decode_greedy_steps``) the (n, steps) tokens."""
+        the logits (the program's second output: ``np.argmax``'s choice); with ``control``
+        (``decode_greedy_steps``) the (n, steps) tokens."""
         if self._io is None:
             names = self._pred.get_input_names()
             self._io = ([self._pred.get_input_handle(n) for n in names],
@@ -160,7 +160,7 @@ class FusedBackend:
         inputs, outputs = self._io
         for handle, arr in zip(inputs, (ids, mask, rows)):
             handle.copy_from_cpu(np.ascontiguousarray(arr, dtype=np.int64))
-        if len(inputs) > 3 + len(caches):  # kernel version 3: ``control`` last (one step unless asked)
+        if self.controlled:  # ``control`` last: one step unless asked for more
             inputs[-1].copy_from_cpu(control if control is not None else make_control(ids.shape[0]))
         bound = self._bound
         if len(bound) != len(caches) or any(a is not b for a, b in zip(bound, caches)):
@@ -171,14 +171,12 @@ class FusedBackend:
         restore_math_threads()  # the run set the process's count to the predictor's (runtime.py)
         if not tokens:
             return outputs[0].copy_to_cpu()
-        if len(outputs) == 1:
-            return np.argmax(outputs[0].copy_to_cpu(), axis=-1)
-        out = outputs[1].copy_to_cpu()  # (n,), or (n, steps) from a version-3 program
+        out = outputs[1].copy_to_cpu()  # (n, steps)
         return out if control is not None else out.reshape(-1)
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
         """Prompt (B, T) -> last logits (B, V) float32, cache."""
-        return self._call(self._prefill, input_ids, attention_mask)
+        return self.on_thread(self._prefill, input_ids, attention_mask)
 
     def _prefill(self, input_ids, attention_mask):
         b, t = input_ids.shape
@@ -189,36 +187,35 @@ class FusedBackend:
     def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
         """New tokens (B, T) with the full mask (B, S + T) -> logits (B, V), the cache (updated in
         place: do not reuse the old one)."""
-        return self._call(self._decode, input_ids, attention_mask, cache)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache)
 
     def decode_greedy(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
         """``decode``'s argmax token per row (B,) int64 (``np.argmax``'s choice) and the cache: the
         program's token output when it has one (the logits stay in the predictor), else the
         argmax of the logits."""
-        return self._call(self._decode, input_ids, attention_mask, cache, True)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache, True)
 
     def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache,
                             steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
                             suppress_eos: int = 0):
-        """``steps`` greedy decode steps in one program run (kernel version 3; ``greedy_steps``
-        says how many a caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
+        """``steps`` greedy decode steps in one program run (``greedy_steps`` says how many a
+        caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
         (B, S + 1), then each step's tokens with one more mask column of ones. Returns the tokens
         (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
         (B,) bool before the call or by an earlier step's ``eos_token_id`` (as
         ``generation.stream_tokens`` step by step), and the cache, now holding S + steps positions.
         The first ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its
         logit taken as -inf)."""
-        if self.greedy_steps < 2:
-            raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (kernel version "
-                             f"{self.manifest.data['fused']['kernel'].get('version')}); re-export for several")
+        if not self.controlled:
+            raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (greedy_steps is 1)")
         control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)
-        return self._call(self._decode, input_ids, attention_mask, cache, True, control)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache, True, control)
 
     def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
         """New tokens (B, T) with the full mask (B, S + T) -> logits at every new position (B, T, V)
         in one program run (speculative decoding's verify step: the arithmetic of each position is
         bitwise that of feeding them one by one), the cache (updated in place)."""
-        return self._call(self._decode, input_ids, attention_mask, cache, False, None, True)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache, False, None, True)
 
     def truncate_cache(self, cache: FusedCache, length: int) -> FusedCache:
         """The cache cut to ``length`` positions: only its length changes (the next run overwrites
@@ -247,7 +244,7 @@ class FusedBackend:
 
     def reorder_cache(self, cache: FusedCache, rows: np.ndarray) -> FusedCache:
         """Gather cache rows (beam search): new tensors."""
-        return self._call(self._reorder, cache, rows)
+        return self.on_thread(self._reorder, cache, rows)
 
     def _reorder(self, cache, rows):
         import paddle
@@ -257,26 +254,35 @@ class FusedBackend:
 
     def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Full-sequence logits (B, T, V) float32."""
-        return self._call(self._score, input_ids, attention_mask)
+        return self.on_thread(self._score, input_ids, attention_mask)
 
     def _score(self, input_ids, attention_mask):
         b, t = input_ids.shape
         return self._logits_at(input_ids, attention_mask, np.arange(b * t)).reshape(b, t, -1)
 
-    # Evaluation of an export without the scoring programs (``eval/scoring.py``): the head only at
-    # the scored positions, float or int8.
-    scores_rows = True
-
     def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
         """Logits (n, V) float32 at the flat positions ``rows`` (n,) of ``input_ids`` (B, T)
         (``b * T + t``): the body runs on the whole batch, the LM head only at those rows."""
-        return self._call(self._logits_at, input_ids, attention_mask, rows)
+        return self.on_thread(self._logits_at, input_ids, attention_mask, rows)
 
     def _logits_at(self, input_ids, attention_mask, rows):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
         return self._run(input_ids, attention_mask, rows, self._alloc(b, t))
+
+
+def check_kernel_version(manifest: Manifest) -> None:
+    """Raise ``ModelDirError`` (one line: what to run) when ``manifest``'s fused program is of
+    another kernel version than the operators run (``kernels.KERNEL_VERSION``)."""
+    from ..kernels import KERNEL_VERSION
+
+    version = manifest.data.get("fused", {}).get("kernel", {}).get("version")
+    if version != KERNEL_VERSION:
+        raise ModelDirError(f"{manifest.path}: its fused program is of kernel version {version}, and this "
+                            f"gpt-compress runs version {KERNEL_VERSION} only; export it again from its checkpoint "
+                            f"(gptc export --model CHECKPOINT --output {manifest.path} --overwrite), or run the "
+                            "unfused programs (--no-fused, fused=False)")
 
 
 def paddle_backend(manifest: Manifest, fused: Optional[bool] = None, verify: bool = True, **options):

@@ -96,7 +96,7 @@ def head_scorer(files: dict, hidden: int, vocab: int, program) -> Optional[HeadS
         from ..kernels import load_ops
 
         ops = load_ops()
-        weight = _head_weight(files["params"], hidden, vocab) if hasattr(ops, "gptc_head_score") else None
+        weight = _head_weight(files["params"], hidden, vocab)
     except (KernelError, OSError, ValueError, RuntimeError):
         return None
     if weight is None:

@@ -1,4 +1,4 @@
-"""onnxruntime backend: ``DecodeBackend`` + ``score`` over the ONNX programs of an export.
+"""onnxruntime backend: the ``Backend`` (``base.py``) over the ONNX programs of an export.
 
 IO binding keeps the KV cache inside onnxruntime: each step's ``present_*`` outputs are
 ``OrtValue``s bound as the next step's ``past_*`` inputs, never copied through numpy; only the
@@ -17,6 +17,7 @@ from typing import Optional, Union
 import numpy as np
 import onnxruntime as ort
 
+from .base import Backend
 from .manifest import SCORE_PROGRAMS, Manifest, ModelDirError, read_manifest, verify_files
 
 GRAPH_OPT = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -40,7 +41,7 @@ def session_options(threads: int = 0, graph_opt: str = "all") -> ort.SessionOpti
     return so
 
 
-class OrtBackend:
+class OrtBackend(Backend):
     """Runs the exported ONNX programs with onnxruntime. The cache is the list of present
     ``OrtValue``s [k_0, v_0, k_1, ...], each (B, H_i, S, D)."""
 
@@ -101,13 +102,6 @@ class OrtBackend:
             past[f"past_key_{i}"], past[f"past_value_{i}"] = cache[2 * i], cache[2 * i + 1]
         outs = self._run("decode", {"input_ids": input_ids, "attention_mask": attention_mask}, past)
         return outs[0].numpy(), list(outs[1:])
-
-    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache):
-        """New tokens (B, T), full mask (B, S + T) -> logits at every new position (B, T, V), cache:
-        one ``decode`` per position (the program returns only the last position's logits)."""
-        from ..model.speculative import decode_each
-
-        return decode_each(self.decode, input_ids, attention_mask, cache)
 
     def truncate_cache(self, cache, length: int):
         """The cache cut to its first ``length`` positions (copied through numpy)."""

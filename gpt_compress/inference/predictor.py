@@ -1,4 +1,4 @@
-"""Paddle Inference backend: ``DecodeBackend`` + ``score`` over an exported model directory.
+"""Paddle Inference backend: the ``Backend`` (``base.py``) over an exported model directory.
 
 Predictors are created on first use (a generation-only server never loads ``forward``), one
 per *role*, each with its own ``ProgramOptions``:
@@ -48,13 +48,14 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..runtime import cpu_flags, math_threads, prefer_mkl_avx2, restore_math_threads
+from ..runtime import cpu_flags, prefer_mkl_avx2, restore_math_threads
 
 prefer_mkl_avx2()  # before Paddle's first matmul (MKL reads it once): AVX2 kernels on AMD CPUs
 
 import paddle  # noqa: E402
 import paddle.inference as pi  # noqa: E402
 
+from .base import Backend, resolve_threads  # noqa: E402
 from .manifest import SCORE_PROGRAMS, SPLIT_PROGRAMS, Manifest, ModelDirError, read_manifest, verify_files  # noqa: E402
 
 ROLES = {"prefill": "prefill", "decode": "decode", "decode_batched": "decode", "forward": "forward",
@@ -86,10 +87,6 @@ def default_options(device: str = "cpu") -> dict[str, ProgramOptions]:
             "forward_hidden": ProgramOptions(onednn=True), "score_head": ProgramOptions()}
 
 
-def _threads(n: int) -> int:
-    return n if n > 0 else math_threads()
-
-
 def gpu_available() -> bool:
     """True when this Paddle build has CUDA and sees a device."""
     return paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
@@ -108,7 +105,7 @@ def make_config(files: dict[str, str], opts: ProgramOptions, device: str = "cpu"
         config.enable_use_gpu(256, gpu_id)
     else:
         config.disable_gpu()
-        config.set_cpu_math_library_num_threads(_threads(opts.threads))
+        config.set_cpu_math_library_num_threads(resolve_threads(opts.threads))
         if opts.passes and opts.ir_optim:
             config.enable_custom_passes(list(opts.passes), False)  # False: Paddle's own passes run too
         if opts.onednn:
@@ -137,7 +134,7 @@ class PaddleCache:
     length: int
 
 
-class PaddleBackend:
+class PaddleBackend(Backend):
     """Runs the exported ``prefill``/``decode``/``forward`` programs with Paddle Inference.
 
     When decode runs on oneDNN the cache is *bucketed*: kept in buffers whose length grows in
@@ -171,21 +168,18 @@ class PaddleBackend:
         self._place = paddle.CUDAPlace(gpu_id) if device == "gpu" else paddle.CPUPlace()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-predictor")
 
-    def _call(self, fn, *args):
+    def on_thread(self, fn, *args):
         """Run ``fn(*args)`` on this backend's worker thread (see the module docstring)."""
         return self._worker.submit(fn, *args).result()
 
-    def clone(self) -> "PaddleBackend":
-        """An independent backend (own worker thread) whose predictors share these weights."""
-        other = object.__new__(PaddleBackend)
-        other.__dict__.update(self.__dict__)
-        other._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-predictor")
-        other._predictors = self._call(lambda: {k: p.clone() for k, p in self._predictors.items()})
-        return other
+    def _init_clone(self, source: "PaddleBackend") -> None:
+        """Own worker thread; predictors that share ``source``'s weights."""
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle-predictor")
+        self._predictors = {k: p.clone() for k, p in source._predictors.items()}
 
     def predictor(self, role: str) -> pi.Predictor:
         """The predictor of ``role`` (a key of ``ROLES``), created on first use (by the worker)."""
-        return self._call(self._predictor, role)
+        return self.on_thread(self._predictor, role)
 
     def _predictor(self, role: str) -> pi.Predictor:
         if role not in self._predictors:
@@ -195,7 +189,7 @@ class PaddleBackend:
 
     def release(self) -> None:
         """Drop the predictors (each holds its own copy of the weights); re-created on next use."""
-        self._call(self._predictors.clear)
+        self.on_thread(self._predictors.clear)
         self._scorer = None
 
     def _run(self, role: str, feeds: dict[str, paddle.Tensor]) -> list[paddle.Tensor]:
@@ -216,19 +210,12 @@ class PaddleBackend:
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray):
         """Prompt (B, T) -> last logits (B, V) float32, cache."""
-        return self._call(self._prefill, input_ids, attention_mask)
+        return self.on_thread(self._prefill, input_ids, attention_mask)
 
     def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: PaddleCache):
         """New tokens (B, T) with the full mask (B, S + T) -> logits (B, V), grown cache.
         A bucketed cache is updated in place: do not reuse ``cache`` after this call."""
-        return self._call(self._decode, input_ids, attention_mask, cache)
-
-    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: PaddleCache):
-        """New tokens (B, T), full mask (B, S + T) -> logits at every new position (B, T, V), cache:
-        one ``decode`` per position (the programs return only the last position's logits)."""
-        from ..model.speculative import decode_each
-
-        return decode_each(self.decode, input_ids, attention_mask, cache)
+        return self.on_thread(self._decode, input_ids, attention_mask, cache)
 
     def truncate_cache(self, cache: PaddleCache, length: int) -> PaddleCache:
         """The cache cut to ``length`` positions (no copy: ``decode`` reads the first ``length``)."""
@@ -238,20 +225,20 @@ class PaddleBackend:
 
     def reorder_cache(self, cache: PaddleCache, rows: np.ndarray) -> PaddleCache:
         """Gather cache rows (beam search)."""
-        return self._call(self._reorder_cache, cache, rows)
+        return self.on_thread(self._reorder_cache, cache, rows)
 
     def score(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Full-sequence logits (B, T, V) float32 from the ``forward`` program."""
-        return self._call(self._score, input_ids, attention_mask)
+        return self.on_thread(self._score, input_ids, attention_mask)
 
     def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Final hidden states (B, T, hidden) float32 from ``forward_hidden`` (``scores_positions``)."""
-        return self._call(self._score, input_ids, attention_mask, "forward_hidden")
+        return self.on_thread(self._score, input_ids, attention_mask, "forward_hidden")
 
     def head_scores(self, hidden: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """hidden (N, hidden) float32, labels (N,) -> log p(label) (N,) float64, argmax (N,) int64
         from ``score_head``: logits exist only for these N rows."""
-        return self._call(self._head_scores, hidden, labels)
+        return self.on_thread(self._head_scores, hidden, labels)
 
     def _prefill(self, input_ids, attention_mask):
         outs = self._run("prefill", {"input_ids": self._tensor(input_ids),

@@ -83,7 +83,7 @@ def _load_tokenizer(path: str):
 
 
 class Generator:
-    """Generation and scoring over one ``DecodeBackend`` (+ ``score``)."""
+    """Generation and scoring over one ``Backend`` (``base.py``)."""
 
     def __init__(self, backend, *, vocab_size: int, max_positions: int, eos_token_id: Optional[int],
                  pad_token_id: int, tokenizer=None, name: str = "", prompt_tokens: int = 0,
@@ -304,7 +304,7 @@ class Generator:
         """True when the backend has ``hidden_states`` + ``head_scores`` (float and int8 exports
         with the scoring programs, and dygraph); else evaluation takes ``logits_at`` (``scores_rows``)
         or ``score``'s full logits (``eval/scoring.py``)."""
-        return bool(getattr(self.backend, "scores_positions", False))
+        return bool(self.backend.scores_positions)
 
     def hidden_states(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
         """Final hidden states (B, T, hidden) float32 (needs ``scores_positions``)."""
@@ -329,7 +329,7 @@ class Generator:
     def scores_rows(self) -> bool:
         """True when the backend has ``logits_at`` (the fused Paddle program, float or int8): the
         body runs on the batch and the LM head only at chosen rows, in one call."""
-        return bool(getattr(self.backend, "scores_rows", False))
+        return bool(self.backend.scores_rows)
 
     def logits_at(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray) -> np.ndarray:
         """Logits (n, V) float32 at the flat positions ``rows`` (``b * T + t``) of ``input_ids``

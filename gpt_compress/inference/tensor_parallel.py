@@ -9,7 +9,7 @@
 predictors on its ``rank_{r}/`` directory, then all of them run the same numpy decoding loop
 (``model/generation.py``) in lock-step: after each program call the ranks all-gather their
 vocabulary slices of the logits, so every rank picks the same next token. Rank 0 writes the
-result. ``TensorParallelBackend`` is the ``DecodeBackend`` doing that gather. Each rank runs its
+result. ``TensorParallelBackend`` is the ``Backend`` doing that gather. Each rank runs its
 fused program (``export/fused_tp.py``, our operators with Paddle's all-reduce between them)
 when its directory has one and the operators build here, else its unfused programs. For
 evaluation a rank's head holds a vocabulary slice, so its log-sum-exp is not the model's:
@@ -27,17 +27,18 @@ from typing import Optional
 import numpy as np
 
 from ..fileio import write_json_atomic
+from .base import Backend
 from .manifest import MANIFEST, read_tp_manifest
 
 
-class TensorParallelBackend:
+class TensorParallelBackend(Backend):
     """``prefill``/``decode``/``score``/``reorder_cache`` of rank ``rank``'s programs with the
     logits all-gathered along the vocabulary (every rank returns the full logits)."""
 
     def __init__(self, model_dir: str, rank: int, device: str = "cpu", fused: Optional[bool] = None, **options):
         self.top = read_tp_manifest(model_dir) if os.path.isfile(os.path.join(model_dir, MANIFEST)) else None
         self.local = rank_backend(os.path.join(model_dir, f"rank_{rank}"), device, fused, **options)
-        self.fused = type(self.local).__name__ == "FusedBackend"
+        self.fused = type(self.local).__name__ == "FusedBackend"  # the rank's fused program runs
         self.rank = rank
 
     def _gather(self, local: np.ndarray) -> np.ndarray:
@@ -62,6 +63,10 @@ class TensorParallelBackend:
         """Gather cache rows (beam search)."""
         return self.local.reorder_cache(cache, rows)
 
+    def truncate_cache(self, cache, length):
+        """This rank's cache cut to its first ``length`` positions."""
+        return self.local.truncate_cache(cache, length)
+
     def score(self, input_ids, attention_mask=None):
         """Full-sequence logits (B, T, V), gathered over the ranks."""
         return self._gather(self.local.score(input_ids, attention_mask))
@@ -73,7 +78,7 @@ class TensorParallelBackend:
         """This rank's logits slice (n, V / mp) at the flat positions ``rows``: the fused program
         computes the head only there, the unfused ``forward`` everywhere."""
         rows = np.asarray(rows, dtype=np.int64)
-        if hasattr(self.local, "logits_at"):
+        if self.local.scores_rows:
             return self.local.logits_at(input_ids, attention_mask, rows)
         local = self.local.score(input_ids, attention_mask)
         return local.reshape(-1, local.shape[-1])[rows]

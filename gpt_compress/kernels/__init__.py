@@ -4,9 +4,10 @@ The C++ is one translation unit split by concern: ``gptc_ops.cc`` (the formats a
 batch-invariance contract) #includes ``gptc_common.h`` (profiler, thread count, vector helpers),
 ``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_linear.h`` (input quantization,
 linear_block), ``gptc_gemv.h`` (M = 1 kernels, the Linear entry points), ``gptc_norm_attention.h``,
-``gptc_decoder_ops.h`` (gptc_embed/gptc_layer/gptc_head), ``gptc_decoder_stack.h``
-(gptc_decoder, gptc_generate: all of them in one call), ``gptc_head_score.h`` and ``gptc_tp_ops.h`` (the
-tensor-parallel rank programs' ops); ``SOURCES``
+``gptc_decoder_ops.h`` (the layer machinery: embedding, block, head inputs),
+``gptc_decoder_stack.h`` (gptc_generate: the whole decoder in one call),
+``gptc_head_score.h`` (gptc_head_score) and ``gptc_tp_ops.h`` (the tensor-parallel rank
+programs' ops); ``SOURCES``
 lists them all. ``load_ops()`` compiles the unit with ``paddle.utils.cpp_extension.load`` (g++,
 ``-O3 -fopenmp`` and the instruction set of ``$GPTC_KERNEL_ISA``: ``native``, the default, is
 ``-march=native``; ``avx2`` is x86-64-v3, AVX2 + FMA + F16C without AVX-512 or VNNI, the build
@@ -52,8 +53,9 @@ SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gp
            "gptc_bench.h")
 SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
-# Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests).
-KERNEL_VERSION = 3  # 3: gptc_generate, 2: gptc_decoder, 1: per-layer ops (all still run)
+# Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests);
+# only this version's programs run (an older export is exported again: inference/fused.py says so).
+KERNEL_VERSION = 3  # gptc_generate (2: gptc_decoder, 1: per-layer ops, no longer registered)
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
 # $GPTC_KERNEL_ISA -> the instruction-set flags of the build, and the CPU flags the host needs to
 # run it. avx2 is x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE): the kernels' AVX2 + FMA
@@ -65,8 +67,8 @@ ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "b
 # $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (libiomp5 is not linked instead:
 # its threads spin for KMP_BLOCKTIME after every region, which stalls a busy machine.)
 LDFLAGS = ["-fopenmp"]
-OPS = ("gptc_generate", "gptc_decoder", "gptc_embed", "gptc_layer", "gptc_head", "gptc_tp_embed", "gptc_tp_attention",
-       "gptc_tp_mlp", "gptc_tp_head")
+OPS = ("gptc_generate", "gptc_head_score", "gptc_tp_embed", "gptc_tp_attention", "gptc_tp_mlp",
+       "gptc_tp_head")  # every operator the library registers
 
 _lock = threading.Lock()
 _module = None

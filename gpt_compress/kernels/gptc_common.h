@@ -120,6 +120,25 @@ struct Lin {
   float act = -1.f;
 };
 
+// ---------------------------------------------------------------------------- weight formats
+// The weight block formats, defined here once for the kernels and once in Python
+// (export/fused.py's WEIGHT_FORMAT, which writes them; tests/test_kernel_sources.py checks that
+// the two agree). A Linear weight is (N, K), K contiguous; an int weight has float scales
+// (N, K / blk), one per block of blk inputs (blk = K / the scales' columns).
+namespace weight_format {
+constexpr int kFloatBits = 32;       // float32 values
+constexpr int kInt8Bits = 8;         // one signed code a byte (codes of 2..8 bits are stored so)
+constexpr int kInt4Bits = 4;         // two codes a byte, packed in runs
+constexpr int kInt4Run = 32;         // inputs of one packed run
+constexpr int kInt4RunBytes = 16;    // its bytes: byte j holds input j (low nibble), j + 16 (high)
+constexpr int kInt4HighInput = 16;   // the input a byte's high nibble holds, past the low one's
+constexpr int kInt4Offset = 8;       // a code w is stored as w + 8 (0..15)
+static_assert(kInt4RunBytes * 8 == kInt4Run * kInt4Bits, "a run's bytes hold its codes exactly");
+static_assert(kInt4HighInput == kInt4RunBytes, "byte j holds inputs j and j + 16: one 16-byte load unpacks 32");
+static_assert(kInt4Offset == 1 << (kInt4Bits - 1), "signed codes -8..7 stored unsigned 0..15");
+static_assert(kInt4Run % 8 == 0 && kInt8Bits == 8, "runs of whole 8-lane vectors, int8 codes one a byte");
+}  // namespace weight_format
+
 // A weight as the kernels see it: (d0, d1) values at p (d1 = 1 for a vector), float32 or int8;
 // a tensor's own memory (view()) or a piece of a packed weights blob (gptc_decoder_stack.h).
 struct View {
@@ -146,19 +165,21 @@ Lin make_lin(const View& w, const View& s, const float* bias, int bits, float ac
   L.bits = bits;
   L.act = act;
   L.n = w.d0;
-  if (bits == 32) {
+  if (bits == weight_format::kFloatBits) {
     PD_CHECK(!w.i8, "gptc: float weight expected");
     L.wf = w.f();
     L.k = w.d1;
   } else {
     PD_CHECK(w.i8, "gptc: int8 weight codes expected");
-    PD_CHECK(bits == 8 || bits == 4, "gptc: weights must be 32, 8 or 4 bits");
+    PD_CHECK(bits == weight_format::kInt8Bits || bits == weight_format::kInt4Bits,
+             "gptc: weights must be 32, 8 or 4 bits");
     PD_CHECK(!s.i8 && s.d1 > 0, "gptc: float weight scales expected");
     L.wq = w.q();
-    L.k = bits == 4 ? w.d1 * 2 : w.d1;
+    L.k = bits == weight_format::kInt4Bits ? w.d1 * (8 / weight_format::kInt4Bits) : w.d1;
     L.scale = s.f();
     L.blk = L.k / s.d1;
-    PD_CHECK(bits == 8 || L.k % 32 == 0, "gptc: int4 weights need a multiple of 32 inputs");
+    PD_CHECK(bits == weight_format::kInt8Bits || L.k % weight_format::kInt4Run == 0,
+             "gptc: int4 weights need a multiple of 32 inputs");
     PD_CHECK(s.d0 == L.n && L.blk * s.d1 == L.k, "gptc: weight scale shape mismatch");
   }
   L.bias = bias;
@@ -213,7 +234,9 @@ inline __m256i unpack_u4(const int8_t* p) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 // The same 32 codes signed (w = c - 8, -8..7).
-inline __m256i unpack_i4(const int8_t* p) { return _mm256_sub_epi8(unpack_u4(p), _mm256_set1_epi8(8)); }
+inline __m256i unpack_i4(const int8_t* p) {
+  return _mm256_sub_epi8(unpack_u4(p), _mm256_set1_epi8(weight_format::kInt4Offset));
+}
 
 // The total of a dot's 8 int32 lanes, and of four dots (lane j: d_j's), exact in any order.
 inline int32_t total(__m256i d) {

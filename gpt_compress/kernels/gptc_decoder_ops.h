@@ -1,5 +1,6 @@
-// The decoder's operators and their PD_BUILD_OP registrations: gptc_embed, gptc_layer (the KV
-// cache written in place) and gptc_head.
+// The decoder's layer machinery that gptc_generate (gptc_decoder_stack.h) runs: the embedding
+// tables (embed_rows), one block with its KV cache written in place (layer_step) and the head's
+// inputs (head_inputs).
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_DECODER_OPS_H_
 #define GPTC_KERNELS_GPTC_DECODER_OPS_H_
@@ -82,7 +83,7 @@ struct LayerW {
   int64_t H, D, F;
 };
 
-// w: the block's 16 weights in gptc_layer's input order (Ln1W .. ProjB); bits, act: 4 each.
+// w: the block's 16 weights in the layout's order (Ln1W .. ProjB: gptc_decoder_stack.h); bits, act: 4 each.
 LayerW make_layer(const View* w, int64_t C, int64_t heads, int64_t head_dim, const int* bits, const float* act) {
   LayerW l;
   for (int j : {0, 1, 4, 7, 8, 9, 12, 15})
@@ -288,154 +289,5 @@ In head_inputs(const Lin& head, const Step& s, const float* x, const int64_t* r,
 }
 
 }  // namespace
-
-// The three ops of the per-layer programs (exports before gptc_decoder; still registered).
-std::vector<paddle::Tensor> EmbedForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
-                                         const paddle::Tensor& wte, const paddle::Tensor& wte_s,
-                                         const paddle::Tensor& wpe, const paddle::Tensor& wpe_s,
-                                         int wte_bits, int wpe_bits) {
-  const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1];
-  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_embed: mask must be (B, S+T)");
-  op_enter(T > 1);
-  Laps lp(T > 1);
-  const int64_t C = table_width(view(wte), wte_bits);
-  auto out = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, ids.place());
-  embed_rows(make_table(view(wte), view(wte_s), wte_bits), make_table(view(wpe), view(wpe_s), wpe_bits), C, ids.data<int64_t>(),
-             mask.data<int64_t>(), T, L, 0, B, out.data<float>());
-  lp.lap(kEmbed);
-  op_exit(false);
-  return {out};
-}
-
-std::vector<std::vector<int64_t>> EmbedShape(const std::vector<int64_t>& ids, const std::vector<int64_t>& mask,
-                                             const std::vector<int64_t>& wte, const std::vector<int64_t>& wte_s,
-                                             const std::vector<int64_t>& wpe, const std::vector<int64_t>& wpe_s) {
-  return {{ids[0], ids[1], -1}};  // hidden size depends on the weight format
-}
-
-std::vector<paddle::DataType> EmbedDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-                                         const paddle::DataType&, const paddle::DataType&,
-                                         const paddle::DataType&) {
-  return {paddle::DataType::FLOAT32};
-}
-
-PD_BUILD_OP(gptc_embed)
-    .Inputs({"Ids", "Mask", "Wte", "WteScale", "Wpe", "WpeScale"})
-    .Outputs({"Out"})
-    .Attrs({"wte_bits: int", "wpe_bits: int"})
-    .SetKernelFn(PD_KERNEL(EmbedForward))
-    .SetInferShapeFn(PD_INFER_SHAPE(EmbedShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(EmbedDtype));
-
-std::vector<paddle::Tensor> LayerForward(
-    const paddle::Tensor& x, const paddle::Tensor& mask, paddle::Tensor& kc, paddle::Tensor& vc,
-    const paddle::Tensor& ln1_w, const paddle::Tensor& ln1_b, const paddle::Tensor& qkv_w,
-    const paddle::Tensor& qkv_s, const paddle::Tensor& qkv_b, const paddle::Tensor& out_w,
-    const paddle::Tensor& out_s, const paddle::Tensor& out_b, const paddle::Tensor& ln2_w,
-    const paddle::Tensor& ln2_b, const paddle::Tensor& fc_w, const paddle::Tensor& fc_s,
-    const paddle::Tensor& fc_b, const paddle::Tensor& proj_w, const paddle::Tensor& proj_s,
-    const paddle::Tensor& proj_b, int num_heads, float eps, int activation, const std::vector<int>& bits,
-    const std::vector<float>& act) {
-  PD_CHECK(bits.size() == 4 && act.size() == 4, "gptc_layer: bits and act need 4 entries");
-  const int64_t B = x.dims()[0], T = x.dims()[1], C = x.dims()[2], L = mask.dims()[1];
-  op_enter(T > 1);
-  Laps lp(T > 1);
-  PD_CHECK(L >= T, "gptc_layer: mask must be (B, S+T)");
-  check_cache(kc, vc, B, num_heads, L);
-  const View w[16] = {view(ln1_w), view(ln1_b), view(qkv_w), view(qkv_s), view(qkv_b), view(out_w),
-                      view(out_s), view(out_b), view(ln2_w), view(ln2_b), view(fc_w),  view(fc_s),
-                      view(fc_b),  view(proj_w), view(proj_s), view(proj_b)};
-  const LayerW lw = make_layer(w, C, num_heads, kc.dims()[3], bits.data(), act.data());
-  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, lw.H * lw.D, lw.F, kmax_of(lw), 0, eps, activation);
-  auto y = paddle::empty({B, T, C}, paddle::DataType::FLOAT32, x.place());
-  // One parallel region for the layer (its fork is in the ln1 lap).
-#pragma omp parallel num_threads(s.nt)
-  {
-    layer_step(lw, s, x.data<float>(), y.data<float>(), kc.data<float>(), vc.data<float>(), kc.dims()[2], lp,
-               omp_get_thread_num() == 0);
-    trim(t_scratch);
-  }
-  trim(t_shared);
-  op_exit(false);
-  return {y};
-}
-std::vector<std::vector<int64_t>> LayerShape(
-    const std::vector<int64_t>& x, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&) {
-  return {x};
-}
-
-std::vector<paddle::DataType> LayerDtype(
-    const paddle::DataType& x, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
-  return {x};
-}
-
-PD_BUILD_OP(gptc_layer)
-    .Inputs({"X", "Mask", "KCache", "VCache", "Ln1W", "Ln1B", "QkvW", "QkvS", "QkvB", "OutW", "OutS", "OutB",
-             "Ln2W", "Ln2B", "FcW", "FcS", "FcB", "ProjW", "ProjS", "ProjB"})
-    .Outputs({"Out", "KCacheOut", "VCacheOut"})
-    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
-    .Attrs({"num_heads: int", "eps: float", "activation: int", "bits: std::vector<int>",
-            "act: std::vector<float>"})
-    .SetKernelFn(PD_KERNEL(LayerForward))
-    .SetInferShapeFn(PD_INFER_SHAPE(LayerShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(LayerDtype));
-
-// ---------------------------------------------------------------------------------- head
-std::vector<paddle::Tensor> HeadForward(const paddle::Tensor& x, const paddle::Tensor& rows,
-                                        const paddle::Tensor& ln_w, const paddle::Tensor& ln_b,
-                                        const paddle::Tensor& w, const paddle::Tensor& s, float eps, int bits,
-                                        float act) {
-  const int64_t C = x.dims()[x.dims().size() - 1], total = x.numel() / C, n = rows.numel();
-  const int kind = x.dims().size() == 3 && x.dims()[1] > 1;
-  op_enter(kind);
-  Laps lp(kind);
-  const Lin head = make_lin(w, s, nullptr, bits, act);
-  PD_CHECK(head.k == C, "gptc_head: weight has ", head.k, " inputs, hidden size is ", C);
-  float* sel = grow(t_shared.sel, size_t(n * C));
-  float* h = grow(t_shared.h, size_t(n * C));
-  const int64_t* r = rows.data<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    PD_CHECK(r[i] >= 0 && r[i] < total, "gptc_head: row index out of range");
-    std::memcpy(sel + i * C, x.data<float>() + r[i] * C, C * sizeof(float));
-  }
-  layer_norm(sel, n, C, ln_w.data<float>(), ln_b.data<float>(), eps, h);
-  lp.lap(kHeadLn);
-  auto out = paddle::empty({n, head.n}, paddle::DataType::FLOAT32, x.place());
-  linear(head, h, n, out.data<float>());
-  trim(t_shared);
-  trim(t_scratch);  // the other threads' scratch of the head is one tile each
-  lp.lap(kHead);
-  op_exit(true);
-  return {out};
-}
-
-std::vector<std::vector<int64_t>> HeadShape(const std::vector<int64_t>&, const std::vector<int64_t>& rows,
-                                            const std::vector<int64_t>&, const std::vector<int64_t>&,
-                                            const std::vector<int64_t>& w, const std::vector<int64_t>&) {
-  return {{rows[0], w[0]}};
-}
-
-std::vector<paddle::DataType> HeadDtype(const paddle::DataType& x, const paddle::DataType&, const paddle::DataType&,
-                                        const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
-  return {paddle::DataType::FLOAT32};
-}
-
-PD_BUILD_OP(gptc_head)
-    .Inputs({"X", "Rows", "LnW", "LnB", "W", "WScale"})
-    .Outputs({"Out"})
-    .Attrs({"eps: float", "bits: int", "act: float"})
-    .SetKernelFn(PD_KERNEL(HeadForward))
-    .SetInferShapeFn(PD_INFER_SHAPE(HeadShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(HeadDtype));
 
 #endif  // GPTC_KERNELS_GPTC_DECODER_OPS_H_

@@ -1,14 +1,12 @@
-// gptc_decoder: the whole decoder (embed, every block, final layer norm and LM head) in one
+// gptc_generate: the whole decoder (embed, every block, final layer norm and LM head) in one
 // operator call and one OpenMP parallel region, so a decode step pays Paddle's executor cost (per
 // op and per op input: hence the weights in two blobs) once, and the op's threads never leave the
-// region between blocks (no fork, no wake-up from libgomp's sleep after GOMP_SPINCOUNT spins). The arithmetic is the
-// per-layer ops' (gptc_decoder_ops.h: the same embed_rows, layer_step and head inputs), so a
-// program of this op gives bitwise the logits of the gptc_embed -> gptc_layer... -> gptc_head
-// programs (tests/test_fused.py). Outputs: the logits (n, V) of the rows asked for, each row's
-// argmax Tokens (n,) int64 (np.argmax's choice: row_argmax; greedy decoding fetches only these),
-// and the caches, written in place. gptc_generate (kernel version 3) is the same op with a
-// Control input: several greedy decode steps in one call (stack_forward), so a generated token
-// costs no Python and no Paddle Inference run of its own.
+// region between blocks (no fork, no wake-up from libgomp's sleep after GOMP_SPINCOUNT spins). The
+// layer machinery is gptc_decoder_ops.h's (embed_rows, layer_step, head_inputs). Outputs: the
+// logits (n, V) of the rows asked for, each row's argmax Tokens (n,) int64 (np.argmax's choice:
+// row_argmax; greedy decoding fetches only these), and the caches, written in place. A Control
+// input runs several greedy decode steps in one call (stack_forward), so a generated token costs
+// no Python and no Paddle Inference run of its own.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_DECODER_STACK_H_
 #define GPTC_KERNELS_GPTC_DECODER_STACK_H_
@@ -223,16 +221,6 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   return {out, tokens};
 }
 
-std::vector<paddle::Tensor> DecoderForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
-                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
-                                           const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
-                                           int wte_bits, int wpe_bits, const std::vector<int>& heads, float eps,
-                                           int activation, const std::vector<int>& bits, const std::vector<float>& act,
-                                           int head_bits, float head_act) {
-  return stack_forward(ids, mask, rows, caches, blobs, layout, wte_bits, wpe_bits, heads, eps, activation, bits, act,
-                       head_bits, head_act, nullptr);
-}
-
 std::vector<paddle::Tensor> GenerateForward(const paddle::Tensor& ids, const paddle::Tensor& mask,
                                             const paddle::Tensor& rows, const paddle::Tensor& control,
                                             std::vector<paddle::Tensor>& caches, const std::vector<paddle::Tensor>& blobs,
@@ -244,34 +232,12 @@ std::vector<paddle::Tensor> GenerateForward(const paddle::Tensor& ids, const pad
                        head_bits, head_act, &control);
 }
 
-std::vector<std::vector<int64_t>> DecoderShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
-                                               const std::vector<int64_t>& rows,
-                                               const std::vector<std::vector<int64_t>>&,
-                                               const std::vector<std::vector<int64_t>>&) {
-  return {{rows[0], -1}, {rows[0]}};  // the vocabulary is in the layout (an attribute: not passed here)
-}
-
-std::vector<paddle::DataType> DecoderDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-                                           const std::vector<paddle::DataType>&,
-                                           const std::vector<paddle::DataType>&) {
-  return {paddle::DataType::FLOAT32, paddle::DataType::INT64};
-}
-
-// The attributes of gptc_decoder and gptc_generate (stack_forward's, in order).
+// The attributes of gptc_generate (stack_forward's, in order).
 std::vector<std::string> stack_attrs() {
   return {"layout: std::vector<int64_t>", "wte_bits: int", "wpe_bits: int", "heads: std::vector<int>",
           "eps: float", "activation: int", "bits: std::vector<int>", "act: std::vector<float>", "head_bits: int",
           "head_act: float"};
 }
-
-PD_BUILD_OP(gptc_decoder)
-    .Inputs({"Ids", "Mask", "Rows", paddle::Vec("Caches"), paddle::Vec("Weights")})
-    .Outputs({"Out", "Tokens", paddle::Vec("CachesOut")})
-    .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
-    .Attrs(stack_attrs())
-    .SetKernelFn(PD_KERNEL(DecoderForward))
-    .SetInferShapeFn(PD_INFER_SHAPE(DecoderShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderDtype));
 
 std::vector<std::vector<int64_t>> GenerateShape(const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                 const std::vector<int64_t>& rows, const std::vector<int64_t>&,
@@ -286,7 +252,7 @@ std::vector<paddle::DataType> GenerateDtype(const paddle::DataType&, const paddl
   return {paddle::DataType::FLOAT32, paddle::DataType::INT64};
 }
 
-// gptc_decoder with a Control input (kernel version 3): several greedy decode steps in one call.
+// The fused format of kernel version 3: several greedy decode steps in one call (Control).
 PD_BUILD_OP(gptc_generate)
     .Inputs({"Ids", "Mask", "Rows", "Control", paddle::Vec("Caches"), paddle::Vec("Weights")})
     .Outputs({"Out", "Tokens", paddle::Vec("CachesOut")})

@@ -1,19 +1,18 @@
 // gpt-compress fused CPU operators for Paddle (custom ops, PD_BUILD_OP).
 //
-// One op makes a whole decode/prefill/scoring program (export/fused.py):
-//   gptc_decoder(ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...], weights [float32 blob,
-//       int8 blob, ...] + a layout attribute) -> logits (n,V): embed, every block and the head in one
-//       call (gptc_decoder_stack.h), the caches written in place as gptc_layer writes them.
+// One op makes a whole decode/prefill/scoring program (export/fused.py, kernel version 3):
+//   gptc_generate(ids (B,T), mask (B,S+T), rows (n,), control, caches [k_0, v_0, ...], weights
+//       [float32 blob, int8 blob, ...] + a layout attribute) -> logits (n,V), tokens: embed, every
+//       block and the head in one call (gptc_decoder_stack.h); the new keys/values are written IN
+//       PLACE into the preallocated caches (B,H,cap,D) at positions S..S+T-1 (S = mask columns - T):
+//       no concat, no copy of the cache per step.
+// A second op serves evaluation: gptc_head_score (gptc_head_score.h), the LM head's log-probability
+// of chosen labels. Programs of older kernel versions are not run: they are exported again.
 // Tensor-parallel rank programs (gptc partition) hold gptc_tp_embed, then per block gptc_tp_attention
 // and gptc_tp_mlp, then gptc_tp_head, with Paddle's mp_allreduce_sum between them (gptc_tp_ops.h).
-// Programs exported before it (still loaded and run) are three ops:
-//   gptc_embed(ids (B,T), mask (B,S+T), wte, wte_scale, wpe, wpe_scale) -> x (B,T,C)
-//   gptc_layer(x, mask, k_cache, v_cache, 16 weights) -> y (B,T,C); the new keys/values are
-//       written IN PLACE into the preallocated caches (B,H,cap,D) at positions S..S+T-1
-//       (S = mask columns - T): no concat, no copy of the cache per step.
-//   gptc_head(x (B,T,C), rows (n,), ln_w, ln_b, w, w_scale) -> logits (n,V) of the flat rows.
 //
-// Every Linear weight is stored (N, K) (outputs x inputs, K contiguous) in one of:
+// Every Linear weight is stored (N, K) (outputs x inputs, K contiguous) in one of the block
+// formats of gptc_common.h (weight_format: the numbers, checked against export/fused.py's):
 //   float32; int8 codes (N,K) with float scales (N,K/blk); int4 codes stored code+8, packed two
 //   per byte (N,K/2): in each run of 32 inputs, byte j holds input j (low nibble) and input j+16
 //   (high nibble), so one 16-byte load unpacks into 32 consecutive codes; scales (N,K/blk).

@@ -1,11 +1,11 @@
 """Decoding strategies at the numpy level, shared by every backend (dygraph, Paddle
 Inference, onnxruntime).
 
-A backend only runs the network; it implements ``DecodeBackend``:
-``prefill(ids (B,T), mask (B,T)) -> (last logits (B,V) float32, cache)``,
-``decode(ids (B,1), mask (B,S+1), cache) -> (logits (B,V), cache)`` and
-``reorder_cache(cache, rows) -> cache``. Prompts of different lengths are left-padded; the
-attention mask carries the padding so positions and attention skip it.
+A backend only runs the network; every function here takes a ``backend`` that implements the
+contract of ``inference/base.py`` (``Backend``: ``prefill``, ``decode``, ``reorder_cache``,
+``decode_greedy``, ``greedy_steps`` and ``decode_greedy_steps``; declared there because the core
+cannot import ``inference/``). Prompts of different lengths are left-padded; the attention mask
+carries the padding so positions and attention skip it.
 
 Semantics follow Hugging Face ``generate``: logits processors (repetition penalty, OpenAI's
 presence and frequency penalties over the generated tokens, OpenAI's ``logit_bias``,
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -27,29 +27,6 @@ from ..config import ConfigError, GenerationConfig
 from ..errors import InputError
 
 NEG_INF = -np.inf
-
-
-class DecodeBackend(Protocol):
-    """What a backend provides to the decoding loop (all arrays numpy)."""
-
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, Any]:
-        """Run the prompt; return last-position logits (B, V) float32 and the cache."""
-
-    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
-        """Run one new token per row; return its logits (B, V) and the grown cache."""
-
-    def reorder_cache(self, cache: Any, rows: np.ndarray) -> Any:
-        """Select/duplicate cache rows (beam search)."""
-
-    # Optional: ``decode_greedy(ids (B,1), mask (B,S+1), cache) -> (tokens (B,) int64, cache)``,
-    # the argmax of ``decode``'s logits (``np.argmax``'s choice: the first maximum, or the first
-    # NaN) without handing the logits out. Greedy decoding uses it on the steps no logits
-    # processor changes (``_plain_greedy``).
-    # Optional: ``greedy_steps`` (int) and ``decode_greedy_steps(ids (B,1), mask (B,S+1), cache,
-    # steps, eos, pad, finished (B,) bool, suppress_eos) -> (tokens (B, steps) int64, cache holding
-    # S + steps)``: ``steps`` such greedy steps in one call, each fed the previous one's tokens
-    # (finished rows: ``pad``; the first ``suppress_eos`` never ``eos``: ``min_new_tokens``);
-    # ``stream_tokens`` asks for up to ``greedy_steps`` at a time when there is no repetition penalty.
 
 
 @dataclass
@@ -151,7 +128,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
 
 
-def _sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One draw per row by inverse CDF (deterministic for a seeded generator)."""
     cdf = np.cumsum(probs.astype(np.float64), axis=-1)
     u = rng.random(probs.shape[0]) * cdf[:, -1]
@@ -197,7 +174,7 @@ def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: Generation
     scores = _processed(logits, seen, step, cfg, eos_token_id, counts)
     if cfg.decode_strategy == "greedy":
         return np.argmax(scores, axis=-1)
-    return _sample(sampling_probs(scores, cfg), rng)
+    return sample_rows(sampling_probs(scores, cfg), rng)
 
 
 def sampling_probs(scores: np.ndarray, cfg: GenerationConfig) -> np.ndarray:
@@ -215,7 +192,7 @@ def sampling_probs(scores: np.ndarray, cfg: GenerationConfig) -> np.ndarray:
     return _softmax(scores)
 
 
-def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+def stream_tokens(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                   eos_token_id: Optional[int], pad_token_id: int,
                   logprobs: Optional[list] = None) -> Iterator[np.ndarray]:
     """Greedy or sampling decode; yields the new token of every row at each step (B,).
@@ -236,8 +213,8 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
         rows, cols = np.nonzero(mask)
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
-    greedy = getattr(backend, "decode_greedy", None)  # the argmax made by the backend (no logits copied out)
-    chunk = getattr(backend, "greedy_steps", 1)  # greedy steps the backend runs in one call
+    greedy = backend.decode_greedy  # the argmax made by the backend (no logits copied out)
+    chunk = backend.greedy_steps  # greedy steps the backend runs in one call
     if logprobs is not None:
         greedy, chunk = None, 1
     ahead: list = []  # tokens such a call made that are still to be yielded, in order
@@ -273,7 +250,7 @@ def stream_tokens(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg:
             logits, cache = backend.decode(nxt[:, None], mask, cache)
 
 
-def best_of(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+def best_of(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
             eos_token_id: Optional[int], pad_token_id: int) -> GenerationOutput:
     """OpenAI's ``best_of`` (``cfg.best_of`` candidates, n = 1): candidate j decodes every prompt
     with seed ``seed + j`` (as `gptc serve` seeds choice j); each prompt keeps the candidate of
@@ -312,7 +289,7 @@ def best_candidates(logprob_sums: Sequence[float], lengths: Sequence[int], n: in
 # --------------------------------------------------------------------------------------
 # Beam search
 # --------------------------------------------------------------------------------------
-def beam_search(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+def beam_search(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                 eos_token_id: Optional[int], pad_token_id: int) -> GenerationOutput:
     """Hugging Face-compatible beam search; returns the best hypothesis per prompt."""
     nb, lp = cfg.num_beams, cfg.length_penalty
@@ -425,7 +402,7 @@ def check_beam_budget(cfg: GenerationConfig, batch: int, prompt_len: int, vocab:
                           "lower Generation.num_beams or Generation.max_new_tokens")
 
 
-def generate(backend: DecodeBackend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+def generate(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
              eos_token_id: Optional[int], pad_token_id: int,
              on_tokens: Optional[Callable[[np.ndarray], None]] = None) -> GenerationOutput:
     """Decode ``prompts`` (lists of token ids) with ``cfg``; ``on_tokens`` receives each step's

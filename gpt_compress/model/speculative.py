@@ -1,4 +1,4 @@
-"""Speculative decoding over any ``DecodeBackend``: a draft proposes k tokens per sequence, the
+"""Speculative decoding over any backend (``inference/base.py``'s ``Backend``): a draft proposes k tokens per sequence, the
 target checks them in one multi-token step and keeps what its own decoding would have produced.
 
 - Greedy: a draft token is kept while it equals the target's argmax at its position; the first
@@ -28,47 +28,17 @@ them, so a row's logits are those of the cache built without speculation. Rows t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..config import GenerationConfig
 from ..errors import InputError
-from .generation import (NEG_INF, GenerationOutput, _sample, apply_logit_bias, collect_sequences, pad_left,
+from .generation import (NEG_INF, GenerationOutput, sample_rows, apply_logit_bias, collect_sequences, pad_left,
                          sampling_probs)
 
 DRAFT_TOKENS = 5  # k: draft tokens proposed per verify step (at most; ``AdaptiveK`` lowers it)
 NGRAM = 3  # prompt lookup: the longest suffix matched
-
-
-@runtime_checkable
-class VerifyBackend(Protocol):
-    """A ``DecodeBackend`` that can check draft tokens (every backend of ``inference/``)."""
-
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, Any]:
-        """As ``DecodeBackend.prefill``."""
-
-    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:
-        """As ``DecodeBackend.decode`` (T >= 1 new tokens; logits of the last)."""
-
-    def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                         cache: Any) -> tuple[np.ndarray, Any]:
-        """New tokens (B, T) with the full mask (B, S + T) -> logits at every new position
-        (B, T, V) float32 and the cache holding S + T positions."""
-
-    def truncate_cache(self, cache: Any, length: int) -> Any:
-        """The cache cut to its first ``length`` positions (rejected draft positions dropped)."""
-
-
-def decode_each(decode, input_ids: np.ndarray, attention_mask: np.ndarray, cache) -> tuple[np.ndarray, Any]:
-    """``decode_positions`` through a one-new-token ``decode``: one call per column (the unfused
-    Paddle programs, onnxruntime and dygraph return only the last position's logits)."""
-    s = attention_mask.shape[1] - input_ids.shape[1]
-    out = []
-    for t in range(input_ids.shape[1]):
-        logits, cache = decode(input_ids[:, t:t + 1], attention_mask[:, :s + t + 1], cache)
-        out.append(logits)
-    return np.stack(out, axis=1), cache
 
 
 @dataclass
@@ -176,15 +146,12 @@ class NgramDraft:
 
 
 class ModelDraft:
-    """Another model (a ``DecodeBackend``, same tokenizer) run on the same layout as the target,
+    """Another model (a ``Backend``, same tokenizer) run on the same layout as the target,
     with its own cache, rolled back with the target's."""
 
     has_probs = True
 
     def __init__(self, backend):
-        if not isinstance(backend, VerifyBackend):
-            raise InputError(f"draft backend {type(backend).__name__} cannot roll its cache back "
-                             "(no truncate_cache)")
         self.backend, self.cache, self.length = backend, None, 0
 
     def start(self, ids: np.ndarray, mask: np.ndarray) -> None:
@@ -203,10 +170,10 @@ class ModelDraft:
         by ``pick(logits (B, V), steps (B,))`` -> (tokens (B,), probs (B, V) or None).
         Returns drafts (B, k) and their probabilities (B, k, V) (None for greedy).
         ``suppress`` (greedy only): the first steps that never propose ``eos`` (``min_new_tokens``);
-        given, a backend with ``greedy_steps`` proposes all ``k`` in one ``decode_greedy_steps``
-        run (``generation.DecodeBackend``'s optional interface)."""
+        given, a backend with ``greedy_steps`` > 1 proposes all ``k`` in one ``decode_greedy_steps``
+        run."""
         b, width = ids.shape
-        if suppress is not None and k > 1 and getattr(self.backend, "greedy_steps", 1) > 1:
+        if suppress is not None and k > 1 and self.backend.greedy_steps > 1:
             return self._greedy_run(ids, mask, k, active, suppress, eos), None
         drafts, probs = np.zeros((b, k), dtype=np.int64), []
         logits, self.cache = self.backend.decode(ids[:, self.length:], mask, self.cache)
@@ -262,8 +229,8 @@ def accept_sampled(p: np.ndarray, q: Optional[np.ndarray], drafts: np.ndarray, n
             resid[d] = 0.0
         if not resid.sum() > 0:  # p == q up to rounding: nothing to correct
             resid = p[j].astype(np.float64)
-        return j, int(_sample(resid[None] / resid.sum(), rng)[0])
-    return n, int(_sample(p[n:n + 1], rng)[0])
+        return j, int(sample_rows(resid[None] / resid.sum(), rng)[0])
+    return n, int(sample_rows(p[n:n + 1], rng)[0])
 
 
 def pick_row(logits: np.ndarray, step: int, cfg: GenerationConfig, eos: Optional[int],
@@ -316,15 +283,13 @@ def check_config(cfg: GenerationConfig) -> None:
 # --------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------
-def speculative_tokens(backend: VerifyBackend, draft, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+def speculative_tokens(backend, draft, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                        eos_token_id: Optional[int], pad_token_id: int, k: int = DRAFT_TOKENS,
                        adaptive: bool = True, stats: Optional[SpeculationStats] = None) -> Iterator[np.ndarray]:
     """As ``generation.stream_tokens`` (each step's token per row (B,), ``pad_token_id`` after a
     row's end) with ``draft`` (``NgramDraft`` or ``ModelDraft``) proposing up to ``k`` tokens per
     verify step. A step's tokens are yielded once every unfinished row has produced them."""
     check_config(cfg)
-    if not isinstance(backend, VerifyBackend):
-        raise InputError(f"backend {type(backend).__name__} cannot verify draft tokens (no decode_positions)")
     if k < 0:
         raise InputError(f"draft tokens per step must be >= 0, got {k}")
     stats = stats if stats is not None else SpeculationStats()
@@ -341,7 +306,7 @@ def speculative_tokens(backend: VerifyBackend, draft, prompts: Sequence[Sequence
         if greedy:
             return np.argmax(scores, axis=-1), None
         probs = sampling_probs(scores, cfg)
-        return _sample(probs, rng), probs
+        return sample_rows(probs, rng), probs
 
     def emit(b, tokens):
         for t in tokens:
@@ -408,7 +373,7 @@ def speculative_tokens(backend: VerifyBackend, draft, prompts: Sequence[Sequence
         draft.rollback(length)
 
 
-def speculative_generate(backend: VerifyBackend, draft, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
+def speculative_generate(backend, draft, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                          eos_token_id: Optional[int], pad_token_id: int, k: int = DRAFT_TOKENS,
                          adaptive: bool = True, on_tokens=None) -> tuple[GenerationOutput, SpeculationStats]:
     """``generation.generate`` with a draft: the sequences (EOS included) and the figures."""

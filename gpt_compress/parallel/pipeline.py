@@ -25,9 +25,9 @@ import paddle.nn as nn
 
 from ..checkpoint import assign_weights, load_weights, verify_checksums
 from ..config import Config, ConfigError
-from ..train.checkpoint import (OPTIMIZER, STATE, _load_optimizer, _optimizer_tensors, load_training_checkpoint,
+from ..train.checkpoint import (OPTIMIZER, STATE, load_optimizer, optimizer_tensors, load_training_checkpoint,
                                 set_rng_state)
-from ..train.loss import _masked_mean_ce
+from ..train.loss import masked_mean_ce
 from .fleet import init_hybrid, mp_group, shard_model
 from .loss import vocab_parallel_cross_entropy
 from .plan import check_divisible, shard_weights, tp_split_of
@@ -294,7 +294,7 @@ class Pipeline:
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         """Optimizer moments of all stages, whole, keyed like a single-process checkpoint."""
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        tensors, extra = _optimizer_tensors(model, optimizer, to_numpy=lambda t: t)
+        tensors, extra = optimizer_tensors(model, optimizer, to_numpy=lambda t: t)
         whole = {k: self._whole(k.split("::", 1)[0], t, shapes[k.split("::", 1)[0]])
                  for k, t in sorted(tensors.items())}
         return self._merge(whole), extra
@@ -318,7 +318,7 @@ class Pipeline:
             moments[key] = shard_weights({name: arr}, rank, mp)[name] if same else arr
         with open(os.path.join(path, STATE), encoding="utf-8") as f:
             state = json.load(f)
-        _load_optimizer(model, optimizer, moments, state["scheduler"])
+        load_optimizer(model, optimizer, moments, state["scheduler"])
         scheduler.set_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         return state
@@ -335,5 +335,5 @@ class PipelineLoss(nn.Layer):
 
     def forward(self, logits, labels):
         if self.mp == 1:
-            return _masked_mean_ce(logits, labels, None)
+            return masked_mean_ce(logits, labels, None)
         return vocab_parallel_cross_entropy(logits, labels, group=mp_group())

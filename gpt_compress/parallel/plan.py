@@ -34,7 +34,7 @@ import paddle
 
 from ..checkpoint import WEIGHTS, check_state_dict, load_weights, verify_checksums
 from ..config import ConfigError, ModelConfig, ParallelConfig
-from ..train.checkpoint import OPTIMIZER, STATE, _optimizer_tensors, set_rng_state
+from ..train.checkpoint import OPTIMIZER, STATE, optimizer_tensors, set_rng_state
 from .loss import vocab_parallel_lm_loss
 
 # Tensor-parallel plan: regex fully matching a ``named_sublayers()`` name of GPTForCausalLM -> split.
@@ -216,7 +216,7 @@ class AutoParallel:
 
     def gather_optimizer(self, model, optimizer) -> tuple[dict, dict]:
         """Optimizer moments gathered to whole tensors, keyed like a single-process checkpoint."""
-        return _optimizer_tensors(model, optimizer, self.gather_numpy)
+        return optimizer_tensors(model, optimizer, self.gather_numpy)
 
     def load_training_checkpoint(self, path: str, model, optimizer, scheduler) -> dict:
         """Resume: every rank reads the single-process-layout checkpoint and keeps its blocks of the

@@ -37,7 +37,8 @@ class Stage:
     resumable: bool = False  # an interrupted run with the same settings continues in work_dir
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """One progress line of the pipeline on stderr."""
     print(f"[pipeline] {msg}", file=sys.stderr, flush=True)
 
 
@@ -45,7 +46,7 @@ def gptc(args: Sequence[str], stage: str) -> dict:
     """Run ``python -m gpt_compress ARGS``; stream its stderr, return the JSON of its last stdout
     line. A failure raises ``PipelineError`` with the command and the tail of its output."""
     cmd = [sys.executable, "-m", "gpt_compress", *map(str, args)]
-    _say(f"{stage}: {' '.join(cmd[2:])}")
+    say(f"{stage}: {' '.join(cmd[2:])}")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tail: deque[str] = deque(maxlen=40)
 
@@ -166,11 +167,11 @@ class StageRunner:
                 if not fresh:
                     raise PipelineError(f"stage {s.name!r} is not up to date ({why}); run it first "
                                         f"(--stage {s.name}) or run the whole pipeline")
-                _say(f"{s.name}: up to date, skipped")
+                say(f"{s.name}: up to date, skipped")
                 run_ids[s.name] = self.stamps.read(s.name).run_id
                 summary[s.name] = {"ran": False}
                 continue
-            _say(f"{s.name}: running ({why})")
+            say(f"{s.name}: running ({why})")
             self._prepare_work_dir(s, fp)
             t0 = time.perf_counter()
             outputs = s.run()
@@ -179,7 +180,7 @@ class StageRunner:
             self._clear_started(s)
             run_ids[s.name] = stamp.run_id
             summary[s.name] = {"ran": True, "seconds": stamp.seconds}
-            _say(f"{s.name}: done in {stamp.seconds:.1f} s")
+            say(f"{s.name}: done in {stamp.seconds:.1f} s")
         return {"output_dir": self.out, "stages": summary, "seconds": round(time.perf_counter() - t_all, 1),
                 "report": self.stamps.read("report").outputs["report"] if self.stamps.read("report") else None}
 

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from ..errors import PipelineError
 from ..fileio import write_json_atomic
-from .driver import _say
+from .driver import say
 
 
 class EvalStages:
@@ -60,7 +60,7 @@ class EvalStages:
             prompt = self._speed_prompt(gen)
             s = measure_speed(gen, prompt, self.p.speed_new_tokens, self.p.speed_reps)
             results.append({**base, "task": "speed", **s.to_dict()})
-            _say(f"eval_{name} [{backend}]: " + ", ".join(
+            say(f"eval_{name} [{backend}]: " + ", ".join(
                 f"{r['task']} " + (f"ppl {r['ppl']:.3f}" if r["task"] in ("wikitext", "heldout") else
                                    f"acc {r['accuracy']:.4f}" if r["task"] == "lambada" else
                                    f"{r['decode_tokens_per_s']} tok/s, prefill {r['prefill_ms']} ms")

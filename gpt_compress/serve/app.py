@@ -29,7 +29,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from ..errors import ConfigError, GptcError, InputError
-from ..sections import ServeConfig
+from ..config import ServeConfig
 from ..model.generation import best_candidates, check_logit_bias
 from .engine import Engine, EngineStopped, Failed, Finished, PromptScored, QueueFull, Request, Token, request_config
 from .metrics import Metrics

@@ -17,15 +17,16 @@ batched kernels.
 
 Merging goes through numpy (``_to_arrays``/``_from_arrays`` know each backend's cache type), so
 it costs a few copies of the batch's cache per step at which sequences join; steps without a
-join never copy it here. A preallocated in-place
-cache with one slot per sequence (issue 15) can replace this class behind the same three
-methods.
+join never copy it here. The fused Paddle program's in-place cache takes ``SlotDecoder``
+(``slots.py``) instead, behind the same interface (``decoder.py``).
 """
 from __future__ import annotations
 
 from typing import Any, Hashable, Optional
 
 import numpy as np
+
+from .decoder import Decoder
 
 
 def _to_arrays(cache: Any) -> list[np.ndarray]:
@@ -52,21 +53,14 @@ def _from_arrays(arrays: list[np.ndarray], like: Any) -> Any:
     return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
-class BatchDecoder:
-    """Rows keyed by caller-chosen keys; ``prefill``/``join`` (or ``add``) -> first logits,
-    ``step`` -> next logits, ``remove`` drops rows. Not thread-safe: one engine loop owns it (and the backend)."""
+class BatchDecoder(Decoder):
+    """The ``Decoder`` of merged left-padded caches, for any backend (``max_batch`` is not needed:
+    the batch grows as rows join)."""
 
-    def __init__(self, backend):
-        self.backend = backend
-        # Paddle tensors are touched through the backend's _call: on its own worker thread
-        # (predictor.py) or under its lock (inference/fused.py).
-        self._on_backend = getattr(backend, "_call", lambda fn, *args: fn(*args))
-        self.keys: list[Hashable] = []
+    def __init__(self, backend, max_batch: Optional[int] = None):
+        super().__init__(backend)
         self._cache: Any = None
         self._mask: Optional[np.ndarray] = None  # (B, S) int64: 1 where a row has a real position
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
     @property
     def width(self) -> int:
@@ -85,8 +79,7 @@ class BatchDecoder:
         """Add prefilled sequences ``[(key, state from prefill), ...]`` as new rows, with one
         merge of the caches for all of them."""
         keys = [k for k, _ in entries]
-        if len(set(keys)) != len(keys) or set(keys) & set(self.keys):
-            raise ValueError(f"duplicate keys in {keys}")
+        self.check_joining(keys)
         if not entries:
             return
         states = [st for _, st in entries]
@@ -95,14 +88,9 @@ class BatchDecoder:
         else:
             if self.keys:
                 states = [(self._cache, self._mask)] + states
-            self._cache, self._mask = self._on_backend(self._merge, states)
+            # Paddle tensors are touched on the backend's thread (``Backend.on_thread``).
+            self._cache, self._mask = self.backend.on_thread(self._merge, states)
         self.keys.extend(keys)
-
-    def add(self, key: Hashable, prompt: list[int]) -> np.ndarray:
-        """Prefill ``prompt`` alone and join the batch as a new row; returns its logits (V,)."""
-        logits, state = self.prefill(prompt)
-        self.join([(key, state)])
-        return logits
 
     def _merge(self, states: list[tuple[Any, np.ndarray]]) -> tuple[Any, np.ndarray]:
         """One cache and mask from several ``(cache, mask)``: columns no row uses are trimmed,

@@ -9,7 +9,7 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    running, no one waits on them and all that fit are admitted): on the fused program they are
    prefilled together (``SlotDecoder.prefill_many``: left-padded batches of similar lengths;
    alone, one by one, if that fails or on the other backends), then they join the running
-   batch together (``decoder``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
+   batch together (``decoder.py``: ``SlotDecoder`` on the fused Paddle program copies each newcomer into a free
    slot of a preallocated cache; ``BatchDecoder`` on the other backends merges caches); their
    first tokens are chosen at once. With ``BatchDecoder``, while a large batch runs, a lone
    arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the running
@@ -49,7 +49,7 @@ from ..config import GenerationConfig
 from ..eval.scoring import top_logprobs
 from ..model.generation import next_tokens, uses_history
 from ..model.speculative import DRAFT_TOKENS, AdaptiveK, NgramDraft, pick_row, verify_row
-from .batch import BatchDecoder
+from .decoder import make_decoder
 from .slots import SlotDecoder
 
 log = logging.getLogger("gptc.serve")
@@ -147,13 +147,13 @@ class Engine:
         self.step_delay = step_delay
         self.prefill_budget = prefill_budget
         self.admit_wait_steps = admit_wait_steps
-        self.batch = decoder(generator.backend, max_batch)
+        self.batch = make_decoder(generator.backend, max_batch)
         # Speculative decoding (``model/speculative.py``): up to this many draft tokens per request
         # and step (``AdaptiveK``), checked in one verify step (``SlotDecoder.step_many``); 0: off.
         # ``draft``: "ngram" (prompt lookup; the default) or, for ``Generator.draft_for``, "auto", a
         # model directory or a Generator: a draft model with a slot cache of its own.
         self.speculative_tokens = speculative_tokens or (DRAFT_TOKENS if draft else 0)
-        if self.speculative_tokens and not isinstance(self.batch, SlotDecoder):
+        if self.speculative_tokens and not self.batch.verifies:
             raise ValueError("speculative decoding in the server needs the fused Paddle program (backend paddle)")
         self.ngram = NgramDraft()
         self.drafter = (self._draft_decoder(draft, max_batch)
@@ -298,7 +298,7 @@ class Engine:
         (at least one request); with nothing running, as many as the batch has room for. Prefill
         them together (``_prefill``), then join them together."""
         with self._cond:
-            if (not getattr(self.batch, "cheap_join", False) and self._running and self._pending
+            if (not self.batch.cheap_join and self._running and self._pending
                     and len(self._pending) < max(1, len(self._running) // 4)
                     and self.steps - self._pending[0].submitted_step < self.admit_wait_steps):
                 return  # a join copies the batch's cache: let a few arrivals gather (a few steps at most)
@@ -382,7 +382,7 @@ class Engine:
         """Prefill ``reqs`` (setting their first logits); returns ``[(req, join state), ...]``.
         Together in one call when the decoder can (``SlotDecoder.prefill_many``); if that fails,
         or the decoder cannot, one by one, so that a failing prompt fails only its request."""
-        if len(reqs) > 1 and hasattr(self.batch, "prefill_many"):
+        if len(reqs) > 1 and self.batch.batches_prefill:
             try:
                 results = self.batch.prefill_many([req.prompt for req in reqs])
             except Exception:
@@ -406,10 +406,8 @@ class Engine:
     def _draft_decoder(self, draft, max_batch: int) -> SlotDecoder:
         """The draft model's slot decoder (its own in-place cache, rows joined and left with the
         target's): ``draft`` as ``Generator.draft_for`` takes it (same vocabulary and tokenizer)."""
-        from ..inference.fused import FusedBackend
-
         backend = self.gen.draft_for(draft).backend
-        if not isinstance(backend, FusedBackend):
+        if backend.serve_decoder != "slots":
             raise ValueError(f"the draft {draft} does not run on the fused Paddle program, which the server's "
                              "draft models need (its slot cache)")
         if backend.manifest.max_positions < self.gen.max_positions:
@@ -649,16 +647,6 @@ def _top(logprobs: np.ndarray, tok: int, k: int) -> dict:
     top = np.argpartition(-logprobs, k - 1)[:k] if k else np.zeros(0, np.int64)
     top = top[np.argsort(-logprobs[top], kind="stable")]
     return {"logprob": float(logprobs[tok]), "top": [(int(i), float(logprobs[i])) for i in top]}
-
-
-def decoder(backend, max_batch: int):
-    """The batch decoder for ``backend``: slots in the in-place cache of the fused Paddle program
-    (``SlotDecoder``), else merged concat-layout caches (``BatchDecoder``: onnx, unfused Paddle)."""
-    from ..inference.fused import FusedBackend
-
-    if hasattr(backend, "batch_decoder"):  # tensor-parallel ranks replay it (serve/lockstep.py)
-        return backend.batch_decoder(max_batch)
-    return SlotDecoder(backend, max_batch) if isinstance(backend, FusedBackend) else BatchDecoder(backend)
 
 
 def request_config(max_tokens: int, temperature: float, top_p: float, top_k: int, repetition_penalty: float,

@@ -25,7 +25,9 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
+from ..inference.base import Backend
 from .batch import BatchDecoder
+from .decoder import Decoder
 
 log = logging.getLogger("gpt_compress.serve")
 
@@ -51,10 +53,11 @@ class _Cache:
         self.number, self.cache = number, cache
 
 
-class LockstepBackend:
-    """Rank 0's ``DecodeBackend``: its ``TensorParallelBackend`` with each call announced first."""
+class LockstepBackend(Backend):
+    """Rank 0's ``Backend``: its ``TensorParallelBackend`` with each call announced first."""
 
     scores_rows = True
+    serve_decoder = "lockstep"  # ``LockstepDecoder``: the engine's decoder calls are announced too
 
     def __init__(self, local):
         self.local = local
@@ -78,6 +81,9 @@ class LockstepBackend:
         _announce("reorder_cache", cache.number, rows, number)
         return _Cache(number, self.local.reorder_cache(cache.cache, rows))
 
+    def truncate_cache(self, cache: _Cache, length: int):
+        raise NotImplementedError("gptc serve --tp does not roll caches back (no speculative decoding)")
+
     def score(self, input_ids, attention_mask=None):
         _announce("score", input_ids, attention_mask)
         return self.local.score(input_ids, attention_mask)
@@ -86,20 +92,17 @@ class LockstepBackend:
         _announce("logits_at", input_ids, attention_mask, rows)
         return self.local.logits_at(input_ids, attention_mask, rows)
 
-    def batch_decoder(self, max_batch: int) -> "LockstepDecoder":
-        """The engine's batch decoder (``serve.engine.decoder``), replayed by every rank."""
-        return LockstepDecoder(BatchDecoder(self.local))
-
     def stop(self) -> None:
         """Release the followers (after the engine stopped)."""
         _announce("stop")
 
 
-class LockstepDecoder:
+class LockstepDecoder(Decoder):
     """``BatchDecoder``'s interface on rank 0, each call announced to the followers first."""
 
-    def __init__(self, inner: BatchDecoder):
-        self.inner = inner
+    def __init__(self, backend: LockstepBackend, max_batch: int = 0):
+        self.backend = backend
+        self.inner = BatchDecoder(backend.local)
         self._numbers = itertools.count()
 
     def __len__(self) -> int:

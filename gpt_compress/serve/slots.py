@@ -33,6 +33,9 @@ from typing import Hashable, Optional
 
 import numpy as np
 
+from ..inference.fused import FusedCache
+from .decoder import Decoder
+
 INITIAL_CAPACITY = 256  # columns allocated at first; doubled (to at most context + slack) when full
 PAD_WASTE = 1.25  # a prefill batch computes at most this many times its prompts' tokens (padding)
 
@@ -64,32 +67,30 @@ def prefill_groups(lengths: list[int], waste: float) -> list[list[int]]:
     return groups
 
 
-class SlotDecoder:
-    """Same interface as ``BatchDecoder`` (``prefill``/``join``/``add``/``step``/``remove``) over a
-    ``FusedBackend``. Not thread-safe: one engine loop owns it (and the backend)."""
+class SlotDecoder(Decoder):
+    """The ``Decoder`` of one in-place slot cache, over a backend whose ``serve_decoder`` is
+    "slots" (``FusedBackend``: ``FusedCache`` caches, ``manifest``, ``on_thread``)."""
 
     cheap_join = True  # joining copies one row: no need to gather arrivals before a join
+    batches_prefill = True  # ``prefill_many``: left-padded batches of similar lengths
+    verifies = True  # ``step_many`` + ``keep``
 
     def __init__(self, backend, max_batch: int, slack: int = 0):
-        self.backend = backend
+        super().__init__(backend)
         self.max_batch = max_batch
         self.layers = backend.manifest.layers
         context = backend.manifest.max_positions
         self.max_capacity = context + (slack or max(32, context // 4))
-        self.keys: list[Hashable] = []
         self._mask = np.zeros((max_batch, 0), np.int64)  # (max_batch, S): rows >= n are unused
         self.relayouts = 0  # how many times the cache was repacked (stats)
         self._fed = (0, 0)  # the last step_many's write column and columns (for keep)
         self.max_rows = 0  # the largest running batch so far (stats)
-        self._tensors = backend._call(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
+        self._tensors = backend.on_thread(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
         self._hosts = [host_array(t) for t in self._tensors]  # the same memory, for row copies
-        self._views = backend._call(self._check_views)
+        self._views = backend.on_thread(self._check_views)
         self._row_views: dict[int, list] = {}  # rows -> views of the first rows of _tensors
 
     # ------------------------------------------------------------------ state
-    def __len__(self) -> int:
-        return len(self.keys)
-
     @property
     def width(self) -> int:
         """S: the write column of the next decode step."""
@@ -115,7 +116,7 @@ class SlotDecoder:
             return self._tensors
         views = self._row_views.get(rows)
         if views is None:
-            views = self._row_views[rows] = self.backend._call(lambda: [t._slice(0, rows) for t in self._tensors])
+            views = self._row_views[rows] = self.backend.on_thread(lambda: [t._slice(0, rows) for t in self._tensors])
         return views
 
     def _check_views(self) -> bool:
@@ -148,27 +149,19 @@ class SlotDecoder:
 
     def join(self, entries: list[tuple[Hashable, tuple]]) -> None:
         """Put prefilled sequences ``[(key, state from prefill), ...]`` into free slots."""
-        keys = [k for k, _ in entries]
-        if len(set(keys)) != len(keys) or set(keys) & set(self.keys):
-            raise ValueError(f"duplicate keys in {keys}")
+        self.check_joining([k for k, _ in entries])
         if len(self.keys) + len(entries) > self.max_batch:
             raise ValueError(f"{len(self.keys)} running + {len(entries)} joining > max_batch {self.max_batch}")
         placed = []
         try:
             for key, (cache, row, p) in entries:
-                self.backend._call(self._place, cache, row, p)
+                self.backend.on_thread(self._place, cache, row, p)
                 self.keys.append(key)
                 placed.append(key)
         except Exception:
             self.remove(placed)  # all of them or none: the caller fails the whole join
             raise
         self.max_rows = max(self.max_rows, len(self.keys))
-
-    def add(self, key: Hashable, prompt: list[int]) -> np.ndarray:
-        """Prefill ``prompt`` alone and join the batch; returns its logits (V,)."""
-        logits, state = self.prefill(prompt)
-        self.join([(key, state)])
-        return logits
 
     def _place(self, cache, row: int, p: int) -> None:
         """Copy row ``row`` of a (left-padded) prefill cache, its last ``p`` positions, into slot
@@ -187,14 +180,12 @@ class SlotDecoder:
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         """Decode one token for every row (``tokens[key]`` its last chosen token); returns each
         row's next logits (V,)."""
-        from ..inference.fused import FusedCache
-
         missing = [k for k in self.keys if k not in tokens]
         if missing:
             raise ValueError(f"no token for rows {missing}")
         n = len(self.keys)
         if self.width + 1 > self.capacity:
-            self.backend._call(self._relayout, 0)
+            self.backend.on_thread(self._relayout, 0)
         s = self.width
         rows = n if self._views else self.max_batch
         self._mask = np.pad(self._mask, ((0, 0), (0, 1)))
@@ -210,14 +201,12 @@ class SlotDecoder:
         masked). Returns each row's logits at its fed positions (len, V), or None when the cache
         has no room for T columns even after a relayout (the caller then runs ``step``). Call
         ``keep`` next."""
-        from ..inference.fused import FusedCache
-
         missing = [k for k in self.keys if k not in tokens or not tokens[k]]
         if missing:
             raise ValueError(f"no token for rows {missing}")
         n, t = len(self.keys), max(len(v) for v in tokens.values())
         if self.width + t > self.capacity:
-            self.backend._call(self._relayout, 0)
+            self.backend.on_thread(self._relayout, 0)
             if self.width + t > self.capacity:
                 return None
         s = self.width
@@ -257,7 +246,7 @@ class SlotDecoder:
         gone = set(keys) & set(self.keys)
         if not gone:
             return
-        self.backend._call(self._remove, gone)
+        self.backend.on_thread(self._remove, gone)
 
     def _remove(self, gone: set) -> None:
         s = self.width

@@ -60,7 +60,7 @@ def set_rng_state(state: dict) -> None:
     paddle.set_rng_state(gens)
 
 
-def _optimizer_tensors(model, optimizer, to_numpy=None) -> tuple[dict, dict]:
+def optimizer_tensors(model, optimizer, to_numpy=None) -> tuple[dict, dict]:
     """Optimizer state keyed by public parameter names: (tensors, json extras). ``to_numpy``
     turns a state tensor into its whole value (a gather for distributed tensors); by default the
     Paddle tensors themselves (``write_weights`` writes them without a copy)."""
@@ -79,7 +79,8 @@ def _optimizer_tensors(model, optimizer, to_numpy=None) -> tuple[dict, dict]:
     return tensors, extra
 
 
-def _load_optimizer(model, optimizer, tensors: dict, scheduler_state: dict) -> None:
+def load_optimizer(model, optimizer, tensors: dict, scheduler_state: dict) -> None:
+    """Set ``optimizer``'s state from ``optimizer_tensors``' tensors (keyed by public names) and the scheduler."""
     public = {n: p.name for n, p in model.named_parameters()}
     sd = {"LR_Scheduler": dict(scheduler_state)}  # paddle requires it when lr is a scheduler
     for key, arr in tensors.items():
@@ -100,7 +101,7 @@ def save_training_checkpoint(output_dir: str, step: int, model, optimizer, sched
     root = os.path.join(output_dir, "checkpoints")
     if parallel is None:
         weights = model.state_dict()
-        opt_tensors, opt_extra = _optimizer_tensors(model, optimizer)
+        opt_tensors, opt_extra = optimizer_tensors(model, optimizer)
     else:
         weights = parallel.gather_model(model)
         opt_tensors, opt_extra = parallel.gather_optimizer(model, optimizer)
@@ -155,7 +156,7 @@ def load_training_checkpoint(path: str, model, optimizer, scheduler, parallel=No
     assign_weights(model, load_weights(path), os.path.join(path, WEIGHTS))
     with open(os.path.join(path, STATE), encoding="utf-8") as f:
         state = json.load(f)
-    _load_optimizer(model, optimizer, load_file(os.path.join(path, OPTIMIZER)), state["scheduler"])
+    load_optimizer(model, optimizer, load_file(os.path.join(path, OPTIMIZER)), state["scheduler"])
     scheduler.set_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state

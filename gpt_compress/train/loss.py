@@ -40,7 +40,12 @@ def head_weight(model) -> tuple[paddle.Tensor, bool]:
     return model.lm_head.weight, False  # nn.Linear: (H, V)
 
 
-def _counted(labels: paddle.Tensor, loss_mask: Optional[paddle.Tensor]) -> paddle.Tensor:
+def as_tensor(x) -> paddle.Tensor:
+    """``x`` as a Paddle tensor (arrays are copied in; tensors pass through)."""
+    return x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
+
+
+def counted_positions(labels: paddle.Tensor, loss_mask: Optional[paddle.Tensor]) -> paddle.Tensor:
     """(N,) bool: positions that enter the mean."""
     valid = labels.reshape([-1]) != IGNORE_INDEX
     if loss_mask is not None:
@@ -116,12 +121,9 @@ def lm_loss(model, input_ids: paddle.Tensor, labels: paddle.Tensor,
 def causal_lm_loss(model, batch: dict) -> paddle.Tensor:
     """The trainer's loss function: ``lm_loss`` on a batch dict of (B, T) arrays or tensors,
     ``input_ids`` and ``labels`` plus an optional ``loss_mask``."""
-    def tensor(x):
-        return x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
-
     mask = batch.get("loss_mask")
-    return lm_loss(model, tensor(batch["input_ids"]), tensor(batch["labels"]).astype("int64"),
-                   None if mask is None else tensor(mask))
+    return lm_loss(model, as_tensor(batch["input_ids"]), as_tensor(batch["labels"]).astype("int64"),
+                   None if mask is None else as_tensor(mask))
 
 
 def lm_head_loss(model, hidden: paddle.Tensor, labels: paddle.Tensor,
@@ -129,10 +131,10 @@ def lm_head_loss(model, hidden: paddle.Tensor, labels: paddle.Tensor,
     """``lm_loss`` from the final hidden states (B, T, H) of ``model.gpt``."""
     if not paddle.in_dynamic_mode() or hidden.dtype != paddle.float32:
         # PyLayer is eager-only (to_static gets the plain math), and the fused path is fp32-only.
-        return _masked_mean_ce(model.logits(hidden), labels, loss_mask)
+        return masked_mean_ce(model.logits(hidden), labels, loss_mask)
     hidden = hidden.reshape([-1, hidden.shape[-1]])  # (N, H)
     weight, vocab_major = head_weight(model)
-    counted = _counted(labels, loss_mask)
+    counted = counted_positions(labels, loss_mask)
     keep = paddle.nonzero(counted).reshape([-1])  # (K,)
     if keep.shape[0] == 0:
         return hidden.sum() * 0.0  # nothing counts: loss 0, zero gradients, graph kept
@@ -147,12 +149,12 @@ def lm_head_loss(model, hidden: paddle.Tensor, labels: paddle.Tensor,
 def lm_loss_reference(model, input_ids: paddle.Tensor, labels: paddle.Tensor,
                       loss_mask: Optional[paddle.Tensor] = None) -> paddle.Tensor:
     """The plain loss ``lm_loss`` must equal: full logits and ``F.cross_entropy``."""
-    return _masked_mean_ce(model(input_ids), labels, loss_mask)
+    return masked_mean_ce(model(input_ids), labels, loss_mask)
 
 
-def _masked_mean_ce(logits: paddle.Tensor, labels: paddle.Tensor, loss_mask: Optional[paddle.Tensor]):
+def masked_mean_ce(logits: paddle.Tensor, labels: paddle.Tensor, loss_mask: Optional[paddle.Tensor]):
     """Mean ``F.cross_entropy`` over counted positions; logits (B, T, V)."""
     logits = logits.reshape([-1, logits.shape[-1]])
     per_token = F.cross_entropy(logits, labels.reshape([-1]), ignore_index=IGNORE_INDEX, reduction="none")
-    valid = _counted(labels, loss_mask).astype(per_token.dtype)
+    valid = counted_positions(labels, loss_mask).astype(per_token.dtype)
     return (per_token.reshape([-1]) * valid).sum() / paddle.clip(valid.sum(), min=1.0)

@@ -1,12 +1,11 @@
 """Config sections of the application commands: ``Finetune`` (with its ``lora`` subsection) and
-``Serve``. Pure Python (no Paddle, no FastAPI), beside config.py, which registers them; the
-packages that use them (finetune/, serve/) import them from here, so config.py imports none of
-those packages."""
+``Serve``. Pure Python (no Paddle, no FastAPI): the packages that use them (finetune/, serve/)
+import them from ``gpt_compress.config``, which imports none of those packages."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 BATCHING = ("pack", "group")
 

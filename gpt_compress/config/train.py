@@ -1,13 +1,13 @@
 """Config sections of training and decoding: ``Data``, ``Optimizer`` (with its learning-rate
-schedule), ``Engine``, ``Generation`` and ``Parallel``. Registered in ``config.py``; import
-them from there."""
+schedule), ``Engine``, ``Generation`` and ``Parallel``. Registered in ``config/__init__.py``;
+import them from ``gpt_compress.config``."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""Reading config text: YAML files (with ``base`` includes), ``Section.key=value`` overrides
-and typed coercion of values into the section dataclasses. ``config.build_config`` applies
-them; the sections themselves are in ``config_model``, ``config_train``, ``config_compress``
-and ``sections``."""
+"""Reading config text: YAML files (with ``_base_`` includes), ``Section.key=value`` overrides
+and typed coercion of values into the section dataclasses. ``build_config`` (``__init__.py``)
+applies them; the sections themselves are in ``model.py``, ``train.py``, ``compress.py`` and
+``apps.py``."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +12,11 @@ from typing import Any, Optional
 
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
-def _suggest(name: str, choices) -> str:
+def suggest(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``name``, or "" when none is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -37,7 +38,7 @@ def _coerce(tp, value, where: str):
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        return _build(tp, value, where)
+        return build_section(tp, value, where)
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
@@ -73,7 +74,7 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def _build(cls, data: dict, where: str, origins: Optional[dict] = None):
+def build_section(cls, data: dict, where: str, origins: Optional[dict] = None):
     """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys by name. ``origins``
     maps keys set by `-o` to their override text, so an error blames the override, not the file."""
     origins = origins or {}
@@ -87,7 +88,7 @@ def _build(cls, data: dict, where: str, origins: Optional[dict] = None):
         if key not in names:
             where_key = f"-o {origins[key]}: unknown key {section}.{key}" if key in origins else \
                 f"unknown key {where}.{key}"
-            raise ConfigError(f"{where_key}{_suggest(key, names)}; valid keys: {', '.join(names)}")
+            raise ConfigError(f"{where_key}{suggest(key, names)}; valid keys: {', '.join(names)}")
         kwargs[key] = _coerce(hints[key], value, f"{at}.{key}")
     try:
         return cls(**kwargs)
@@ -96,7 +97,8 @@ def _build(cls, data: dict, where: str, origins: Optional[dict] = None):
         raise ConfigError(f"-o {blamed[0]}: {e}" if blamed else f"{source}: {e}" if source else str(e)) from None
 
 
-def _parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"Section.key.sub=value"`` -> (["Section", "key", "sub"], the value read as YAML)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like Section.key=value")
     path, raw = text.split("=", 1)
@@ -110,10 +112,11 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return keys, value
 
 
-def _merge(dst: dict, src: dict) -> dict:
+def merge(dst: dict, src: dict) -> dict:
+    """``src`` merged into ``dst`` (nested mappings key by key); returns ``dst``."""
     for k, v in src.items():
         if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
+            merge(dst[k], v)
         else:
             dst[k] = v
     return dst
@@ -137,5 +140,5 @@ def load_yaml(path: str) -> dict:
     base = raw.pop("_base_", None)
     if base:
         base_path = os.path.join(os.path.dirname(path), base)
-        raw = _merge(load_yaml(base_path), raw)
+        raw = merge(load_yaml(base_path), raw)
     return raw

@@ -6,11 +6,11 @@ A YAML file has FleetX-style sections (``Global``, ``Model``, ``Data``, ``Engine
 that name the key and suggest the closest valid one. ``Model.preset`` picks a named size
 first; explicit ``Model`` keys then override it.
 
-The sections live in ``config_model`` (Global, Model, PRESETS), ``config_train`` (Data,
-Optimizer, Engine, Generation, Parallel), ``config_compress`` (Prune, Distill, Quant,
-Pipeline) and ``sections`` (Finetune, Serve); YAML reading and coercion in ``config_parse``.
-This module joins them into ``Config`` and re-exports every name, so ``from .config import
-X`` keeps working.
+The sections live in ``model.py`` (Global, Model, PRESETS), ``train.py`` (Data, Optimizer,
+Engine, Generation, Parallel), ``compress.py`` (Prune, Distill, Quant, Pipeline) and
+``apps.py`` (Finetune, Serve); YAML reading and coercion in ``parse.py``. This module joins
+them into ``Config`` and re-exports every section, so ``from gpt_compress.config import X`` is
+the one import.
 """
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .config_compress import (OBSERVERS, QUANT_WEIGHT_BITS, W8A8, WEIGHT_ONLY, DistillConfig,  # noqa: F401
-                              PipelineConfig, PruneConfig, QuantConfig, QuantVariant)
-from .config_model import PRESETS, GlobalConfig, ModelConfig  # noqa: F401
-from .config_parse import _build, _merge, _parse_override, _suggest, load_yaml  # noqa: F401
-from .config_train import (DataConfig, EngineConfig, GenerationConfig, LRConfig, OptimizerConfig,  # noqa: F401
-                           ParallelConfig)
-from .errors import ConfigError  # noqa: F401  (re-exported)
-from .sections import FinetuneConfig, ServeConfig  # noqa: F401
+from ..errors import ConfigError  # noqa: F401  (re-exported)
+from .apps import BATCHING, FinetuneConfig, LoraConfig, ServeConfig  # noqa: F401
+from .compress import (OBSERVERS, QUANT_WEIGHT_BITS, W8A8, WEIGHT_ONLY, DistillConfig,  # noqa: F401
+                       PipelineConfig, PruneConfig, QuantConfig, QuantVariant, matches_any)
+from .model import PRESETS, GlobalConfig, ModelConfig  # noqa: F401
+from .parse import build_section, load_yaml, merge, parse_override, suggest  # noqa: F401
+from .train import (DataConfig, EngineConfig, GenerationConfig, LRConfig, OptimizerConfig,  # noqa: F401
+                    ParallelConfig)
 
 
 @dataclass
@@ -75,7 +75,7 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
     origins: dict[str, dict[str, str]] = {}  # section -> key -> the override that set it
     for text in overrides:
-        keys, value = _parse_override(text)
+        keys, value = parse_override(text)
         origins.setdefault(keys[0], {})[keys[1]] = text
         node = raw.setdefault(keys[0], {})
         for k in keys[1:-1]:
@@ -88,9 +88,9 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
         if section not in SECTIONS:
             if section in origins:
                 text = next(iter(origins[section].values()))
-                raise ConfigError(f"-o {text}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
+                raise ConfigError(f"-o {text}: unknown section {section!r}{suggest(section, SECTIONS)}; "
                                   f"valid sections: {', '.join(SECTIONS)}")
-            raise ConfigError(f"unknown section {section!r} in {source}{_suggest(section, SECTIONS)}; "
+            raise ConfigError(f"unknown section {section!r} in {source}{suggest(section, SECTIONS)}; "
                               f"valid sections: {', '.join(SECTIONS)}")
         if body is None:
             continue
@@ -103,10 +103,10 @@ def build_config(raw: dict, overrides: list[str] = (), source: str = "<config>")
             if preset is not None:
                 if str(preset) not in PRESETS:
                     raise ConfigError(f"{source}: unknown Model.preset {preset!r}"
-                                      f"{_suggest(str(preset), PRESETS)}; choose one of {', '.join(PRESETS)}")
+                                      f"{suggest(str(preset), PRESETS)}; choose one of {', '.join(PRESETS)}")
                 body = {**PRESETS[str(preset)], "name": str(preset), **body}
         cls = typing.get_type_hints(Config)[attr]
-        kwargs[attr] = _build(cls, body, f"{source}: {section}", origins.get(section))
+        kwargs[attr] = build_section(cls, body, f"{source}: {section}", origins.get(section))
     return Config(**kwargs)
 
 

@@ -1,13 +1,13 @@
 """Config sections of the model and the run: ``Global`` and ``Model`` (with the named sizes,
-``PRESETS``). Registered in ``config.py``; import them from there."""
+``PRESETS``). Registered in ``config/__init__.py``; import them from ``gpt_compress.config``."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config_parse import _build, _suggest
-from .errors import ConfigError
+from .parse import build_section, suggest
+from ..errors import ConfigError
 
 
 @dataclass
@@ -106,13 +106,13 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> "ModelConfig":
         """Build from a plain dict, rejecting unknown keys by name."""
-        return _build(cls, dict(data), f"{source}: Model")
+        return build_section(cls, dict(data), f"{source}: Model")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
         """A named size (see ``PRESETS``) with optional field overrides."""
         if name not in PRESETS:
-            raise ConfigError(f"unknown model preset {name!r}{_suggest(name, PRESETS)}; "
+            raise ConfigError(f"unknown model preset {name!r}{suggest(name, PRESETS)}; "
                               f"choose one of {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], "name": name, **overrides}, source=f"preset {name}")
 

@@ -1,6 +1,6 @@
 """Config sections of compression: ``Prune``, ``Distill``, ``Quant`` (with the layer modes
 and the weight widths the int8 export writes) and ``Pipeline`` (with its quantized
-variants). Registered in ``config.py``; import them from there."""
+variants). Registered in ``config/__init__.py``; import them from ``gpt_compress.config``."""
 from __future__ import annotations
 
 import fnmatch
@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass
@@ -214,13 +214,13 @@ class QuantConfig:
         """``W8A8``, ``WEIGHT_ONLY`` or None for layer ``name`` of ``kind`` ("linear", "lm_head" or
         "embedding"); ``skips`` defaults to ``all_skips()``."""
         skips = self.all_skips() if skips is None else skips
-        if kind == "linear" and _matches(name, self.targets) and not _matches(name, skips):
+        if kind == "linear" and matches_any(name, self.targets) and not matches_any(name, skips):
             return W8A8
-        if _matches(name, self.weight_only):
+        if matches_any(name, self.weight_only):
             return WEIGHT_ONLY
         return None
 
 
-def _matches(name: str, globs: list[str]) -> bool:
+def matches_any(name: str, globs) -> bool:
     """Whether ``name`` matches one of the glob patterns."""
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
