@@ -341,6 +341,24 @@ class Generator:
         with self._lock:
             return self.backend.logits_at(input_ids, attention_mask, rows)
 
+    @property
+    def scores_labels(self) -> bool:
+        """True when the backend reduces its logits to each scored row's log-probability and
+        argmax where they lie (``label_scores``: tensor-parallel exports, whose ranks hold
+        vocabulary slices)."""
+        return bool(self.backend.scores_labels)
+
+    def label_scores(self, input_ids: np.ndarray, attention_mask: Optional[np.ndarray], rows: np.ndarray,
+                     labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """log p(label) (n,) float64 and the argmax (n,) int64 at the flat positions ``rows`` of
+        ``input_ids`` whose next tokens are ``labels`` (needs ``scores_labels``)."""
+        input_ids, attention_mask = self._check_scoring(input_ids, attention_mask)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= input_ids.size):
+            raise InputError(f"rows must index the {input_ids.size} positions of input_ids")
+        with self._lock:
+            return self.backend.label_scores(input_ids, attention_mask, rows, np.asarray(labels, dtype=np.int64))
+
     def _check_scoring(self, input_ids, attention_mask):
         input_ids = np.asarray(input_ids, dtype=np.int64)
         if input_ids.ndim != 2 or input_ids.size == 0:

@@ -242,7 +242,7 @@ def pick_row(logits: np.ndarray, step: int, cfg: GenerationConfig, eos: Optional
     if cfg.decode_strategy == "greedy":
         return int(np.argmax(scores[0])), None
     probs = sampling_probs(scores, cfg)
-    return int(_sample(probs, rng)[0]), probs[0]
+    return int(sample_rows(probs, rng)[0]), probs[0]
 
 
 def verify_row(logits: np.ndarray, drafts: np.ndarray, q: Optional[np.ndarray], n: int, step: int,
