@@ -138,7 +138,7 @@ def conditions(start: list[float] | None, end: list[float] | None, cores: int, t
     run, unevenly (``tables.busy`` decides)."""
     if not start or not end:
         return "load not recorded"
-    busiest = max(*start, *end)
+    busiest = max(start[0], *end[:2])  # the averages tables.busy reads
     if tables.busy(start, end, cores, threads):
         return (f"host shared with other work (load average up to {busiest} on {cores} cores): every figure is "
                 "low and the contenders are slowed unequally; a run on idle cores gives the figures to rely on")

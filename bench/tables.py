@@ -87,9 +87,11 @@ def _f(v, spec: str = "{:.1f}") -> str:
 
 
 def busy(start: list[float], end: list[float], cores: int, threads: int) -> bool:
-    """Whether other work shared the host: a load above half the cores before the run, or at its
-    end above the run's own threads plus half the cores (the end counts the run itself)."""
-    return max(start) > 0.5 * cores or max(end) > threads + 0.5 * cores
+    """Whether other work shared the host: a 1-minute load above half the cores when the run
+    starts, or at its end a 1- or 5-minute load above the run's own threads plus half the cores
+    (the end counts the run itself). The 15-minute averages reach back before a run of a few
+    minutes: work that ended before it started shows there, so they do not count."""
+    return start[0] > 0.5 * cores or max(end[:2]) > threads + 0.5 * cores
 
 
 def load_note(r: Result) -> str:

@@ -130,3 +130,5 @@ def test_a_run_counts_as_busy_from_the_load_of_other_work():
     assert not tables.busy([0.1, 0.2, 0.3], [2.0, 1.2, 0.5], cores=2, threads=2)
     assert tables.busy([3.29, 1.82, 0.76], [2.0, 1.2, 0.5], cores=2, threads=2)  # busy before
     assert tables.busy([0.1, 0.2, 0.3], [8.0, 12.03, 11.01], cores=2, threads=2)  # busy during
+    # work that ended before the run shows only in the 15-minute averages: a quiet run
+    assert not tables.busy([0.49, 0.88, 2.06], [1.8, 1.37, 1.92], cores=2, threads=2)

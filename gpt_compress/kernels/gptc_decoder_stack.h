@@ -37,16 +37,16 @@ constexpr int kPerLayer = 16;
 // int8), offset (elements), d0, d1.
 std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout) {
   PD_CHECK(blobs.size() % 2 == 0 && layout.size() % 4 == 0,
-           "gptc_decoder: weights must be pairs of float32 and int8 blobs, 4 layout numbers per piece");
+           "gptc_generate: weights must be pairs of float32 and int8 blobs, 4 layout numbers per piece");
   for (size_t b = 0; b < blobs.size(); ++b)
     PD_CHECK(blobs[b].dtype() == (b % 2 ? paddle::DataType::INT8 : paddle::DataType::FLOAT32),
-             "gptc_decoder: weight blob ", b, " must be ", b % 2 ? "int8" : "float32");
+             "gptc_generate: weight blob ", b, " must be ", b % 2 ? "int8" : "float32");
   std::vector<View> out(layout.size() / 4);
   for (size_t i = 0; i < out.size(); ++i) {
     const int64_t blob = layout[4 * i], off = layout[4 * i + 1], d0 = layout[4 * i + 2], d1 = layout[4 * i + 3];
     PD_CHECK(blob >= 0 && blob < int64_t(blobs.size()) && off >= 0 && d0 >= 0 && d1 >= 0 &&
                  off + d0 * d1 <= blobs[blob].numel(),
-             "gptc_decoder: weight piece ", i, " lies outside its blob");
+             "gptc_generate: weight piece ", i, " lies outside its blob");
     View& v = out[i];
     v.i8 = blob % 2 == 1;
     v.p = v.i8 ? static_cast<const void*>(blobs[blob].data<int8_t>() + off)
@@ -83,7 +83,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   const int kind = T > 1;
   op_enter(kind);
   Laps lp(kind);
-  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_decoder: mask must be (B, S+T)");
+  PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_generate: mask must be (B, S+T)");
   const int64_t* ctl = nullptr;
   int64_t steps = 1;
   if (control != nullptr) {
@@ -96,15 +96,15 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   const std::vector<View> ws = unpack(blobs, layout);
   PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
                int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
-           "gptc_decoder: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
+           "gptc_generate: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
            " weights and ", 4 * layers, " bits/act entries");
   const Table wte = make_table(ws[kWte], ws[kWteS], wte_bits), wpe = make_table(ws[kWpe], ws[kWpeS], wpe_bits);
   const int64_t C = table_width(ws[kWte], wte_bits), M = B * T;
-  PD_CHECK(table_width(ws[kWpe], wpe_bits) == C, "gptc_decoder: position table width differs from the token table's");
+  PD_CHECK(table_width(ws[kWpe], wpe_bits) == C, "gptc_generate: position table width differs from the token table's");
   PD_CHECK(!ws[kLnfW].i8 && !ws[kLnfB].i8 && ws[kLnfW].d0 * ws[kLnfW].d1 == C && ws[kLnfB].d0 * ws[kLnfB].d1 == C,
-           "gptc_decoder: final layer norm must be float32 of the hidden size");
+           "gptc_generate: final layer norm must be float32 of the hidden size");
   const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
-  PD_CHECK(head.k == C, "gptc_decoder: head weight has ", head.k, " inputs, hidden size is ", C);
+  PD_CHECK(head.k == C, "gptc_generate: head weight has ", head.k, " inputs, hidden size is ", C);
   std::vector<LayerW> lw(layers);
   std::vector<float*> kv(2 * layers);  // each block's key and value cache
   std::vector<int64_t> cap(layers);
@@ -118,7 +118,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
   }
   const int64_t* r = rows.data<int64_t>();
-  for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_decoder: row index out of range");
+  for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_generate: row index out of range");
   // Decode rows (one new token a row, every row's logits in order): the control's padding applies.
   bool per_row = T == 1 && n == B;
   for (int64_t i = 0; per_row && i < n; ++i) per_row = r[i] == i;
