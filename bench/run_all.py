@@ -16,7 +16,8 @@ compression benchmark pretrains and compresses its own model on first use
 (``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
 
 Each benchmark runs as its own subprocess, one after another (never two at once: they would
-share the cores), and prints one JSON object, written whole with a ``run`` record (host, CPU,
+share the cores; each after the first waits, at most 150 s, for the 1-minute load to fall back
+under half the cores), and prints one JSON object, written whole with a ``run`` record (host, CPU,
 date, command) in front. Nothing is overwritten: a second run on the same day gets the time in
 its name (``2026-11-24T1530_decode.json``). A benchmark that fails is reported with its error
 (and no file); the others still run. ``bench/results/README.md`` explains the naming.
@@ -36,6 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tables  # noqa: E402  (bench/tables.py, beside this script)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE_345M = ["--preset", "gpt-345M", "--workdir", "output/bench_decode_345M", "--rounds", "1", "--reps", "2",
+               "--batch", "1", "--no-positions", "--int-formats", "fused,onnx", "--new-tokens", "32", "--backends",
+               "paddle,onnx,paddle_int8,onnx_int8,paddle_int4", "--peers", "llamacpp"]
 BENCHES = {  # name -> script and arguments
     "train": ["bench/train.py"],
     "decode": ["bench/decode.py", "--workdir", "output/bench_decode", "--rounds", "2", "--reps", "2", "--backends",
@@ -44,6 +48,13 @@ BENCHES = {  # name -> script and arguments
     "parallel": ["bench/parallel.py"],
     "speculative": ["bench/speculative.py"],
     "tp_decode": ["bench/tp_decode.py", "--workdir", "output/bench_tp", "--presets", "gpt-bench,gpt-345M"],
+    # gpt-345M batch 1 as users see it (64-token prompt, 32 new tokens, the whole call), and with a
+    # 512-token prompt; the fused int programs alone and an ONNX-only int8 export (memory)
+    "decode_345M": ["bench/decode.py", *DECODE_345M],
+    "decode_345M_512": ["bench/decode.py", *DECODE_345M, "--prompt", "512"],
+    "serve": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir", "output/bench_serve"],
+    "serve_int8": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir", "output/bench_serve",
+                   "--format", "int8"],
 }
 DEFAULT = ("decode",)  # `make bench`; `--only all` (`make bench-full`) runs every one of BENCHES
 
@@ -133,6 +144,19 @@ def load_average() -> list[float] | None:
         return None
 
 
+def settle(cores: int, limit: float = 150.0) -> None:
+    """Before a benchmark that follows another: wait (at most ``limit`` seconds) until the
+    1-minute load average, which still holds the previous benchmark's threads, is back under half
+    the cores, so that the next one starts on a quiet host and its record says so
+    (``tables.busy``)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        load = load_average()
+        if load is None or load[0] <= 0.5 * cores:
+            return
+        time.sleep(5)
+
+
 def conditions(start: list[float] | None, end: list[float] | None, cores: int, threads: int) -> str:
     """What the load says about the timings: other work on the host slows every contender of a
     run, unevenly (``tables.busy`` decides)."""
@@ -172,7 +196,9 @@ def main(argv=None) -> None:
     info = machine()
     if a.host:
         info["host"] = a.host
-    for name in names:
+    for i, name in enumerate(names):
+        if i:
+            settle(info["cores"] or 1)
         print(f"[run_all] {name} ...", file=sys.stderr, flush=True)
         when = time.gmtime()
         load_start = load_average()

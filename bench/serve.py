@@ -186,12 +186,13 @@ def wait_idle(url: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def generator_rate(model_dir: str, backend: str, seconds: float, vocab: int, seed: int = 0) -> dict:
+def generator_rate(model_dir: str, backend: str, seconds: float, vocab: int, seed: int = 0,
+                   verify: bool = True) -> dict:
     """The in-process ``Generator`` on the mix, one greedy request after another, for ``seconds``:
     output tokens/s (prefill included), as one closed-loop client of the server sees it."""
     from gpt_compress.inference.runner import Generator
 
-    gen = Generator.from_dir(model_dir, backend=backend)
+    gen = Generator.from_dir(model_dir, backend=backend, verify=verify)
     rng = np.random.default_rng(seed)
     for plen, out in MIX[:2]:  # warm-up (kernels per shape)
         gen.generate([rng.integers(0, vocab, plen).tolist()], max_new_tokens=out, min_new_tokens=out)
@@ -245,11 +246,12 @@ def main() -> None:
         if a.backend != "paddle":
             p.error("--format int8/int4 runs the fused Paddle program: --backend paddle")
         model_dir = prepare_fused_int(workdir, a.preset, ckpt, int(a.format[3:]), model_dir)
+        a.serve_arg.append("--no-verify")  # the fused program alone: no checksums file (bench/decode.py)
     levels = [int(x) for x in a.levels.split(",")]
     results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "format": a.format, "mix": MIX,
                "duration_s": a.duration,
                "threads": os.environ.get("OMP_NUM_THREADS", ""), "serve_args": a.serve_arg, "levels": [{"clients": c} for c in levels]}
-    results["generator"] = generator_rate(model_dir, a.backend, a.duration, vocab)
+    results["generator"] = generator_rate(model_dir, a.backend, a.duration, vocab, verify=a.format == "fp32")
     print(json.dumps({"generator": results["generator"]}), file=sys.stderr)
     servers = {"batched": a.max_batch, "max_batch_1": 1}
     for name, max_batch in servers.items():

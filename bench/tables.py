@@ -171,6 +171,10 @@ def serve_table(r: Result) -> list[str]:
         rows.append(f"| {lv.get('clients')} | {_f(bt.get('output_tokens_per_s'))} | {_f(one.get('output_tokens_per_s'))} | "
                     f"{_f(lv.get('throughput_ratio'), '{:.2f}x')} | {_f(bt.get('ttft_p50_ms'))} / {_f(bt.get('ttft_p99_ms'))} | "
                     f"{_f(bt.get('itl_p50_ms'))} / {_f(bt.get('itl_p99_ms'))} | {bt.get('errors', '')} | {bt.get('unserved', '')} |")
+    gen = r.data.get("generator", {}).get("output_tokens_per_s")
+    if gen:
+        rows += ["", f"The in-process `Generator` on the same mix, one request after another: {_f(gen)} tokens/s "
+                     f"(one client of the server: {_f(r.data.get('server_1_client_over_generator'), '{:.2f}x')} of it)."]
     return rows
 
 
@@ -233,7 +237,9 @@ def block_performance(results: list[Result]) -> list[str]:
     out: list[str] = []
     for bench, title, table in (("decode", "Decode, gpt-bench", decode_table),
                                 ("decode_345M", "Decode, gpt-345M", decode_table),
+                                ("decode_345M_512", "Decode, gpt-345M, 512-token prompt", decode_table),
                                 ("serve", "Serving (`gptc serve`, continuous batching)", serve_table),
+                                ("serve_int8", "Serving the int8 fused program", serve_table),
                                 ("train", "Training (gpt-bench, batch 8 x 256, float32 AdamW step)", train_table)):
         r = newest(results, bench)
         if r is None:
