@@ -40,27 +40,30 @@ Table make_table(const View& w, const View& s, int bits) {
   return t;
 }
 
+// Row r of table w (C values) into dst (float, or int8/int4 codes times their block scales);
+// added to dst with `add`.
+void table_row(const Table& w, int64_t r, int64_t C, float* dst, bool add) {
+  if (w.bits == 32) {
+    const float* src = w.wf + r * C;
+    for (int64_t c = 0; c < C; ++c) dst[c] = add ? dst[c] + src[c] : src[c];
+    return;
+  }
+  const int64_t blk = C / w.nb;
+  const float* sc = w.s + r * w.nb;
+  const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
+  for (int64_t c = 0; c < C; ++c) {
+    const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: see the format above
+    const int q = w.bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
+    const float v = float(q) * sc[c / blk];
+    dst[c] = add ? dst[c] + v : v;
+  }
+}
+
 // Batch rows [b0, b1) of y (B, T, C): the token embedding plus the position embedding of the
 // last T mask columns (position = cumsum(mask) - 1, clipped at 0), ids and positions clipped to
 // the tables. A row depends on its own ids and mask alone.
 void embed_rows(const Table& wte, const Table& wpe, int64_t C, const int64_t* id, const int64_t* mk, int64_t T,
                 int64_t L, int64_t b0, int64_t b1, float* y) {
-  auto row = [&](const Table& w, int64_t r, float* dst, bool add) {
-    if (w.bits == 32) {
-      const float* src = w.wf + r * C;
-      for (int64_t c = 0; c < C; ++c) dst[c] = add ? dst[c] + src[c] : src[c];
-      return;
-    }
-    const int64_t blk = C / w.nb;
-    const float* sc = w.s + r * w.nb;
-    const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
-    for (int64_t c = 0; c < C; ++c) {
-      const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: see the format above
-      const int q = w.bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
-      const float v = float(q) * sc[c / blk];
-      dst[c] = add ? dst[c] + v : v;
-    }
-  };
   for (int64_t b = b0; b < b1; ++b) {
     int64_t pos = 0;
     for (int64_t j = 0; j < L - T; ++j) pos += mk[b * L + j];
@@ -69,8 +72,8 @@ void embed_rows(const Table& wte, const Table& wpe, int64_t C, const int64_t* id
       const int64_t p = std::min(std::max<int64_t>(pos - 1, 0), wpe.rows - 1);
       const int64_t tok = std::min(std::max<int64_t>(id[b * T + t], 0), wte.rows - 1);
       float* dst = y + (b * T + t) * C;
-      row(wte, tok, dst, false);
-      row(wpe, p, dst, true);
+      table_row(wte, tok, C, dst, false);
+      table_row(wpe, p, C, dst, true);
     }
   }
 }

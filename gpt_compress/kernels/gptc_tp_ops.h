@@ -27,25 +27,6 @@
 
 namespace {
 
-// Row r of table w (C values) into dst, as embed_rows reads it (float, or int8/int4 codes times
-// their block scales); added to dst with `add`.
-void tp_table_row(const Table& w, int64_t r, int64_t C, float* dst, bool add) {
-  if (w.bits == 32) {
-    const float* src = w.wf + r * C;
-    for (int64_t c = 0; c < C; ++c) dst[c] = add ? dst[c] + src[c] : src[c];
-    return;
-  }
-  const int64_t blk = C / w.nb;
-  const float* sc = w.s + r * w.nb;
-  const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
-  for (int64_t c = 0; c < C; ++c) {
-    const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);
-    const int q = w.bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
-    const float v = float(q) * sc[c / blk];
-    dst[c] = add ? dst[c] + v : v;
-  }
-}
-
 // A block's 16 pieces (gptc_layer's order) and its caches' shape checked: the rank's LayerW.
 LayerW tp_layer(const std::vector<View>& ws, int64_t C, int64_t heads, int64_t head_dim, const std::vector<int>& bits,
                 const std::vector<float>& act) {
@@ -127,9 +108,9 @@ std::vector<paddle::Tensor> TpEmbedForward(const paddle::Tensor& ids, const padd
       // The single-card clip to the whole vocabulary, then this rank's slice of it.
       const int64_t tok = std::min(std::max<int64_t>(id[b * T + t], 0), vocab_size - 1) - vocab_start;
       float* dst = y + (b * T + t) * C;
-      if (tok >= 0 && tok < wte.rows) tp_table_row(wte, tok, C, dst, false);
+      if (tok >= 0 && tok < wte.rows) table_row(wte, tok, C, dst, false);
       else std::fill(dst, dst + C, 0.f);
-      if (position) tp_table_row(wpe, std::min(std::max<int64_t>(pos - 1, 0), wpe.rows - 1), C, dst, true);
+      if (position) table_row(wpe, std::min(std::max<int64_t>(pos - 1, 0), wpe.rows - 1), C, dst, true);
     }
   }
   return {out};
