@@ -80,6 +80,8 @@ def test_openai_client_plain_and_streamed_equal_generator(server, gen):
         chunks = list(client.completions.create(model="export", prompt="ROMEO:", max_tokens=24, stream=True,
                                                 stream_options={"include_usage": True}, **case))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        # a chunk carries one token, or the run of them that was waiting (greedy runs): in order
+        assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == ref.sequences[0]
         assert chunks[-1].usage.completion_tokens == len(ref.sequences[0])
         assert chunks[-2].choices[0].finish_reason in ("length", "stop")
     # logprobs (plain and streamed): the chosen token's and the top 3, from the model's distribution.
@@ -198,6 +200,68 @@ def test_slot_decoder_rows_equal_each_alone(gen, monkeypatch):
     assert [out[i] for i in range(len(jobs))] == want
     assert calls[0] == (4, 90) and len(calls) < len(jobs)  # the first four joined at once, left-padded
     assert dec.relayouts >= 3 and dec.capacity > 24 and dec.max_rows == 4 and len(dec) == 0
+
+
+def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
+    """The engine runs several greedy steps in one program call when nothing waits and every row
+    is plain greedy (``Engine._greedy_run``): an EOS inside a run, ``max_tokens`` ending a run,
+    rows whose ``min_tokens`` hold EOS back for different spans (single steps, or runs no longer
+    than the shortest hold) and a sampled row beside greedy ones (single steps) all give each
+    request the tokens ``Generator.generate`` gives it alone."""
+    import threading
+
+    from gpt_compress.serve.engine import Engine, Finished, Request, Token, request_config
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, gen.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
+    free = gen.generate([prompts[0]], max_new_tokens=24).sequences[0]
+    at = next(i for i in range(2, 8) if free[i] not in free[:i])  # a new token inside the first run
+    eos = free[at]
+    # (prompt, max_tokens, min_tokens, temperature): holds of 0, 13 and 4 tokens, a sampled row
+    jobs = [(prompts[0], 24, 0, 0.0), (prompts[1], 13, 13, 0.0), (prompts[2], 9, 4, 0.0), (prompts[3], 6, 0, 0.7)]
+    want = [gen.generate([p], max_new_tokens=m, min_new_tokens=lo, eos_token_id=eos, seed=3,
+                         **({"decode_strategy": "sampling", "temperature": t} if t else {})).sequences[0]
+            for p, m, lo, t in jobs]
+    assert want[0] == free[:at + 1]
+
+    def run(batch: list[int]) -> tuple[list, list]:
+        engine = Engine(gen, max_batch=4)
+        engine.eos = eos
+        runs = []
+        real = engine.batch.step_greedy
+        engine.batch.step_greedy = lambda tokens, steps, e, hold: runs.append((len(tokens), steps, hold)) or real(
+            tokens, steps, e, hold)
+        out = {i: [] for i in batch}
+        done = threading.Semaphore(0)
+
+        def emit(i):
+            def on(ev):
+                if isinstance(ev, Token):
+                    out[i].append(ev.token_id)
+                elif isinstance(ev, Finished):
+                    done.release()
+                else:
+                    raise AssertionError(ev)
+            return on
+        reqs = [Request(prompt=jobs[i][0], cfg=request_config(jobs[i][1], jobs[i][3], 1.0, 0, 1.0, 3, jobs[i][2]),
+                        emit=emit(i)) for i in batch]
+        engine.start()
+        engine.submit_all(reqs)
+        for _ in batch:
+            assert done.acquire(timeout=120)
+        engine.stop()
+        return [out[i] for i in batch], runs
+
+    assert gen.backend.greedy_steps >= 4
+    got, runs = run([0])
+    assert got == [want[0]] and runs and runs[0][1] == gen.backend.greedy_steps  # EOS inside the first run
+    got, runs = run([1, 2])
+    assert got == [want[1], want[2]]
+    # A run no longer than the shortest hold (3), single steps while one row's hold is over and the
+    # other's is not, then row 1 alone: a run held to its end (its min_tokens is its max_tokens).
+    assert runs[0] == (2, 3, 3) and runs[-1][0] == 1 and runs[-1][1] == runs[-1][2] >= 2
+    got, runs = run([0, 1, 2, 3])
+    assert got == want and all(r[0] < 4 for r in runs)  # the sampled row: single steps while it runs
 
 
 def test_slot_decoder_steps_leave_no_python_objects_behind(gen):

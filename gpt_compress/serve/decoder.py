@@ -24,6 +24,8 @@ class Decoder(ABC):
     batches_prefill: bool = False
     # ``step_many`` + ``keep``: speculative decoding's verify step.
     verifies: bool = False
+    # Greedy steps one ``step_greedy`` call runs at most (1: no ``step_greedy``).
+    greedy_steps: int = 1
 
     def __init__(self, backend):
         self.backend = backend
@@ -64,6 +66,14 @@ class Decoder(ABC):
         """The verify step (only when ``verifies``): each row's last token and drafts in one run;
         returns each row's logits at its fed positions (len, V), or None when there is no room."""
         raise NotImplementedError(f"{type(self).__name__} has no verify step")
+
+    def step_greedy(self, tokens: dict[Hashable, int], steps: int, eos: Optional[int],
+                    suppress: int) -> dict[Hashable, np.ndarray]:
+        """``steps`` (<= ``greedy_steps``) greedy steps for every row in one call, the argmax made
+        where the logits lie (only when ``greedy_steps`` > 1): feeds ``tokens[key]``, then each
+        step's token; returns each row's tokens (steps,), 0 after its ``eos``; the first
+        ``suppress`` steps never choose ``eos``. The last token is not fed yet (the next call feeds it)."""
+        raise NotImplementedError(f"{type(self).__name__} runs one step a call (greedy_steps is 1)")
 
     def keep(self, kept: dict[Hashable, int]) -> None:
         """After ``step_many``: row ``key`` keeps the first ``kept[key]`` columns it was fed."""

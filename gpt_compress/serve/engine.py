@@ -23,7 +23,12 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    (``SlotDecoder.step_many``) that feeds each speculated request its token and draft tokens
    (prompt lookup, or a draft model with a slot cache of its own), after which each keeps what
    ``model/speculative.py``'s ``verify_row`` accepts (greedy: its own choices; sampling: the
-   rejection rule with its own generator) and the caches roll back.
+   rejection rule with its own generator) and the caches roll back. When no request waits and
+   every running one is plain greedy (no penalty, bias, log-probabilities or speculation), up to
+   the decoder's ``greedy_steps`` steps run in one call instead (``step_greedy``: vLLM's
+   multi-step scheduling; the argmax is made where the logits lie and no logits leave the
+   program), never past the nearest ``max_tokens``; their tokens are then taken one by one as
+   in 3-4, so a request's tokens, events and stop strings are those of single steps.
 
 Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
 layer forwards them into its event loop), exactly one ``Finished`` or ``Failed`` per request.
@@ -250,16 +255,25 @@ class Engine:
             tokens = {rid: req.tokens[-1] for rid, req in self._running.items()}
             if self.metrics is not None:
                 self.metrics.batch_size.observe(len(tokens))
+            run = self._greedy_run()
             try:
-                drafts = self._proposals() if self.speculative_tokens else {}
-                logits = (self.batch.step_many({rid: [tok] + drafts.get(rid, []) for rid, tok in tokens.items()})
-                          if drafts else None)
-                if logits is None:
-                    self._draft_rollback({})  # no room for the verify step: nothing was checked
-                    drafts, logits = {}, self.batch.step(tokens)
+                if run is not None:
+                    out = self.batch.step_greedy(tokens, *run)
+                else:
+                    drafts = self._proposals() if self.speculative_tokens else {}
+                    logits = (self.batch.step_many({rid: [tok] + drafts.get(rid, []) for rid, tok in tokens.items()})
+                              if drafts else None)
+                    if logits is None:
+                        self._draft_rollback({})  # no room for the verify step: nothing was checked
+                        drafts, logits = {}, self.batch.step(tokens)
             except Exception as e:
                 log.exception("decode step failed")
                 self._fail_all(500, f"decode step failed: {type(e).__name__}: {e}")
+                return
+            if run is not None:
+                self.steps += run[0]
+                self._leave(self._take_run(out))
+                self._gauges()
                 return
             self.steps += 1
             if drafts:
@@ -270,6 +284,47 @@ class Engine:
             if self.step_delay:
                 time.sleep(self.step_delay)
         self._gauges()
+
+    def _greedy_run(self) -> Optional[tuple[int, Optional[int], int]]:
+        """(steps, eos, suppress) for ``step_greedy`` when the running batch can take several greedy
+        steps in one call, else None: nothing waits to be admitted, every request is plain greedy,
+        the run stops at the nearest ``max_tokens``, and ``min_tokens`` holds EOS back for the same
+        first steps of every row (the program's one ``suppress`` count)."""
+        if self.batch.greedy_steps < 2 or self._pending or self.speculative_tokens:
+            return None
+        steps, holds = self.batch.greedy_steps, set()
+        for req in self._running.values():
+            cfg = req.cfg
+            if (cfg.decode_strategy != "greedy" or uses_history(cfg) or cfg.logit_bias or req.logprobs is not None
+                    or req.ended):
+                return None
+            done = len(req.tokens)  # generated so far; the run makes tokens done + 0, 1, ...
+            steps = min(steps, cfg.max_new_tokens - done)
+            holds.add(max(0, cfg.min_new_tokens - done))
+        if self.eos is None:
+            return (steps, None, 0) if steps >= 2 else None
+        steps = min([steps] + [h for h in holds if h > 0])  # each row's hold is 0 or covers the run
+        if steps < 2 or len({min(h, steps) for h in holds}) > 1:
+            return None
+        return steps, self.eos, min(max(holds), steps)
+
+    def _take_run(self, out: dict) -> list[int]:
+        """Take each row's tokens of a ``step_greedy`` run in order, up to its end; the rows that
+        finished."""
+        done = []
+        for rid, toks in out.items():
+            req = self._running[rid]
+            for tok in toks:
+                try:
+                    if self._take(req, int(tok), None):
+                        done.append(rid)
+                        break
+                except Exception as e:
+                    log.exception("request %d failed", rid)
+                    self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+                    done.append(rid)
+                    break
+        return done
 
     def _drop_expired(self, now: float) -> None:
         gone = []

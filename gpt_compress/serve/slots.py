@@ -88,6 +88,7 @@ class SlotDecoder(Decoder):
         self._tensors = backend.on_thread(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
         self._hosts = [host_array(t) for t in self._tensors]  # the same memory, for row copies
         self._views = backend.on_thread(self._check_views)
+        self.greedy_steps = backend.greedy_steps  # ``decode_greedy_steps`` in one program run
         self._row_views: dict[int, list] = {}  # rows -> views of the first rows of _tensors
 
     # ------------------------------------------------------------------ state
@@ -195,6 +196,30 @@ class SlotDecoder(Decoder):
         logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s))
         return {k: logits[i] for i, k in enumerate(self.keys)}
 
+    def step_greedy(self, tokens: dict[Hashable, int], steps: int, eos: Optional[int],
+                    suppress: int) -> dict[Hashable, np.ndarray]:
+        """``steps`` greedy steps in one program run (``decode_greedy_steps``): see ``Decoder``."""
+        missing = [k for k in self.keys if k not in tokens]
+        if missing:
+            raise ValueError(f"no token for rows {missing}")
+        if not 1 <= steps <= self.greedy_steps:
+            raise ValueError(f"steps must be in [1, {self.greedy_steps}], got {steps}")
+        n = len(self.keys)
+        if self.width + steps > self.capacity:
+            self.backend.on_thread(self._relayout, 0, steps)
+        s = self.width
+        rows = n if self._views else self.max_batch
+        self._mask = np.pad(self._mask, ((0, 0), (0, 1)))
+        self._mask[:n, s] = 1
+        ids = np.zeros((rows, 1), np.int64)
+        ids[:n, 0] = [tokens[k] for k in self.keys]
+        finished = np.arange(rows) >= n  # free slots: their tokens are padding
+        out, _ = self.backend.decode_greedy_steps(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s),
+                                                  steps, eos, 0, finished, suppress)
+        self._mask = np.pad(self._mask, ((0, 0), (0, steps - 1)))
+        self._mask[:n, s + 1:] = 1
+        return {k: out[i] for i, k in enumerate(self.keys)}
+
     def step_many(self, tokens: dict[Hashable, list[int]]) -> Optional[dict[Hashable, np.ndarray]]:
         """Speculative decoding's verify step: ``tokens[key]`` is a row's last chosen token and its
         draft tokens, fed in one run (T = the longest list; a shorter row's extra columns are
@@ -262,13 +287,13 @@ class SlotDecoder(Decoder):
         if not self.keys:
             self._mask = self._mask[:, :0]
 
-    def _relayout(self, joining: int) -> None:
+    def _relayout(self, joining: int, steps: int = 1) -> None:
         """Pack every running row's valid columns to the right of S' = the longest row, into a
-        cache with room for S' (or a joining prompt of ``joining`` positions) plus one step."""
+        cache with room for S' (or a joining prompt of ``joining`` positions) plus ``steps`` steps."""
         n = len(self.keys)
         lengths = self._mask[:n].sum(axis=1)
         width = int(max(lengths.max(initial=0), joining))
-        need = width + 1
+        need = width + steps
         capacity = self.capacity
         if need + capacity // 4 > capacity:
             capacity = min(self.max_capacity, max(2 * capacity, need + capacity // 4))
