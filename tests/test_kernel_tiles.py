@@ -44,7 +44,7 @@ LAYERS = {
 }
 # name -> (bits, K): K = 640 runs the AVX-512 tiles' k range in two chunks (gptc_gemm512.h: 512 codes
 # or floats a chunk); K = 4096 (int8) and 8192 (int4) put the weight rows 4 KB apart, which the
-# few-row lane kernels take in tiles of 6 rows instead of 12 (gptc_gemm512.h: iblock_lanes)
+# few-row lane kernels take in tiles of 6 rows instead of 12 (gptc_gemm512.h: int_block_lanes)
 HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96), "head_fp32_long_k": (32, 640),
               "head_int8_long_k": (8, 640), "head_int4_long_k": (4, 640), "head_int8_4k_rows": (8, 4096),
               "head_int4_4k_rows": (4, 8192)}

@@ -2,8 +2,10 @@
 
 The C++ is one translation unit split by concern: ``gptc_ops.cc`` (the formats and the
 batch-invariance contract) #includes ``gptc_common.h`` (profiler, thread count, vector helpers),
-``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_linear.h`` (input quantization,
-linear_block), ``gptc_gemv.h`` (M = 1 kernels, the Linear entry points), ``gptc_norm_attention.h``,
+``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_gemm512.h`` (the AVX-512 GEMM
+micro-kernels), ``gptc_inputs.h`` (per-thread scratch, input quantization), ``gptc_gemv.h`` (M = 1
+kernels), ``gptc_linear.h`` (linear_block and the Linear entry points that choose GEMV or blocks),
+``gptc_norm_attention.h``,
 ``gptc_decoder_ops.h`` (the layer machinery: embedding, block, head inputs),
 ``gptc_decoder_stack.h`` (gptc_generate: the whole decoder in one call),
 ``gptc_head_score.h`` (gptc_head_score) and ``gptc_tp_ops.h`` (the tensor-parallel rank
@@ -48,8 +50,8 @@ from ..runtime import cpu_flags
 DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
 # (tests/test_kernel_sources.py checks this list against the directory and the #include lines).
-SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_linear.h", "gptc_gemv.h",
-           "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_tp_ops.h",
+SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_inputs.h", "gptc_gemv.h",
+           "gptc_linear.h", "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_tp_ops.h",
            "gptc_bench.h")
 SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
@@ -238,7 +240,7 @@ def cached_library_problem(directory: str) -> Optional[str]:
 
 
 def load_ops():
-    """The op module (``gptc_generate``, ``gptc_decoder``; ``gptc_embed``, ``gptc_layer``, ``gptc_head``), built or loaded once per process."""
+    """The op module (every operator of ``OPS``), built or loaded once per process."""
     global _module, build_seconds
     with _lock:
         if _module is not None:

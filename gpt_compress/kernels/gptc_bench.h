@@ -10,7 +10,7 @@
 
 #include <random>
 
-#include "gptc_gemv.h"
+#include "gptc_linear.h"
 
 namespace {
 
@@ -98,10 +98,10 @@ double gptc_bench_peak(int kind, int64_t iters) {
 }
 
 // A Linear of the fused ops (y (M, N) = x (M, K) @ W^T + bias) on random weights and inputs:
-// bits 32 float, 8 int8 codes, 4 packed int4; int blocks of blk codes; act as Lin::act (0: inputs
+// bits 32 float, 8 int8 codes, 4 packed int4; int blocks of blk codes; act as LinearWeights::act (0: inputs
 // quantized per token and block). Null for shapes the formats do not allow.
 struct BenchLinear {
-  Lin L;
+  LinearWeights L;
   int64_t M;
   std::vector<float> x, wf, scale, bias, y;
   std::vector<int8_t> wq;
@@ -116,7 +116,7 @@ void* gptc_bench_linear_new(int bits, int64_t M, int64_t N, int64_t K, int64_t b
   b->x.resize(M * K), b->bias.resize(N), b->y.resize(M * N);
   for (auto& v : b->x) v = normal(gen);
   for (auto& v : b->bias) v = 0.1f * normal(gen);
-  Lin& L = b->L;
+  LinearWeights& L = b->L;
   L.n = N, L.k = K, L.bits = bits, L.act = act, L.bias = b->bias.data();
   if (bits == 32) {
     b->wf.resize(N * K);
@@ -138,7 +138,7 @@ void gptc_bench_linear_run(void* h, int reps, double* times) {
   auto* b = static_cast<BenchLinear*>(h);
   for (int r = 0; r < reps; ++r) {
     const double t0 = now_s();
-    const In in = prepare_inputs(b->L, b->x.data(), b->M, t_scratch);
+    const LinearInputs in = prepare_inputs(b->L, b->x.data(), b->M, t_scratch);
     linear_for(b->L, in, b->M, b->y.data(), nullptr, -1);  // outside a parallel region: this thread alone
     times[r] = now_s() - t0;
   }

@@ -1,6 +1,7 @@
 // Common definitions of the fused CPU operators: the includes, the profiler ($GPTC_PROFILE), the
-// thread count ($GPTC_THREADS), a Linear's weights (Lin) and the AVX2 vector helpers (hsum,
-// the int8 dot product, exp8) and a row's argmax.
+// thread count ($GPTC_THREADS), a Linear's weights (LinearWeights), the weight formats and views
+// (weight_format, WeightView), the AVX2 vector helpers (hsum, the int8 dot products, int4
+// unpacking, exp8) and a row's argmax.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_COMMON_H_
 #define GPTC_KERNELS_GPTC_COMMON_H_
@@ -39,14 +40,14 @@ namespace {
 // written to <path> as JSON ({kind: {section: [ns, calls, least ns]}}) when the process exits
 // (bench/kernels.py; one predictor running at a time: the sums are not synchronized). Unset: one
 // predictable branch per section.
-enum Sec { kEmbed, kLn1, kQkv, kAttn, kOut, kLn2, kFc, kProj, kHeadLn, kHead, kGap, kOutside, kNumSec };
-const char* const kSecNames[kNumSec] = {"embed", "ln1", "qkv", "attention", "out", "ln2", "fc", "proj",
+enum ProfileSection { kEmbed, kLn1, kQkv, kAttn, kOut, kLn2, kFc, kProj, kHeadLn, kHead, kGap, kOutside, kNumSections };
+const char* const kSectionNames[kNumSections] = {"embed", "ln1", "qkv", "attention", "out", "ln2", "fc", "proj",
                                          "head_ln", "head_linear", "between_ops", "outside_program"};
 struct Profile {
   const char* path = std::getenv("GPTC_PROFILE");
-  double ns[2][kNumSec] = {};
-  int64_t calls[2][kNumSec] = {};
-  double least[2][kNumSec] = {};  // the fastest call of each section (the least disturbed one)
+  double ns[2][kNumSections] = {};
+  int64_t calls[2][kNumSections] = {};
+  double least[2][kNumSections] = {};  // the fastest call of each section (the least disturbed one)
   void add(int kind, int sec, double t) {
     ns[kind][sec] += t;
     least[kind][sec] = calls[kind][sec]++ ? std::min(least[kind][sec], t) : t;
@@ -59,8 +60,8 @@ struct Profile {
       std::fprintf(f, "{");
       for (int t = 0; t < 2; ++t) {
         std::fprintf(f, "%s\"%s\": {", t ? ", " : "", t ? "prefill" : "decode");
-        for (int i = 0; i < kNumSec; ++i)
-          std::fprintf(f, "%s\"%s\": [%.0f, %lld, %.0f]", i ? ", " : "", kSecNames[i], ns[t][i],
+        for (int i = 0; i < kNumSections; ++i)
+          std::fprintf(f, "%s\"%s\": [%.0f, %lld, %.0f]", i ? ", " : "", kSectionNames[i], ns[t][i],
                        (long long)calls[t][i], least[t][i]);
         std::fprintf(f, "}");
       }
@@ -110,7 +111,11 @@ inline int nthreads() {
   return n > 0 ? n : omp_get_max_threads();
 }
 
-struct Lin {
+// A Linear's weights as the kernels see them (y = x @ W^T + bias, W (N, K)): float32 (bits 32) or
+// int codes (bits 8 or 4, weight_format below) with float scales per block of blk inputs. act: the
+// int layer's inputs, < 0 float (the weights dequantized), 0 int8 quantized per token and block,
+// > 0 int8 with that one calibrated scale (gptc_ops.cc's head comment).
+struct LinearWeights {
   const float* wf = nullptr;    // float32 (N, K)
   const int8_t* wq = nullptr;   // int8 (N, K) or int4 packed (N, K/2)
   const float* scale = nullptr; // (N, K/blk)
@@ -140,8 +145,8 @@ static_assert(kInt4Run % 8 == 0 && kInt8Bits == 8, "runs of whole 8-lane vectors
 }  // namespace weight_format
 
 // A weight as the kernels see it: (d0, d1) values at p (d1 = 1 for a vector), float32 or int8;
-// a tensor's own memory (view()) or a piece of a packed weights blob (gptc_decoder_stack.h).
-struct View {
+// a tensor's own memory (weight_view()) or a piece of a packed weights blob (gptc_decoder_stack.h).
+struct WeightView {
   const void* p = nullptr;
   int64_t d0 = 0, d1 = 1;
   bool i8 = false;
@@ -149,8 +154,8 @@ struct View {
   const int8_t* q() const { return static_cast<const int8_t*>(p); }
 };
 
-View view(const paddle::Tensor& t) {
-  View v;
+WeightView weight_view(const paddle::Tensor& t) {
+  WeightView v;
   const auto& d = t.dims();
   v.i8 = t.dtype() == paddle::DataType::INT8;
   PD_CHECK(v.i8 || t.dtype() == paddle::DataType::FLOAT32, "gptc: weights must be float32 or int8");
@@ -160,8 +165,8 @@ View view(const paddle::Tensor& t) {
   return v;
 }
 
-Lin make_lin(const View& w, const View& s, const float* bias, int bits, float act) {
-  Lin L;
+LinearWeights make_linear_weights(const WeightView& w, const WeightView& s, const float* bias, int bits, float act) {
+  LinearWeights L;
   L.bits = bits;
   L.act = act;
   L.n = w.d0;
@@ -186,8 +191,9 @@ Lin make_lin(const View& w, const View& s, const float* bias, int bits, float ac
   return L;
 }
 
-Lin make_lin(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Tensor* b, int bits, float act) {
-  return make_lin(view(w), view(s), b != nullptr ? b->data<float>() : nullptr, bits, act);
+LinearWeights make_linear_weights(const paddle::Tensor& w, const paddle::Tensor& s, const paddle::Tensor* b, int bits,
+                                  float act) {
+  return make_linear_weights(weight_view(w), weight_view(s), b != nullptr ? b->data<float>() : nullptr, bits, act);
 }
 
 #if defined(__AVX2__)

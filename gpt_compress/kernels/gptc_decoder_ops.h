@@ -1,21 +1,22 @@
-// The decoder's layer machinery that gptc_generate (gptc_decoder_stack.h) runs: the embedding
-// tables (embed_rows), one block with its KV cache written in place (layer_step) and the head's
-// inputs (head_inputs).
+// The decoder's layer machinery that gptc_generate (gptc_decoder_stack.h) and the tensor-parallel
+// ops (gptc_tp_ops.h) run: the embedding tables (embed_rows), one block's weights and per-call
+// state (LayerWeights, StepContext), one block with its KV cache written in place (layer_step) and
+// the head's inputs (head_inputs). No operator is registered here.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_DECODER_OPS_H_
 #define GPTC_KERNELS_GPTC_DECODER_OPS_H_
 
-#include "gptc_gemv.h"
+#include "gptc_linear.h"
 #include "gptc_norm_attention.h"
 
 namespace {
 
 // The hidden size of an embedding table's rows (int4: two codes a byte).
-inline int64_t table_width(const View& w, int bits) { return bits == 4 ? w.d1 * 2 : w.d1; }
+inline int64_t table_width(const WeightView& w, int bits) { return bits == 4 ? w.d1 * 2 : w.d1; }
 
 // ---------------------------------------------------------------------------------- embed
 // An embedding table as embed_rows reads it: float32 (rows, C), or int codes with block scales
-// (rows, nb); int4 packed as the Linear weights (gptc_ops.cc).
+// (rows, nb); int4 packed as the Linear weights (weight_format, gptc_common.h).
 struct Table {
   const float* wf = nullptr;
   const int8_t* wq = nullptr;
@@ -24,7 +25,7 @@ struct Table {
   int bits = 32;
 };
 
-Table make_table(const View& w, const View& s, int bits) {
+Table make_table(const WeightView& w, const WeightView& s, int bits) {
   Table t;
   t.bits = bits;
   t.rows = w.d0;
@@ -52,7 +53,7 @@ void table_row(const Table& w, int64_t r, int64_t C, float* dst, bool add) {
   const float* sc = w.s + r * w.nb;
   const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
   for (int64_t c = 0; c < C; ++c) {
-    const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: see the format above
+    const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: weight_format's runs
     const int q = w.bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
     const float v = float(q) * sc[c / blk];
     dst[c] = add ? dst[c] + v : v;
@@ -79,25 +80,28 @@ void embed_rows(const Table& wte, const Table& wpe, int64_t C, const int64_t* id
 }
 
 // ---------------------------------------------------------------------------------- layer
-// One decoder block's weights (make_layer) and what every block of one call shares (a Step).
-struct LayerW {
-  Lin qkv, out, fc, proj;
+// One decoder block's weights (make_layer_weights) and what every block of one call shares (a StepContext).
+struct LayerWeights {
+  LinearWeights qkv, out, fc, proj;
   const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
   int64_t H, D, F;
 };
 
-// w: the block's 16 weights in the layout's order (Ln1W .. ProjB: gptc_decoder_stack.h); bits, act: 4 each.
-LayerW make_layer(const View* w, int64_t C, int64_t heads, int64_t head_dim, const int* bits, const float* act) {
-  LayerW l;
+// w: the block's 16 weights in this order: ln1_w, ln1_b, qkv_w, qkv_s, qkv_b, out_w, out_s, out_b,
+// ln2_w, ln2_b, fc_w, fc_s, fc_b, proj_w, proj_s, proj_b (a float weight's scale: any float piece);
+// bits, act: 4 each (qkv, out, fc, proj).
+LayerWeights make_layer_weights(const WeightView* w, int64_t C, int64_t heads, int64_t head_dim, const int* bits,
+                                const float* act) {
+  LayerWeights l;
   for (int j : {0, 1, 4, 7, 8, 9, 12, 15})
     PD_CHECK(!w[j].i8 && w[j].d0 * w[j].d1 >= (j == 4 || j == 7 || j == 12 || j == 15 ? 1 : C),
              "gptc: layer norm weights and biases must be float32");
   l.ln1_w = w[0].f(), l.ln1_b = w[1].f();
-  l.qkv = make_lin(w[2], w[3], w[4].f(), bits[0], act[0]);
-  l.out = make_lin(w[5], w[6], w[7].f(), bits[1], act[1]);
+  l.qkv = make_linear_weights(w[2], w[3], w[4].f(), bits[0], act[0]);
+  l.out = make_linear_weights(w[5], w[6], w[7].f(), bits[1], act[1]);
   l.ln2_w = w[8].f(), l.ln2_b = w[9].f();
-  l.fc = make_lin(w[10], w[11], w[12].f(), bits[2], act[2]);
-  l.proj = make_lin(w[13], w[14], w[15].f(), bits[3], act[3]);
+  l.fc = make_linear_weights(w[10], w[11], w[12].f(), bits[2], act[2]);
+  l.proj = make_linear_weights(w[13], w[14], w[15].f(), bits[3], act[3]);
   l.H = heads, l.D = head_dim, l.F = l.fc.n;
   const int64_t inner = heads * head_dim;
   PD_CHECK(l.qkv.n == 3 * inner && l.qkv.k == C && l.out.k == inner && l.out.n == C && l.fc.k == C &&
@@ -108,10 +112,10 @@ LayerW make_layer(const View* w, int64_t C, int64_t heads, int64_t head_dim, con
   return l;
 }
 
-// Rows from which a call's layer norms and int8 inputs are made once, shared (Step::rows).
+// Rows from which a call's layer norms and int8 inputs are made once, shared (StepContext::rows).
 constexpr int64_t kSharedRows = 16;
 
-struct Step {
+struct StepContext {
   int64_t B, T, C, L, S, M;
   const int32_t* keys;   // (B, L): each row's unmasked cache columns, in order
   const int64_t* nkeys;  // (B, T): how many of them a query at column S+t attends to
@@ -126,12 +130,12 @@ struct Step {
 };
 
 // Shared buffers of a call whose widest block has these sizes (grown on the calling thread,
-// before the parallel region); keys and nkeys of the mask. rows_at: the row count from which
-// the shared prepare_rows buffers are made (also the head's, of `head_rows` rows).
-Step make_step(int64_t B, int64_t T, int64_t C, const int64_t* mk, int64_t L, int64_t inner, int64_t F,
-               int64_t kmax, int64_t head_rows, float eps, int activation) {
+// before the parallel region); keys and nkeys of the mask. head_rows: the rows the head takes
+// (head_inputs shares its buffers out from kSharedRows rows on, as the blocks do).
+StepContext make_step_context(int64_t B, int64_t T, int64_t C, const int64_t* mk, int64_t L, int64_t inner, int64_t F,
+                              int64_t kmax, int64_t head_rows, float eps, int activation) {
   Shared& sh = t_shared;  // this thread's: the op's threads share them during the call
-  Step s;
+  StepContext s;
   s.B = B, s.T = T, s.C = C, s.L = L, s.S = L - T, s.M = B * T;
   s.eps = eps, s.activation = activation, s.nt = nthreads();
   s.q = grow(sh.q, size_t(s.M * 3 * inner));
@@ -162,7 +166,7 @@ Step make_step(int64_t B, int64_t T, int64_t C, const int64_t* mk, int64_t L, in
   return s;
 }
 
-inline int64_t kmax_of(const LayerW& l) { return std::max({l.qkv.k, l.out.k, l.fc.k, l.proj.k}); }
+inline int64_t kmax_of(const LayerWeights& l) { return std::max({l.qkv.k, l.out.k, l.fc.k, l.proj.k}); }
 
 // One block, x (M, C) -> y (M, C), its new keys/values written into K_, V_ (B, H, cap, D) at
 // S..S+T-1; called by every thread of a parallel region (no barrier at its start: y and the
@@ -184,11 +188,11 @@ struct Subset {
   float *ctx, *x;
 };
 
-void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, float* K_, float* V_, int64_t cap,
-                Laps& lp, bool lead, const Subset* sub = nullptr) {
+void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, float* K_, float* V_,
+                int64_t cap, Laps& lp, bool lead, const Subset* sub = nullptr) {
   Scratch& sc = t_scratch;
   const int64_t B = s.B, T = s.T, C = s.C, L = s.L, S = s.S, M = s.M, H = w.H, D = w.D, inner = H * D;
-  const Lin &qkv = w.qkv, &out = w.out, &fc = w.fc, &proj = w.proj;
+  const LinearWeights &qkv = w.qkv, &out = w.out, &fc = w.fc, &proj = w.proj;
   const bool rows = s.rows;
   const float eps = s.eps, scale = 1.f / std::sqrt(float(D));
   float *q = s.q, *ctx = s.ctx, *f = s.f;
@@ -196,7 +200,7 @@ void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, floa
   // enough heads per thread one work item computes them, writes the new keys/values into the
   // cache and runs the head's attention, with no barrier between the three.
   const bool by_head = H % s.nt == 0 || H >= 3 * s.nt;
-  // Everything new keys/values and attention of the (b, hh) rows: keys/values of the T new
+  // The new keys/values and the attention of the (b, hh) rows: keys/values of the T new
   // positions into the cache at S..S+T-1, then each query's attention.
   auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
     float* p = grow(sc.p, size_t(L + 8));
@@ -213,7 +217,7 @@ void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, floa
   };
   float* h = rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
   if (!rows) layer_norm(xd, M, C, w.ln1_w, w.ln1_b, eps, h);
-  const In in1 = rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, eps, h, s.xqs, s.sxs)
+  const LinearInputs in1 = rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, eps, h, s.xqs, s.sxs)
                       : prepare_inputs(qkv, h, M, sc);
   if (lead) lp.lap(kLn1);
   if (by_head) {
@@ -243,17 +247,17 @@ void layer_step(const LayerW& w, const Step& s, const float* xd, float* yd, floa
     m = sub->n, shared = m >= kSharedRows, x2 = sub->x, c2 = sub->ctx;
     if (!shared) h = grow(sc.h, size_t(m * std::max(C, int64_t(1))));
   }
-  const In in_out = shared ? prepare_rows(out, c2, m, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
+  const LinearInputs in_out = shared ? prepare_rows(out, c2, m, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
                            : prepare_inputs(out, c2, m, sc);
   linear_for(out, in_out, m, yd, x2, -1);  // y = x + attention
   if (lead) lp.lap(kOut);
   if (!shared) layer_norm(yd, m, C, w.ln2_w, w.ln2_b, eps, h);
-  const In in2 = shared ? prepare_rows(fc, yd, m, w.ln2_w, w.ln2_b, eps, h, s.xqs, s.sxs)
+  const LinearInputs in2 = shared ? prepare_rows(fc, yd, m, w.ln2_w, w.ln2_b, eps, h, s.xqs, s.sxs)
                         : prepare_inputs(fc, h, m, sc);
   if (lead) lp.lap(kLn2);
   linear_for(fc, in2, m, f, nullptr, s.activation);
   if (lead) lp.lap(kFc);
-  const In in_proj = shared ? prepare_rows(proj, f, m, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
+  const LinearInputs in_proj = shared ? prepare_rows(proj, f, m, nullptr, nullptr, eps, nullptr, s.xqs, s.sxs)
                             : prepare_inputs(proj, f, m, sc);
   linear_for(proj, in_proj, m, yd, yd, -1);  // y += mlp
   if (lead) lp.lap(kProj);
@@ -269,8 +273,8 @@ void check_cache(const paddle::Tensor& kc, const paddle::Tensor& vc, int64_t B, 
 // The head's inputs for logits at the flat rows r[0..n) of x (M, C): each row's final layer norm
 // (and int8 codes), inside a parallel region: made by every thread into its scratch for few
 // rows, shared out (s.hs, s.xqs, s.sxs: the loop's end is a barrier) for 16 and more.
-In head_inputs(const Lin& head, const Step& s, const float* x, const int64_t* r, int64_t n, const float* ln_w,
-               const float* ln_b) {
+LinearInputs head_inputs(const LinearWeights& head, const StepContext& s, const float* x, const int64_t* r, int64_t n,
+                         const float* ln_w, const float* ln_b) {
   const int64_t C = s.C;
   auto row = [&](int64_t i) { return x + (r ? r[i] : i) * C; };  // r null: rows 0..n-1 (a compact x)
   if (n < kSharedRows) {
@@ -286,7 +290,7 @@ In head_inputs(const Lin& head, const Step& s, const float* x, const int64_t* r,
     layer_norm(row(i), 1, C, ln_w, ln_b, s.eps, s.hs + i * C);
     if (integer) quantize_inputs(head, s.hs + i * C, 1, s.xqs + i * C, s.sxs + i * nb);
   }
-  In in{s.hs};
+  LinearInputs in{s.hs};
   if (integer) in.xq = s.xqs, in.sx = s.sxs;
   return in;
 }

@@ -24,10 +24,10 @@ struct StackBuffers {
 };
 thread_local StackBuffers t_stack;
 // Short inputs (decode steps): every thread's own copy of the embeddings, block 0's input (see
-// DecoderForward).
+// stack_forward).
 thread_local std::vector<float> t_embed;
 
-// gptc_decoder's weights: entries of the layout, kStackFixed first, then kPerLayer per block.
+// gptc_generate's weights: entries of the layout, kStackFixed first, then kPerLayer per block.
 enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
 constexpr int kPerLayer = 16;
 
@@ -35,19 +35,19 @@ constexpr int kPerLayer = 16;
 // weights: a few inputs instead of one per weight; Paddle's executor costs about as much per
 // input as per op), each weight a piece described by 4 layout numbers: blob (even: float32, odd:
 // int8), offset (elements), d0, d1.
-std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout) {
+std::vector<WeightView> unpack(const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout) {
   PD_CHECK(blobs.size() % 2 == 0 && layout.size() % 4 == 0,
            "gptc_generate: weights must be pairs of float32 and int8 blobs, 4 layout numbers per piece");
   for (size_t b = 0; b < blobs.size(); ++b)
     PD_CHECK(blobs[b].dtype() == (b % 2 ? paddle::DataType::INT8 : paddle::DataType::FLOAT32),
              "gptc_generate: weight blob ", b, " must be ", b % 2 ? "int8" : "float32");
-  std::vector<View> out(layout.size() / 4);
+  std::vector<WeightView> out(layout.size() / 4);
   for (size_t i = 0; i < out.size(); ++i) {
     const int64_t blob = layout[4 * i], off = layout[4 * i + 1], d0 = layout[4 * i + 2], d1 = layout[4 * i + 3];
     PD_CHECK(blob >= 0 && blob < int64_t(blobs.size()) && off >= 0 && d0 >= 0 && d1 >= 0 &&
                  off + d0 * d1 <= blobs[blob].numel(),
              "gptc_generate: weight piece ", i, " lies outside its blob");
-    View& v = out[i];
+    WeightView& v = out[i];
     v.i8 = blob % 2 == 1;
     v.p = v.i8 ? static_cast<const void*>(blobs[blob].data<int8_t>() + off)
                : static_cast<const void*>(blobs[blob].data<float>() + off);
@@ -60,10 +60,10 @@ std::vector<View> unpack(const std::vector<paddle::Tensor>& blobs, const std::ve
 
 // ids (B, T), mask (B, S+T), rows (n,), caches [k_0, v_0, k_1, ...] (B, H_i, cap, D) written in
 // place, weights [float32 blob, int8 blob, ...] with `layout` (unpack): the pieces wte, wte_s, wpe,
-// wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block the 16 weights of gptc_layer from Ln1W
-// (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new positions.
-// heads: per block; bits, act: 4 per block (qkv, out, fc, proj), as gptc_layer's.
-// control (gptc_generate; null for gptc_decoder): [steps, eos (-1: none), pad, suppress, finished_0,
+// wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block its 16 weights in make_layer_weights'
+// order (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new
+// positions. heads: per block; bits, act: 4 per block (qkv, out, fc, proj).
+// control (gptc_generate's Control; null: one step, Tokens (n,)): [steps, eos (-1: none), pad, suppress, finished_0,
 // ..., finished_{B-1}]: the tokens of steps j < suppress are never eos (generation's
 // min_new_tokens: the argmax with eos's logit taken as -inf, as the Python processor sets it).
 // Steps > 1 (greedy decoding, T = 1, rows = 0..B-1) runs that many decode steps
@@ -93,7 +93,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     steps = ctl[0];
     PD_CHECK(steps >= 1, "gptc_generate: steps must be at least 1");
   }
-  const std::vector<View> ws = unpack(blobs, layout);
+  const std::vector<WeightView> ws = unpack(blobs, layout);
   PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
                int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
            "gptc_generate: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
@@ -103,9 +103,9 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   PD_CHECK(table_width(ws[kWpe], wpe_bits) == C, "gptc_generate: position table width differs from the token table's");
   PD_CHECK(!ws[kLnfW].i8 && !ws[kLnfB].i8 && ws[kLnfW].d0 * ws[kLnfW].d1 == C && ws[kLnfB].d0 * ws[kLnfB].d1 == C,
            "gptc_generate: final layer norm must be float32 of the hidden size");
-  const Lin head = make_lin(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
+  const LinearWeights head = make_linear_weights(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
   PD_CHECK(head.k == C, "gptc_generate: head weight has ", head.k, " inputs, hidden size is ", C);
-  std::vector<LayerW> lw(layers);
+  std::vector<LayerWeights> lw(layers);
   std::vector<float*> kv(2 * layers);  // each block's key and value cache
   std::vector<int64_t> cap(layers);
   int64_t inner = 0, F = 0, kmax = C;
@@ -113,8 +113,8 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
     check_cache(kc, vc, B, heads[i], L + steps - 1);
     kv[2 * i] = kc.data<float>(), kv[2 * i + 1] = vc.data<float>(), cap[i] = kc.dims()[2];
-    lw[i] = make_layer(&ws[kStackFixed + kPerLayer * i], C, heads[i], kc.dims()[3], bits.data() + 4 * i,
-                       act.data() + 4 * i);
+    lw[i] = make_layer_weights(&ws[kStackFixed + kPerLayer * i], C, heads[i], kc.dims()[3], bits.data() + 4 * i,
+                               act.data() + 4 * i);
     inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
   }
   const int64_t* r = rows.data<int64_t>();
@@ -158,7 +158,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       }
       mk = step_mask.data(), id = step_ids.data();
     }
-    const Step s = make_step(B, T, C, mk, Lj, inner, F, kmax, n, eps, activation);
+    const StepContext s = make_step_context(B, T, C, mk, Lj, inner, F, kmax, n, eps, activation);
     // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
     // (layer_step), head_ln, head_linear; no between_ops.
     // Block 0's input: for short inputs (decode) every thread embeds all rows itself into its own
@@ -180,7 +180,8 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       for (int64_t i = 0; i < layers; ++i)
         layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead,
                    subset && i == layers - 1 ? &sub : nullptr);
-      const In hin = head_inputs(head, s, layers ? a[layers % 2] : x0, subset ? nullptr : r, n, ln_f_w, ln_f_b);
+      const LinearInputs hin = head_inputs(head, s, layers ? a[layers % 2] : x0, subset ? nullptr : r, n, ln_f_w,
+                                           ln_f_b);
       if (lead) lp.lap(kHeadLn);
       if (n) linear_for(head, hin, n, logits, nullptr, -1);
       const bool no_eos = j < suppress && eos >= 0 && eos < head.n;
@@ -197,7 +198,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     }
     if (ctl == nullptr) break;
     int64_t* all = tokens.data<int64_t>();  // (n, steps): step j's tokens, finished rows padded
-    if (!per_row) {  // prefill or scoring rows (one step): the argmax of each, as gptc_decoder's
+    if (!per_row) {  // prefill or scoring rows (one step): the argmax of each
       std::copy(tok, tok + n, all);
       break;
     }

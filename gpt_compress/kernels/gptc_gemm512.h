@@ -2,13 +2,14 @@
 // all M input rows, compiled where the build has AVX-512 F/BW/VL (float) and AVX-512 VNNI (int8,
 // int4, W8A8). Each keeps the contract of gptc_tiles.h output by output, so its values are bitwise
 // those of the AVX2 tiles and the GEMV (tests/test_kernel_tiles.py runs both builds):
-//  - int: the block's weights are packed once per block, 4 codes of one row per 32-bit lane, 16
+//  - int (int_block512): the block's weights are packed once per block, 4 codes of one row per 32-bit lane, 16
 //    rows a register (an output per lane), so `vpdpbusd` of an input row's 4 codes (broadcast)
 //    accumulates 16 outputs' dots at once with no horizontal sum. vpdpbusd multiplies unsigned by
 //    signed bytes: the inputs are packed as x + 128 (0..255) and each accumulator starts at the
 //    block's -128 * sum(w), so it ends at the exact int32 dot of the block. Then one convert and
 //    one fma per block, float(dot) times the scale product sx * sw, into the output's float sum,
-//    in block order; + bias at the end.
+//    in block order; + bias at the end. For few input rows the lane kernels (int_block_lanes,
+//    below) read the weight rows as stored instead, with the same per-block arithmetic.
 //  - float: a register holds the 8 lanes of two input rows (packed pairs of rows, 8 k positions
 //    each) against one weight row's 8 k positions broadcast to both halves, so every output keeps
 //    the AVX2 tile's 8-lane fma order over k; then the same hsum, the scalar k tail, + bias.
@@ -45,18 +46,16 @@ inline void pack_pairs_f(const float* x, int64_t M, int64_t K, float* xp) {
   }
 }
 
-// PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart): y[m][n] (ldy apart),
-// rows past M skipped.
 // PR pairs of input rows (2 PR rows: m0..) x NR weight rows (w, K apart), the 8-float k steps
 // [c0, c1) of kc = K / 8: the accumulators start at zero (c0 == 0) or at the values slot holds
 // from the steps before (pair p, weight row n at slot + (p * NBLK512 + n) * 16: an exact store
 // and load), and after the last step (c1 == kc) y[m][n] (ldy apart) gets hsum, the k tail and
 // + bias; rows past M skipped.
-// pf: pf_lines cache lines from there are prefetched, spread over the k steps (see itile_lanes).
+// pf: pf_lines cache lines from there are prefetched, spread over the k steps (see int_tile_lanes).
 template <int PR, int NR>
-inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, int64_t c0, int64_t c1,
-                     const float* w, float* slot, float* y, int64_t ldy, const float* bias, const char* pf = nullptr,
-                     int64_t pf_lines = 0) {
+inline void float_tile512(const float* xp, const float* x, int64_t m0, int64_t M, int64_t K, int64_t c0, int64_t c1,
+                          const float* w, float* slot, float* y, int64_t ldy, const float* bias,
+                          const char* pf = nullptr, int64_t pf_lines = 0) {
   const int64_t kc = K / 8;
   __m512 acc[PR][NR];
   GPTC_UNROLL for (int p = 0; p < PR; ++p)
@@ -100,8 +99,8 @@ inline void ftile512(const float* xp, const float* x, int64_t m0, int64_t M, int
 // Float weights (nr <= NBLK512 rows, K apart) against all M input rows x (M, K) into y (M, ldy).
 // xp: x packed by pack_pairs_f (once per Linear, not per block: repacking per block moves about
 // as many bytes as the tiles read); slots: (M + 1) / 2 * NBLK512 * 16 floats of scratch.
-inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, const float* w, int nr, float* y,
-                      int64_t ldy, const float* bias, float* slots) {
+inline void float_block512(const float* x, const float* xp, int64_t M, int64_t K, const float* w, int nr, float* y,
+                           int64_t ldy, const float* bias, float* slots) {
   // 12 rows (6 pairs) x 4 weight rows: 24 accumulators, 10 loads per 24 fmas. The k steps in
   // chunks of 24 KB of a tile's inputs, so a tile's chunk stays in L1 while the block's weight
   // rows pass over it (4 broadcasts of 32 bytes per 24 fmas, from L2); the accumulators wait in
@@ -117,9 +116,9 @@ inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, con
     const bool first = m == 0 && c0 == 0;
     int n = 0;
     for (; n + NR <= nr; n += NR)
-      ftile512<PR, NR>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n),
-                       first ? reinterpret_cast<const char*>(w + (n + 8 * NR) * K) : nullptr, NR * K * 4 / 64);
-    for (; n < nr; ++n) ftile512<PR, 1>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
+      float_tile512<PR, NR>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n),
+                            first ? reinterpret_cast<const char*>(w + (n + 8 * NR) * K) : nullptr, NR * K * 4 / 64);
+    for (; n < nr; ++n) float_tile512<PR, 1>(xp, x, m, M, K, c0, c1, w + n * K, sl + n * 16, y + n, ldy, b_at(n));
   };
   for (int64_t c0 = 0; c0 < kc || c0 == 0; c0 += chunk) {  // K < 8: one pass of the tail alone
     const int64_t c1 = std::min(kc, c0 + chunk);
@@ -141,8 +140,8 @@ inline void fblock512(const float* x, const float* xp, int64_t M, int64_t K, con
 #if defined(GPTC_VNNI512)
 // ------------------------------------------------------------------ int (VNNI)
 // A block of int weight rows packed for the micro-kernel: codes (K/4) x NBLK512 x 4 bytes (group g
-// of row n at (g * NBLK512 + n) * 4; rows past nr zero), bias0 nb x NBLK512 int32 (-128 * the
-// block's code sum of each row: the accumulators' start), scales nb x NBLK512 (transposed).
+// of row n at (g * NBLK512 + n) * 4; rows past nr zero), start nb x NBLK512 int32 (-128 * the
+// block's code sum of each row: the accumulators' start), sw nb x NBLK512 scales (transposed).
 struct Packed512 {
   int8_t* codes;
   int32_t* start;
@@ -231,8 +230,8 @@ inline void pack_u8(const int8_t* xq, int64_t M, int64_t K, uint8_t* xu) {
 // around each vpdpbusd).
 // Blocks [b0, b1) of the K range: the float sums start at zero (b0 == 0) or at the values yr holds
 // from the blocks before (an exact store and load), and get + bias after the last block (b1 == nb).
-inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t b0, int64_t b1, int64_t nb,
-                     int64_t blk, const Packed512& pk, float* const* yr, const float* bias) {
+inline void int_tile512(const uint8_t* const* xr, const float* const* sr, int64_t b0, int64_t b1, int64_t nb,
+                        int64_t blk, const Packed512& pk, float* const* yr, const float* bias) {
   static_assert(NBLK512 == 48, "three registers of 16 outputs");
   const int32_t* codes = reinterpret_cast<const int32_t*>(pk.codes);
   const int64_t gpb = blk / 4;  // 4-code groups per block
@@ -298,9 +297,9 @@ inline void itile512(const uint8_t* const* xr, const float* const* sr, int64_t b
 
 // Int weights (nr <= NBLK512 rows, int8 codes at q[n], scales sw[n]) against all M int8 input rows
 // (xu: xq packed by pack_u8, once per Linear) into y (M rows ldy >= 48 apart, all 48 lanes written).
-inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
-                      const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
-                      const float* bias, Packed512 pk, const uint8_t* xu) {
+inline void int_block512(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                         const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
+                         const float* bias, Packed512 pk, const uint8_t* xu) {
   pack_block512(q, sw, nr, K, nb, blk, pk);
   // The bias of the block's 48 outputs (zeros past nr), so the tiles read whole registers.
   alignas(64) float bias48[NBLK512];
@@ -330,7 +329,7 @@ inline void iblock512(const int8_t* xq, const float* sx, int64_t M, int64_t K, i
         sr[r] = real ? sx + (m + r) * nb : zs.data();
         yr[r] = real ? y + (m + r) * ldy : spare_rows[r];
       }
-      itile512(xr, sr, b0, b1, nb, blk, pk, yr, bz);
+      int_tile512(xr, sr, b0, b1, nb, blk, pk, yr, bz);
     }
   }
 }
@@ -410,8 +409,8 @@ inline __m512i bcast_groups(const int8_t* w) {
 // tiles ahead: at small M a tile is memory-bound, and rows as short as a head's leave the hardware
 // prefetchers too little to lock on to).
 template <int P, int NR, bool I4>
-inline void itile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int8_t* const* q,
-                        const float* const* sw, float* out, const float* bias, const char* pf, int64_t pf_lines) {
+inline void int_tile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int8_t* const* q,
+                           const float* const* sw, float* out, const float* bias, const char* pf, int64_t pf_lines) {
   constexpr int S = 8 / P;  // steps a 32-code chunk
   __m512 f[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) f[n] = _mm512_setzero_ps();
@@ -464,8 +463,8 @@ inline void itile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int
 // scales sw[n]) against M <= 16 / in.p input rows into y (M rows, ldy apart; the nr outputs).
 // Rows a multiple of 4 KB apart fall in the same L1 sets: 6 a tile then, 12 otherwise.
 template <int P, bool I4>
-inline void iblock_lanes(const LaneInputs& in, int64_t M, int64_t nb, int64_t blk, const int8_t* const* q,
-                         const float* const* sw, int nr, int64_t row, float* y, int64_t ldy, const float* bias) {
+inline void int_block_lanes(const LaneInputs& in, int64_t M, int64_t nb, int64_t blk, const int8_t* const* q,
+                            const float* const* sw, int nr, int64_t row, float* y, int64_t ldy, const float* bias) {
   alignas(64) float out[12 * 16];
   auto put = [&](int n0, int rows) {
     for (int64_t m = 0; m < M; ++m)
@@ -479,12 +478,13 @@ inline void iblock_lanes(const LaneInputs& in, int64_t M, int64_t nb, int64_t bl
   int n = 0;
   if (row % 4096 != 0)
     for (; n + 12 <= nr; n += 12)
-      itile_lanes<P, 12, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 12), lines(12)), put(n, 12);
+      int_tile_lanes<P, 12, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 12), lines(12)), put(n, 12);
   for (; n + 6 <= nr; n += 6)
-    itile_lanes<P, 6, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 6), lines(6)), put(n, 6);
+    int_tile_lanes<P, 6, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 6), lines(6)), put(n, 6);
   for (; n + 2 <= nr; n += 2)
-    itile_lanes<P, 2, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 2), lines(2)), put(n, 2);
-  for (; n < nr; ++n) itile_lanes<P, 1, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 1), lines(1)), put(n, 1);
+    int_tile_lanes<P, 2, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 2), lines(2)), put(n, 2);
+  for (; n < nr; ++n)
+    int_tile_lanes<P, 1, I4>(in, nb, blk, q + n, sw + n, out, b_at(n), ahead(n, 1), lines(1)), put(n, 1);
 }
 #endif
 

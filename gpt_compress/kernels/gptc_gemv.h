@@ -1,10 +1,12 @@
-// The GEMV kernels (M = 1: batch-1 decode) and the Linear entry points that choose between them
-// and the blocks (linear_rows, linear_for, linear).
+// The GEMV kernels (M = 1: batch-1 decode): float and int weight rows against one input row,
+// in streams of rows (gemv_rows) shared out among a region's threads (gemv_for). linear_rows and
+// linear_for (gptc_linear.h) choose them where gemv_ok.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_GEMV_H_
 #define GPTC_KERNELS_GPTC_GEMV_H_
 
-#include "gptc_linear.h"
+#include "gptc_inputs.h"
+#include "gptc_tiles.h"
 
 namespace {
 
@@ -12,8 +14,8 @@ namespace {
 // One input row has kernels of its own. They walk the weight rows straight from the weights (no
 // per-block row tables or tile copies), NR rows per pass (independent accumulator chains: the
 // fma latency is hidden, the loads stream), step the block index without a division and form
-// each pass's scale products sx[b] * sw[n][b] once. An output's arithmetic is the contract above
-// (the same operations in the same order as ftile/itile), so its value is bitwise the tiles'
+// each pass's scale products sx[b] * sw[n][b] once. An output's arithmetic is gptc_tiles.h's
+// contract (the same operations in the same order as float_tile/int_tile), so its value is bitwise the tiles'
 // (tests/test_fused.py, test_kernel_tiles.py: token by token vs one prefill, one head row vs
 // many), whichever rows share a pass.
 //
@@ -23,11 +25,11 @@ namespace {
 // hardware prefetchers follow on their own, with NR times the requests in flight of one stream.
 // Adjacent rows (one span of NR rows a pass) are NR streams that end after one row each: the
 // prefetchers never lock on, and software prefetches make up only part of it.
-// AVX2 only; other layers (float-input int weights, K or blocks not in steps of 32) keep the
-// blocks above.
+// AVX2 only; other layers (float-input int weights, K or blocks not in steps of 32) take the
+// blocks (linear_block, gptc_linear.h) even at M = 1.
 constexpr int64_t GEMV_ROWS = 64;  // a grab of gemv_for is a multiple of this many rows
 constexpr int GEMV_NR_F = 8;       // float weight rows per pass (streams)
-constexpr int GEMV_NR_I = 4;       // int weight rows per pass (igemv_tile: 4 or 1)
+constexpr int GEMV_NR_I = 4;       // int weight rows per pass (int_gemv_tile: 4 or 1)
 
 // int8 rows (not int4, not float) also prefetch their codes this many bytes ahead: on hosts where
 // the int8 dots run about as fast as the memory, the hardware prefetchers alone leave the loads
@@ -35,7 +37,7 @@ constexpr int GEMV_NR_I = 4;       // int weight rows per pass (igemv_tile: 4 or
 // nothing from it.
 constexpr int64_t GEMV_AHEAD_I8 = 256;
 
-inline bool gemv_ok(const Lin& L, const In& in) {
+inline bool gemv_ok(const LinearWeights& L, const LinearInputs& in) {
 #if defined(__AVX2__)
   return L.bits == 32 || (in.xq != nullptr && L.k % 32 == 0 && L.blk % 32 == 0);
 #else
@@ -55,8 +57,8 @@ inline void gemv_streams(int64_t nr, Tile tile, One one) {
 #if defined(__AVX2__)
 // NR float weight rows (ldw apart) against x: y[n * ldy] = x . w_n + bias[n * ldy].
 template <int NR>
-inline void fgemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-                       const float* bias) {
+inline void float_gemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+                            const float* bias) {
   __m256 acc[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
   int64_t k = 0;
@@ -72,20 +74,22 @@ inline void fgemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, f
 }
 
 // NR int weight rows (NR = 4 or 1; codes ldq bytes apart, scales lds apart; I4: packed int4)
-// against the int8 input (xq its codes, ax their magnitudes, sx its block scales): the contract's
-// arithmetic (gptc_tiles.h): per row, each block's exact int32 dot, one fma of it times the
-// block's scale product into the row's float sum, in block order. Four rows' 32-code dots are
-// reduced to their totals together (totals4: three hadds for the four rows, then one 4-lane
-// convert and fma), not a convert and an fma of 8 lanes per row and block: on CPUs whose 256-bit
-// integer multiplies are two uops on one pipe, that is what the GEMV is bound by. The four rows' scale products are formed once (prod: 4 per block, interleaved).
+// against the int8 input (xq its codes, ax their magnitudes (int8 weights only), sx its block
+// scales): the contract's arithmetic (gptc_tiles.h): per row, each block's exact int32 dot, one
+// fma of it times the block's scale product into the row's float sum, in block order. Four rows'
+// 32-code dots are reduced to their totals together (totals4: three hadds for the four rows, then
+// one 4-lane convert and fma), not a convert and an fma of 8 lanes per row and block: on CPUs
+// whose 256-bit integer multiplies are two uops on one pipe, that is what the GEMV is bound by.
+// The four rows' scale products are formed once per call (prod: 4 per block, interleaved); one
+// row forms its own block by block.
 // int4 (I4) codes stay unsigned (c = w + 8, 0..15): their dot with x needs neither |x| nor
 // sign(w, x), and its total less corr[step] (the total of 8 * x over the step, the same for every
 // row) is exactly the signed dot.
 template <int NR, bool I4>
-inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, const float* sx, int64_t nb,
-                       int64_t blk, const int8_t* q, int64_t ldq, const float* sw, int64_t lds, float* y, int64_t ldy,
-                       const float* bias, float* prod) {
-  static_assert(NR == 4 || NR == 1, "igemv_tile: 4 rows (totals4) or 1");
+inline void int_gemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, const float* sx, int64_t nb,
+                          int64_t blk, const int8_t* q, int64_t ldq, const float* sw, int64_t lds, float* y,
+                          int64_t ldy, const float* bias, float* prod) {
+  static_assert(NR == 4 || NR == 1, "int_gemv_tile: 4 rows (totals4) or 1");
   const int64_t K = nb * blk, spb = blk / 32;  // 32-code steps per block
   // prod[4 b + j] = sx[b] * sw[j][b]: 4 blocks at a time, a 128-bit 4 x 4 transpose (on CPUs that
   // split 256-bit ops in two, 8-block 256-bit transposes with a scalar tail are slower).
@@ -174,8 +178,8 @@ inline void igemv_tile(const int8_t* xq, const int8_t* ax, const int32_t* corr, 
 
 // Rows [n0, n0 + nr) of an int layer into t, 4 streams (see above); prod: 4 per block.
 template <bool I4>
-void igemv(const Lin& L, const In& in, const int8_t* ax, const int32_t* corr, int64_t n0, int64_t nr, float* t,
-           Scratch& sc) {
+void int_gemv(const LinearWeights& L, const LinearInputs& in, const int8_t* ax, const int32_t* corr, int64_t n0,
+              int64_t nr, float* t, Scratch& sc) {
   const int64_t K = L.k, nb = K / L.blk, ldq = I4 ? K / 2 : K;
   float* prod = grow(sc.tile, size_t(4 * nb));
   const int8_t* q = L.wq + n0 * ldq;
@@ -185,25 +189,26 @@ void igemv(const Lin& L, const In& in, const int8_t* ax, const int32_t* corr, in
   gemv_streams<GEMV_NR_I>(
       nr,
       [&](int64_t i, int64_t R) {
-        igemv_tile<GEMV_NR_I, I4>(in.xq, ax, corr, in.sx, nb, L.blk, q + i * ldq, R * ldq, sw + i * nb, R * nb, t + i,
-                                  R, at(i), prod);
+        int_gemv_tile<GEMV_NR_I, I4>(in.xq, ax, corr, in.sx, nb, L.blk, q + i * ldq, R * ldq, sw + i * nb, R * nb,
+                                     t + i, R, at(i), prod);
       },
       [&](int64_t n) {
-        igemv_tile<1, I4>(in.xq, ax, corr, in.sx, nb, L.blk, q + n * ldq, ldq, sw + n * nb, nb, t + n, 1, at(n), prod);
+        int_gemv_tile<1, I4>(in.xq, ax, corr, in.sx, nb, L.blk, q + n * ldq, ldq, sw + n * nb, nb, t + n, 1, at(n),
+                             prod);
       });
 }
 #endif
 
 // Rows [r0, r1) of y (one input row) = epilogue(x @ W^T + bias): linear_block's epilogue (`act`,
 // + res, res may be y), the range's rows in NR streams. Only where gemv_ok.
-void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, const float* res, int act,
-               Scratch& sc) {
+void gemv_rows(const LinearWeights& L, const LinearInputs& in, int64_t r0, int64_t r1, float* y, const float* res,
+               int act, Scratch& sc) {
 #if defined(__AVX2__)
   const int64_t K = L.k, nr = r1 - r0;
   if (nr <= 0) return;
   const int8_t* ax = nullptr;
   const int32_t* corr = nullptr;
-  if (L.bits == 4) {  // each 32-code step's total of dot32_u8(8, x) (igemv_tile), shared by every row
+  if (L.bits == 4) {  // each 32-code step's total of dot32_u8(8, x) (int_gemv_tile), shared by every row
     thread_local std::vector<int32_t> t_corr;
     int32_t* cr = grow(t_corr, size_t(K / 32));
     for (int64_t c = 0; c < K; c += 32)
@@ -226,12 +231,12 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
     const float* bias = L.bias ? L.bias + r0 : nullptr;
     auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
     gemv_streams<NR>(
-        nr, [&](int64_t i, int64_t R) { fgemv_tile<NR>(in.x, w + i * K, R * K, K, t + i, R, at(i)); },
-        [&](int64_t n) { fgemv_tile<1>(in.x, w + n * K, K, K, t + n, 1, at(n)); });
+        nr, [&](int64_t i, int64_t R) { float_gemv_tile<NR>(in.x, w + i * K, R * K, K, t + i, R, at(i)); },
+        [&](int64_t n) { float_gemv_tile<1>(in.x, w + n * K, K, K, t + n, 1, at(n)); });
   } else if (L.bits == 4) {
-    igemv<true>(L, in, ax, corr, r0, nr, t, sc);
+    int_gemv<true>(L, in, ax, corr, r0, nr, t, sc);
   } else {
-    igemv<false>(L, in, ax, nullptr, r0, nr, t, sc);
+    int_gemv<false>(L, in, ax, nullptr, r0, nr, t, sc);
   }
   if (act >= 0) activate(t, nr, act);
   for (int64_t n = 0; n < nr; ++n) y[r0 + n] = res != nullptr ? res[r0 + n] + t[n] : t[n];
@@ -239,14 +244,14 @@ void gemv_rows(const Lin& L, const In& in, int64_t r0, int64_t r1, float* y, con
 }
 
 // y (1, N) = epilogue(x @ W^T + bias), grabs of GEMV_ROWS rows shared out among the threads of
-// the enclosing region as they come for them (about 16 grabs per thread, each at least
-// GEMV_GRAB_BYTES of weights): a thread that a busy machine delays, or that joins the region
+// the enclosing region as they come for them (up to about 16 grabs per thread, each but the
+// last at least GEMV_GRAB_BYTES of weights): a thread that a busy machine delays, or that joins the region
 // late (woken from its sleep between ops), leaves its share to the others instead of making them
 // wait at the barrier. Each grab is read as NR streams (gemv_rows), which the prefetchers need a
 // few lines of to lock on: streams of a few KB (64 rows of int8 codes at K = 384) are too short,
 // hence the least grab of GEMV_GRAB_BYTES. Which thread computes an output never changes its value.
 constexpr int64_t GEMV_GRAB_BYTES = 64 << 10;
-void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
+void gemv_for(const LinearWeights& L, const LinearInputs& in, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
   const int64_t row_bytes = L.bits == 32 ? 4 * L.k : L.k * L.bits / 8 + 4 * (L.k / L.blk);
   const int64_t least = (GEMV_GRAB_BYTES + GEMV_ROWS * row_bytes - 1) / (GEMV_ROWS * row_bytes);
@@ -255,80 +260,6 @@ void gemv_for(const Lin& L, const In& in, float* y, const float* res, int act) {
   Scratch& sc = t_scratch;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t g = 0; g < grabs; ++g) gemv_rows(L, in, g * rows, std::min(L.n, (g + 1) * rows), y, res, act, sc);
-}
-
-// Input rows a pass over the weights serves when the inputs are float (AVX-512 builds): the
-// rows' inputs and outputs stay in L2 while the weights stream past them (with every row at
-// once, the inputs and outputs of a wide float Linear leave the L2 as the weights stream past).
-// The int inputs are a quarter of the bytes: all rows at once.
-inline int64_t panel_rows(const Lin& L, const In& in, int64_t M) {
-#if defined(GPTC_F512)
-  if (in.xq == nullptr) return std::min<int64_t>(M, 64);
-#endif
-  (void)L, (void)in;
-  return M;
-}
-
-// Rows [m0, m0 + ...) of the inputs (an even m0: whole pairs of the packed floats).
-inline In rows_of(const Lin& L, const In& in, int64_t m0) {
-  In s = in;
-  s.x = in.x + m0 * L.k;
-  if (in.xq != nullptr) s.xq = in.xq + m0 * L.k, s.sx = in.sx + m0 * (L.k / L.blk);
-  return s;
-}
-inline Packs rows_of(const Lin& L, const Packs& p, int64_t m0) {
-  Packs s = p;  // the lane inputs: int inputs are one panel (m0 == 0)
-  if (p.xp != nullptr) s.xp = p.xp + (m0 / 2) * (L.k / 8) * 16;
-  if (p.xu != nullptr) s.xu = p.xu + m0 * L.k;
-  return s;
-}
-
-// Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.
-void linear_rows(const Lin& L, const In& in, int64_t M, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                 const float* res, int act, Scratch& sc) {
-  if (M == 1 && gemv_ok(L, in)) return gemv_rows(L, in, r0, r1, y, res, act, sc);
-  const Packs pk = pack_inputs(L, in, M, sc);
-  const int64_t P = panel_rows(L, in, M);
-  for (int64_t m0 = 0; m0 < M; m0 += P) {
-    const In ip = rows_of(L, in, m0);
-    const Packs pp = rows_of(L, pk, m0);
-    const int64_t mp = std::min(P, M - m0);
-    for (int64_t n0 = r0; n0 < r1; n0 += NBLK)
-      linear_block(L, ip, pp, mp, n0, int(std::min<int64_t>(NBLK, r1 - n0)), y + m0 * ldy, ldy,
-                   res ? res + m0 * ldy : nullptr, act, sc);
-  }
-}
-
-// y (M, N) = epilogue(x (M, K) @ W^T + bias), the blocks shared out among the threads of the
-// enclosing parallel region (an orphaned worksharing loop; its end is a barrier) as they come
-// for them, `grain` consecutive blocks at a time (about 8 grabs a thread: a delayed thread's
-// share goes to the others, as in gemv_for; the next-block prefetch misses only at a grab's
-// end), or all on the calling thread outside one.
-void linear_for(const Lin& L, const In& in, int64_t M, float* y, const float* res, int act) {
-  if (M == 1 && gemv_ok(L, in)) return gemv_for(L, in, y, res, act);
-  const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
-  const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
-  Scratch& sc = t_scratch;
-  const Packs pk = pack_inputs(L, in, M, sc);  // by every thread, for itself: no barrier
-  const int64_t P = panel_rows(L, in, M);
-  for (int64_t m0 = 0; m0 < M; m0 += P) {  // panels write their own rows: no barrier between them
-    const In ip = rows_of(L, in, m0);
-    const Packs pp = rows_of(L, pk, m0);
-    const int64_t mp = std::min(P, M - m0);
-    float* yp = y + m0 * L.n;
-    const float* rp = res ? res + m0 * L.n : nullptr;
-#pragma omp for schedule(dynamic, grain) nowait
-    for (int64_t blk = 0; blk < nblocks; ++blk)
-      linear_block(L, ip, pp, mp, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), yp, L.n, rp, act, sc);
-  }
-#pragma omp barrier
-}
-
-// y (M, N) = x (M, K) @ W^T + bias, in a parallel region of its own.
-void linear(const Lin& L, const float* x, int64_t M, float* y) {
-  const In in = prepare_inputs(L, x, M, t_scratch);  // once, by the calling thread
-#pragma omp parallel num_threads(nthreads())
-  linear_for(L, in, M, y, nullptr, -1);
 }
 
 }  // namespace

@@ -7,33 +7,33 @@
 #include "gptc_common.h"
 
 // ============================================================================ head scoring
-// Evaluation (issue 14; eval/scoring.py, inference/head_score.py). Separate from the ops above:
+// Evaluation (issue 14; eval/scoring.py, inference/head_score.py). Separate from the decoder ops:
 //   gptc_head_score(h (N,C) float32 final hidden states, labels (N,) int64, w (C,V) float32 head
 //       weight, inputs x vocabulary) -> log p(label) (N,) float64, argmax (N,) int64
-// Never materialises the (N,V) logits: each thread takes vocabulary chunks of HS_VB columns,
-// packs the chunk's weights (C x HS_VB, L2-resident), computes 6-row x 16-column logit tiles
+// Never materialises the (N,V) logits: each thread takes vocabulary chunks of HEAD_SCORE_COLS columns,
+// packs the chunk's weights (C x HEAD_SCORE_COLS, L2-resident), computes 6-row x 16-column logit tiles
 // (outer-product AVX2 kernel: 12 accumulators, one broadcast per row and two loads per k) into a
-// 6 x HS_VB buffer (L1), and folds each row into a running maximum, first argmax, the label's
+// 6 x HEAD_SCORE_COLS buffer (L1), and folds each row into a running maximum, first argmax, the label's
 // logit and an online log-sum-exp (exp8 lanes summed in float32 per chunk, chunk sums rescaled
 // and added in float64). Threads' partial results merge per row (largest maximum, lowest index
 // on ties, sums rescaled to it). Within ~1e-7 of the float64 numpy reference
 // (eval.scoring.label_logprobs) on the same logits.
 namespace {
 
-constexpr int64_t HS_VB = 256;  // vocabulary columns per chunk (a multiple of 16)
-constexpr int HS_MR = 6;        // rows per tile
+constexpr int64_t HEAD_SCORE_COLS = 256;  // vocabulary columns per chunk (a multiple of 16)
+constexpr int HEAD_SCORE_ROWS = 6;        // rows per tile
 
-struct HsState {
+struct HeadScoreState {
   std::vector<float> m, picked;
   std::vector<double> s;
   std::vector<int64_t> am;
-  explicit HsState(int64_t n)
+  explicit HeadScoreState(int64_t n)
       : m(n, -INFINITY), picked(n, NAN), s(n, 0.0), am(n, -1) {}
 };
 
-// MR rows of h (C apart) x the 16 columns of packed panel b (C x 16) -> t (MR rows, HS_VB apart).
+// MR rows of h (C apart) x the 16 columns of packed panel b (C x 16) -> t (MR rows, HEAD_SCORE_COLS apart).
 template <int MR>
-inline void hs_tile(const float* h, int64_t C, const float* b, float* t) {
+inline void head_score_tile(const float* h, int64_t C, const float* b, float* t) {
 #if defined(__AVX2__)
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -46,26 +46,26 @@ inline void hs_tile(const float* h, int64_t C, const float* b, float* t) {
     }
   }
   for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(t + r * HS_VB, acc[r][0]);
-    _mm256_storeu_ps(t + r * HS_VB + 8, acc[r][1]);
+    _mm256_storeu_ps(t + r * HEAD_SCORE_COLS, acc[r][0]);
+    _mm256_storeu_ps(t + r * HEAD_SCORE_COLS + 8, acc[r][1]);
   }
 #else
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 16; ++j) {
       float a = 0.f;
       for (int64_t k = 0; k < C; ++k) a = std::fma(h[r * C + k], b[k * 16 + j], a);
-      t[r * HS_VB + j] = a;
+      t[r * HEAD_SCORE_COLS + j] = a;
     }
 #endif
 }
 
 template <int MR>
-inline void hs_rows(const float* h, int64_t C, const float* pack, int64_t panels, float* t) {
-  for (int64_t p = 0; p < panels; ++p) hs_tile<MR>(h, C, pack + p * C * 16, t + p * 16);
+inline void head_score_rows(const float* h, int64_t C, const float* pack, int64_t panels, float* t) {
+  for (int64_t p = 0; p < panels; ++p) head_score_tile<MR>(h, C, pack + p * C * 16, t + p * 16);
 }
 
 // Fold one row's chunk x[0..nv) (vocabulary v0..) into the running state of row i.
-inline void hs_fold(const float* x, int64_t nv, int64_t v0, int64_t label, HsState& st, int64_t i) {
+inline void head_score_fold(const float* x, int64_t nv, int64_t v0, int64_t label, HeadScoreState& st, int64_t i) {
   float cm = -INFINITY;
   int64_t j = 0;
 #if defined(__AVX2__)
@@ -111,18 +111,18 @@ std::vector<paddle::Tensor> HeadScoreForward(const paddle::Tensor& h, const padd
   const float* wp = w.data<float>();
   const int64_t* lp = labels.data<int64_t>();
   for (int64_t i = 0; i < N; ++i) PD_CHECK(lp[i] >= 0 && lp[i] < V, "gptc_head_score: label out of range");
-  const int64_t chunks = (V + HS_VB - 1) / HS_VB;
+  const int64_t chunks = (V + HEAD_SCORE_COLS - 1) / HEAD_SCORE_COLS;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads(), chunks)));
-  std::vector<HsState> states;
+  std::vector<HeadScoreState> states;
   states.reserve(nt);
   for (int t = 0; t < nt; ++t) states.emplace_back(N);
 #pragma omp parallel num_threads(nt)
   {
-    HsState& st = states[omp_get_thread_num()];
-    std::vector<float> pack(C * HS_VB), tile(HS_MR * HS_VB);
+    HeadScoreState& st = states[omp_get_thread_num()];
+    std::vector<float> pack(C * HEAD_SCORE_COLS), tile(HEAD_SCORE_ROWS * HEAD_SCORE_COLS);
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t v0 = c * HS_VB, nv = std::min(HS_VB, V - v0), panels = (nv + 15) / 16;
+      const int64_t v0 = c * HEAD_SCORE_COLS, nv = std::min(HEAD_SCORE_COLS, V - v0), panels = (nv + 15) / 16;
       for (int64_t p = 0; p < panels; ++p)  // panel p: C rows of 16 columns (zeros past V)
         for (int64_t k = 0; k < C; ++k) {
           float* dst = pack.data() + (p * C + k) * 16;
@@ -130,18 +130,19 @@ std::vector<paddle::Tensor> HeadScoreForward(const paddle::Tensor& h, const padd
           std::memcpy(dst, wp + k * V + col, n * sizeof(float));
           std::fill(dst + n, dst + 16, 0.f);
         }
-      for (int64_t i = 0; i < N; i += HS_MR) {
-        const int64_t mr = std::min<int64_t>(HS_MR, N - i);
+      for (int64_t i = 0; i < N; i += HEAD_SCORE_ROWS) {
+        const int64_t mr = std::min<int64_t>(HEAD_SCORE_ROWS, N - i);
         const float* hi = hp + i * C;
         switch (mr) {
-          case 6: hs_rows<6>(hi, C, pack.data(), panels, tile.data()); break;
-          case 5: hs_rows<5>(hi, C, pack.data(), panels, tile.data()); break;
-          case 4: hs_rows<4>(hi, C, pack.data(), panels, tile.data()); break;
-          case 3: hs_rows<3>(hi, C, pack.data(), panels, tile.data()); break;
-          case 2: hs_rows<2>(hi, C, pack.data(), panels, tile.data()); break;
-          default: hs_rows<1>(hi, C, pack.data(), panels, tile.data()); break;
+          case 6: head_score_rows<6>(hi, C, pack.data(), panels, tile.data()); break;
+          case 5: head_score_rows<5>(hi, C, pack.data(), panels, tile.data()); break;
+          case 4: head_score_rows<4>(hi, C, pack.data(), panels, tile.data()); break;
+          case 3: head_score_rows<3>(hi, C, pack.data(), panels, tile.data()); break;
+          case 2: head_score_rows<2>(hi, C, pack.data(), panels, tile.data()); break;
+          default: head_score_rows<1>(hi, C, pack.data(), panels, tile.data()); break;
         }
-        for (int64_t r = 0; r < mr; ++r) hs_fold(tile.data() + r * HS_VB, nv, v0, lp[i + r], st, i + r);
+        for (int64_t r = 0; r < mr; ++r)
+          head_score_fold(tile.data() + r * HEAD_SCORE_COLS, nv, v0, lp[i + r], st, i + r);
       }
     }
   }
@@ -153,7 +154,7 @@ std::vector<paddle::Tensor> HeadScoreForward(const paddle::Tensor& h, const padd
     float m = -INFINITY;
     int64_t best = -1;
     double picked = 0.0;
-    for (const HsState& st : states) {
+    for (const HeadScoreState& st : states) {
       if (st.m[i] > m || (st.m[i] == m && st.am[i] >= 0 && (best < 0 || st.am[i] < best))) {
         m = st.m[i];
         best = st.am[i];
@@ -161,7 +162,7 @@ std::vector<paddle::Tensor> HeadScoreForward(const paddle::Tensor& h, const padd
       if (!std::isnan(st.picked[i])) picked = st.picked[i];
     }
     double s = 0.0;
-    for (const HsState& st : states)
+    for (const HeadScoreState& st : states)
       if (st.m[i] != -INFINITY) s += st.s[i] * std::exp(double(st.m[i]) - double(m));
     out[i] = picked - (double(m) + std::log(s));
     am[i] = best;

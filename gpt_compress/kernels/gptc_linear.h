@@ -1,162 +1,21 @@
-// A Linear's inputs and one block of its outputs: per-thread scratch, the int8 input
-// quantization (per token and block, or one calibrated scale), and linear_block (the tiles and
-// the epilogue: activation, residual).
+// The Linear entry points: linear_block (a block of weight rows against all M input rows: the
+// tiles or micro-kernels, then the epilogue: activation, residual) and the dispatch that runs a
+// Linear as GEMV (M = 1, gptc_gemv.h) or in blocks (linear_rows, linear_for, linear).
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_LINEAR_H_
 #define GPTC_KERNELS_GPTC_LINEAR_H_
 
 #include "gptc_gemm512.h"
+#include "gptc_gemv.h"
+#include "gptc_inputs.h"
 
 namespace {
 
-void activate(float* h, int64_t n, int act);
-
-// Scratch of one thread, kept across calls (libgomp's threads persist): no allocation per call
-// once grown. The op's calling thread also keeps the buffers its threads share (Shared).
-struct Scratch {
-  std::vector<float> h, sx, wbuf, tile, p, gemv;
-  std::vector<int8_t> xq, ibuf;
-  std::vector<float> xp, pk_sw;  // AVX-512 blocks: packed input pairs, a packed block's scales,
-  std::vector<float> facc;       // float accumulators between k chunks
-  std::vector<int8_t> pk_codes;  // and codes
-  std::vector<int32_t> pk_start;
-  std::vector<uint8_t> xu;       // int8 inputs + 128
-  std::vector<int32_t> lane_x, lane_start;  // few rows' int8 inputs in lanes (LaneInputs)
-  std::vector<float> lane_s;
-};
-struct Shared {
-  std::vector<float> q, ctx, f, sel, h;
-  std::vector<int32_t> keys;
-  std::vector<int64_t> nkeys;
-  std::vector<float> rows_h, rows_sx;  // prepare_rows' layer norms and input scales (M > 1)
-  std::vector<int8_t> rows_xq;         // and int8 inputs
-};
-thread_local Scratch t_scratch;
-thread_local Shared t_shared;
-
-template <class T>
-inline T* grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-
-// After a call: buffers past 8 MB (long prompts, scoring batches) are freed, not kept for the
-// life of the thread; decode-sized ones stay.
-template <class T>
-inline void trim(std::vector<T>& v) {
-  if (v.capacity() * sizeof(T) > (size_t(8) << 20)) std::vector<T>().swap(v);
-}
-inline void trim(Scratch& s) {
-  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
-  trim(s.xp), trim(s.pk_sw), trim(s.facc), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
-  trim(s.lane_x), trim(s.lane_start), trim(s.lane_s);
-}
-inline void trim(Shared& s) {
-  trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
-  trim(s.rows_h), trim(s.rows_sx), trim(s.rows_xq);
-}
-
-inline bool is_integer(const Lin& L) { return !(L.bits == 32 || L.act < 0.f); }
-
-// The inputs of an integer layer as int8: (M, K) codes into xq, (M, K/blk) scales into sx.
-void quantize_inputs(const Lin& L, const float* x, int64_t M, int8_t* xq, float* sx) {
-  const int64_t K = L.k, nb = K / L.blk;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * L.blk;
-      float s = L.act;
-      if (s == 0.f) {
-        float amax = 0.f;
-        int64_t j = 0;
-#if defined(__AVX2__)
-        if (L.blk >= 8) {  // max is exact in any order; a NaN is skipped as std::max skips it
-          __m256 acc = _mm256_setzero_ps();
-          for (; j + 8 <= L.blk; j += 8)
-            acc = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)), acc);
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, acc);
-          for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
-        }
-#endif
-        for (; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        s = std::max(amax, 1e-30f) / 127.0f;
-      }
-      sx[m * nb + b] = s;
-      int8_t* qb = xq + m * K + b * L.blk;
-      int64_t j = 0;
-#if defined(__AVX2__)
-      // The scalar loop's exact values, 8 at a time: the same IEEE division, std::round's
-      // half-away-from-zero as trunc + (|v - trunc| >= 0.5 ? sign : 0), the same clamps.
-      const __m256 vs = _mm256_set1_ps(s), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
-      const __m256 sgn = _mm256_set1_ps(-0.f);
-      for (; j + 8 <= L.blk; j += 8) {
-        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(xb + j), vs);
-        const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sgn, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
-        __m256 r = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sgn, v))));
-        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-128.f)), _mm256_set1_ps(127.f));
-        const __m256i i32 = _mm256_cvtps_epi32(r);
-        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + j), _mm_packs_epi16(i16, i16));
-      }
-#endif
-      for (; j < L.blk; ++j) {
-        const float v = std::round(xb[j] / s);
-        qb[j] = int8_t(std::min(127.f, std::max(-128.f, v)));
-      }
-    }
-}
-
-// A linear's inputs as this thread's kernels take them: x itself, or its int8 codes and scales
-// (made by this thread into its scratch: every thread of a region quantizes the same rows the
-// same way, so no thread waits for another).
-struct In {
-  const float* x;
-  const int8_t* xq = nullptr;
-  const float* sx = nullptr;
-};
-
-In prepare_inputs(const Lin& L, const float* x, int64_t M, Scratch& sc) {
-  In in{x};
-  if (is_integer(L)) {
-    int8_t* xq = grow(sc.xq, size_t(M * L.k));
-    float* sx = grow(sc.sx, size_t(M * (L.k / L.blk)));
-    quantize_inputs(L, x, M, xq, sx);
-    in.xq = xq;
-    in.sx = sx;
-  }
-  return in;
-}
-
-void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
-
-// M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
-// out among the threads into the op's buffers xq, sx (the worksharing loop's end is the
-// barrier) instead of every thread making all of them; with ln_w, each row's layer norm first
-// (into h, rows C = L.k apart; the linear's inputs are then h). Per row, so the same values.
-In prepare_rows(const Lin& L, const float* x, int64_t M, const float* ln_w, const float* ln_b, float eps, float* h,
-                int8_t* xq, float* sx) {
-  const bool integer = is_integer(L);
-  if (!integer && ln_w == nullptr) return In{x};  // nothing to make (every thread alike: no barrier)
-  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
-#pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    if (ln_w != nullptr) {
-      layer_norm(xm, 1, K, ln_w, ln_b, eps, h + m * K);
-      xm = h + m * K;
-    }
-    if (integer) quantize_inputs(L, xm, 1, xq + m * K, sx + m * nb);
-  }
-  In in{ln_w != nullptr ? h : x};
-  if (integer) in.xq = xq, in.sx = sx;
-  return in;
-}
-
-// The inputs of a Linear as the AVX-512 micro-kernels read them (M > 1), made by the calling
-// thread into its scratch once per Linear call that runs in blocks (not the GEMV): float inputs in
-// pairs of rows (xp), int8 ones + 128 (xu). Null where the build has no such kernel.
-struct Packs {
+// The inputs of a Linear packed for the block kernels that read them so (M > 1): float inputs in
+// pairs of rows (xp: AVX-512 builds), int8 ones + 128 (xu: VNNI builds), few int rows in lanes
+// (lanes: VNNI builds; lanes8: AVX2 builds without VNNI-512). Made by each thread that runs blocks,
+// into its own scratch, once per Linear call (not for the GEMV). Null where a kernel does not apply.
+struct PackedInputs {
   const float* xp = nullptr;
   const uint8_t* xu = nullptr;
 #if defined(GPTC_VNNI512)
@@ -166,8 +25,9 @@ struct Packs {
 #endif
 };
 
-// Int weights against int inputs of whole 32-code chunks: M <= LANES_MAX rows take the lane kernels.
-inline bool lanes_ok(const Lin& L, const In& in, int64_t M) {
+// Int weights against int inputs of whole 32-code chunks: M <= LANES_MAX rows take the lane
+// kernels (VNNI builds; int_block_lanes, gptc_gemm512.h).
+inline bool lanes_ok(const LinearWeights& L, const LinearInputs& in, int64_t M) {
 #if defined(GPTC_VNNI512)
   return in.xq != nullptr && M <= LANES_MAX && (L.bits == 8 || L.bits == 4) && L.k % 32 == 0 && L.blk % 32 == 0;
 #else
@@ -176,8 +36,8 @@ inline bool lanes_ok(const Lin& L, const In& in, int64_t M) {
 #endif
 }
 
-inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
-  Packs p;
+inline PackedInputs pack_inputs(const LinearWeights& L, const LinearInputs& in, int64_t M, Scratch& sc) {
+  PackedInputs p;
 #if !defined(GPTC_VNNI512) && defined(__AVX2__)
   if (in.xq != nullptr && M >= LANES8_MIN && (L.bits == 8 || L.bits == 4) && L.k % 32 == 0 && L.blk % 32 == 0) {
     const int64_t panels = (M + 7) / 8, nb = L.k / L.blk;
@@ -218,13 +78,15 @@ inline Packs pack_inputs(const Lin& L, const In& in, int64_t M, Scratch& sc) {
 // Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
 // then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
 // may be y itself: each value is read before it is written, by the thread that writes it).
-void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int64_t n0, int nr, float* y,
-                  int64_t ldy, const float* res, int act, Scratch& sc) {
+void linear_block(const LinearWeights& L, const LinearInputs& in, const PackedInputs& pk_in, int64_t M, int64_t n0,
+                  int nr, float* y, int64_t ldy, const float* res, int act, Scratch& sc) {
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
   float* t = grow(sc.tile, size_t(M * NBLK));
   // M > 1: the next block's weights (this thread's next, but at the end of a grab of
-  // linear_for's dynamic schedule) are prefetched by the tiles; its scales here.
+  // linear_for's dynamic schedule) are prefetched by the AVX2 float and int8 4 x 3 tiles
+  // (float_block, int_block; the AVX-512 and lane kernels prefetch rows of their own choosing,
+  // the packed int4 tiles none); an int layer's next scales here (AVX2 builds).
   const char* pf = nullptr;
   int64_t pf_bytes = 0;
   if (M > 1 && n0 + NBLK < L.n) {
@@ -243,12 +105,12 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
 #endif
     }
   }
-  // Float rows against all M inputs (AVX-512 builds: the pair micro-kernel, bitwise fblock's values).
+  // Float rows against all M inputs (AVX-512 builds: the pair micro-kernel, bitwise float_block's values).
   auto floats = [&](const float* w) {
 #if defined(GPTC_F512)
-    fblock512(in.x, pk_in.xp, M, K, w, nr, t, NBLK, bias, grow(sc.facc, size_t((M + 1) / 2 * NBLK * 16)));
+    float_block512(in.x, pk_in.xp, M, K, w, nr, t, NBLK, bias, grow(sc.facc, size_t((M + 1) / 2 * NBLK * 16)));
 #else
-    fblock(in.x, M, K, w, nr, t, NBLK, bias, pf, pf_bytes);
+    float_block(in.x, M, K, w, nr, t, NBLK, bias, pf, pf_bytes);
 #endif
   };
   if (L.bits == 32) {
@@ -262,30 +124,30 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
       for (int n = 0; n < nr; ++n) q[n] = L.wq + (n0 + n) * row, sw[n] = L.scale + (n0 + n) * nb;
       const LaneInputs& li = pk_in.lanes;
       if (li.p == 4)
-        L.bits == 4 ? iblock_lanes<4, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
-                    : iblock_lanes<4, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
+        L.bits == 4 ? int_block_lanes<4, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
+                    : int_block_lanes<4, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
       else if (li.p == 2)
-        L.bits == 4 ? iblock_lanes<2, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
-                    : iblock_lanes<2, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
+        L.bits == 4 ? int_block_lanes<2, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
+                    : int_block_lanes<2, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
       else
-        L.bits == 4 ? iblock_lanes<1, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
-                    : iblock_lanes<1, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
+        L.bits == 4 ? int_block_lanes<1, true>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias)
+                    : int_block_lanes<1, false>(li, M, nb, L.blk, q, sw, nr, row, t, NBLK, bias);
     } else
 #endif
     {
     // AVX2 builds: whole panels of 8 rows (and a last one of 6 or 7) in the lane kernel, the rows
     // left (fewer than 6: most of a panel's lanes would idle) in the tiles.
-    const In* ip = &in;
+    const LinearInputs* ip = &in;
     int64_t mr = M;
     float* tr = t;
 #if !defined(GPTC_VNNI512) && defined(__AVX2__)
-    In rest = in;
+    LinearInputs rest = in;
     if (pk_in.lanes8.xs != nullptr) {
       const int64_t row = L.bits == 4 ? K / 2 : K, nb = K / L.blk;
       const int64_t done = M % 8 >= LANES8_MIN ? M : M / 8 * 8;
       for (int n = 0; n < nr; ++n) q[n] = L.wq + (n0 + n) * row, sw[n] = L.scale + (n0 + n) * nb;
-      L.bits == 4 ? iblock_lanes8<true>(pk_in.lanes8, done, K, nb, L.blk, q, sw, nr, t, NBLK, bias)
-                  : iblock_lanes8<false>(pk_in.lanes8, done, K, nb, L.blk, q, sw, nr, t, NBLK, bias);
+      L.bits == 4 ? int_block_lanes8<true>(pk_in.lanes8, done, K, nb, L.blk, q, sw, nr, t, NBLK, bias)
+                  : int_block_lanes8<false>(pk_in.lanes8, done, K, nb, L.blk, q, sw, nr, t, NBLK, bias);
       rest.x = in.x + done * K, rest.xq = in.xq + done * K, rest.sx = in.sx + done * nb;
       ip = &rest, mr = M - done, tr = t + done * NBLK;
     }
@@ -298,17 +160,17 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
       sw[n] = L.scale + (n0 + n) * (K / L.blk);
     }
     if (packed) {
-      iblock<true>(ip->xq, ip->sx, mr, K, K / L.blk, L.blk, q, sw, nr, tr, NBLK, bias);
+      int_block<true>(ip->xq, ip->sx, mr, K, K / L.blk, L.blk, q, sw, nr, tr, NBLK, bias);
     } else if (ip->xq != nullptr) {
 #if defined(GPTC_VNNI512)
       if (K % 4 == 0 && L.blk % 4 == 0) {  // whole 4-code groups (vpdpbusd's lanes)
         const int64_t nb = K / L.blk;
         const Packed512 pk{grow(sc.pk_codes, size_t(K * NBLK)), grow(sc.pk_start, size_t(nb * NBLK)),
                            grow(sc.pk_sw, size_t(nb * NBLK))};
-        iblock512(ip->xq, ip->sx, mr, K, nb, L.blk, q, sw, nr, tr, NBLK, bias, pk, pk_in.xu);
+        int_block512(ip->xq, ip->sx, mr, K, nb, L.blk, q, sw, nr, tr, NBLK, bias, pk, pk_in.xu);
       } else
 #endif
-      iblock(ip->xq, ip->sx, mr, K, K / L.blk, L.blk, q, sw, nr, tr, NBLK, bias, pf, pf_bytes);
+      int_block(ip->xq, ip->sx, mr, K, K / L.blk, L.blk, q, sw, nr, tr, NBLK, bias, pf, pf_bytes);
     } else {
       float* wbuf = grow(sc.wbuf, size_t(NBLK * K));  // the fake-quant weight: codes * block scales
       for (int n = 0; n < nr; ++n)
@@ -355,6 +217,80 @@ void linear_block(const Lin& L, const In& in, const Packs& pk_in, int64_t M, int
       std::memcpy(ym, tm, nr * sizeof(float));
     }
   }
+}
+
+// Input rows a pass over the weights serves when the inputs are float (AVX-512 builds): the
+// rows' inputs and outputs stay in L2 while the weights stream past them (with every row at
+// once, the inputs and outputs of a wide float Linear leave the L2 as the weights stream past).
+// The int inputs are a quarter of the bytes: all rows at once.
+inline int64_t panel_rows(const LinearWeights& L, const LinearInputs& in, int64_t M) {
+#if defined(GPTC_F512)
+  if (in.xq == nullptr) return std::min<int64_t>(M, 64);
+#endif
+  (void)L, (void)in;
+  return M;
+}
+
+// Rows [m0, m0 + ...) of the inputs (an even m0: whole pairs of the packed floats).
+inline LinearInputs rows_of(const LinearWeights& L, const LinearInputs& in, int64_t m0) {
+  LinearInputs s = in;
+  s.x = in.x + m0 * L.k;
+  if (in.xq != nullptr) s.xq = in.xq + m0 * L.k, s.sx = in.sx + m0 * (L.k / L.blk);
+  return s;
+}
+inline PackedInputs rows_of(const LinearWeights& L, const PackedInputs& p, int64_t m0) {
+  PackedInputs s = p;  // the lane inputs: int inputs are one panel (m0 == 0)
+  if (p.xp != nullptr) s.xp = p.xp + (m0 / 2) * (L.k / 8) * 16;
+  if (p.xu != nullptr) s.xu = p.xu + m0 * L.k;
+  return s;
+}
+
+// Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.
+void linear_rows(const LinearWeights& L, const LinearInputs& in, int64_t M, int64_t r0, int64_t r1, float* y,
+                 int64_t ldy, const float* res, int act, Scratch& sc) {
+  if (M == 1 && gemv_ok(L, in)) return gemv_rows(L, in, r0, r1, y, res, act, sc);
+  const PackedInputs pk = pack_inputs(L, in, M, sc);
+  const int64_t P = panel_rows(L, in, M);
+  for (int64_t m0 = 0; m0 < M; m0 += P) {
+    const LinearInputs ip = rows_of(L, in, m0);
+    const PackedInputs pp = rows_of(L, pk, m0);
+    const int64_t mp = std::min(P, M - m0);
+    for (int64_t n0 = r0; n0 < r1; n0 += NBLK)
+      linear_block(L, ip, pp, mp, n0, int(std::min<int64_t>(NBLK, r1 - n0)), y + m0 * ldy, ldy,
+                   res ? res + m0 * ldy : nullptr, act, sc);
+  }
+}
+
+// y (M, N) = epilogue(x (M, K) @ W^T + bias), the blocks shared out among the threads of the
+// enclosing parallel region (orphaned worksharing loops, one per panel of input rows, then one
+// barrier) as they come for them, `grain` consecutive blocks at a time (about 8 grabs a thread:
+// a delayed thread's share goes to the others, as in gemv_for; the next-block prefetch misses
+// only at a grab's end), or all on the calling thread outside one.
+void linear_for(const LinearWeights& L, const LinearInputs& in, int64_t M, float* y, const float* res, int act) {
+  if (M == 1 && gemv_ok(L, in)) return gemv_for(L, in, y, res, act);
+  const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
+  const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
+  Scratch& sc = t_scratch;
+  const PackedInputs pk = pack_inputs(L, in, M, sc);  // by every thread, for itself: no barrier
+  const int64_t P = panel_rows(L, in, M);
+  for (int64_t m0 = 0; m0 < M; m0 += P) {  // panels write their own rows: no barrier between them
+    const LinearInputs ip = rows_of(L, in, m0);
+    const PackedInputs pp = rows_of(L, pk, m0);
+    const int64_t mp = std::min(P, M - m0);
+    float* yp = y + m0 * L.n;
+    const float* rp = res ? res + m0 * L.n : nullptr;
+#pragma omp for schedule(dynamic, grain) nowait
+    for (int64_t blk = 0; blk < nblocks; ++blk)
+      linear_block(L, ip, pp, mp, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), yp, L.n, rp, act, sc);
+  }
+#pragma omp barrier
+}
+
+// y (M, N) = x (M, K) @ W^T + bias, in a parallel region of its own.
+void linear(const LinearWeights& L, const float* x, int64_t M, float* y) {
+  const LinearInputs in = prepare_inputs(L, x, M, t_scratch);  // once, by the calling thread
+#pragma omp parallel num_threads(nthreads())
+  linear_for(L, in, M, y, nullptr, -1);
 }
 
 }  // namespace

@@ -64,9 +64,9 @@ void activate(float* h, int64_t n, int act) {
 // p: scratch of n + 8 floats.
 // AVX2: the keys are cut into 8 equal segments (m = ceil(n / 8) keys each) and pass t takes key
 // t of each, so the keys and then the values are read as 8 sequential streams (as the GEMV reads
-// its weights; one stream a core left attention at a few GB/s, so a decode step at 900 cached
-// tokens cost 1.8x one at 100 in int8): p holds pass t's 8 scores at p[8t..8t+8), a lane per
-// segment; the softmax sum runs lane-wise over the passes, the values in pass order.
+// its weights: 8 streams keep more memory requests in flight than one): p holds pass t's 8
+// scores at p[8t..8t+8), a lane per segment; the softmax sum runs lane-wise over the passes, the
+// values in pass order.
 void attend(const float* qv, const float* kb, const float* vb, const int32_t* idx, int64_t n, int64_t D,
             float scale, float* p, float* o) {
   for (int64_t d = 0; d < D; ++d) o[d] = 0.f;

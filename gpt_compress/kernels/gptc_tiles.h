@@ -1,5 +1,7 @@
-// Matrix tiles and blocks (M > 1: prefill, batches): the float and int8/int4 GEMM tiles, their
-// scalar forms, and a block of NBLK weight rows against all M input rows.
+// Matrix tiles and blocks (M > 1: prefill, batches; M = 1 where the GEMV does not apply): the
+// float and int8/int4 GEMM tiles, their scalar forms, a block of NBLK weight rows against all M
+// input rows (float_block, int_block), and the AVX2 kernels with input rows in lanes
+// (int_block_lanes8).
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_TILES_H_
 #define GPTC_KERNELS_GPTC_TILES_H_
@@ -56,8 +58,8 @@ struct Prefetch {
 
 // MR input rows x NR weight rows (float); y rows ldy apart.
 template <int MR, int NR>
-inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-                  const float* bias, const char* pf = nullptr, int64_t npf = 0) {
+inline void float_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+                       const float* bias, const char* pf = nullptr, int64_t npf = 0) {
   __m256 acc[MR][NR];
   GPTC_UNROLL for (int r = 0; r < MR; ++r)
     GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
@@ -86,15 +88,15 @@ inline void ftile(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
 }
 
 // MR int8 input rows (K apart, scales sx nb apart) x NR int8 weight rows (pointers q, scales sw).
-// I4: the rows are packed int4 (the layout above), unpacked in registers (the same codes).
+// I4: the rows are packed int4 (weight_format, gptc_common.h), unpacked in registers (the same codes).
 // The int contract (above): each 32-code step's dots are reduced to their exact totals four
 // outputs at a time (totals4), grouped by weight row when MR is 4 (lanes: the input rows), else
 // by input row when NR is 4 (lanes: the weight rows), else one output at a time; at a block's
 // end one convert and one fma a group, with the group's scale products.
 template <int MR, int NR, bool I4 = false>
-inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
-                  const float* const* sw, float* y, int64_t ldy, const float* bias, const char* pf = nullptr,
-                  int64_t npf = 0) {
+inline void int_tile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int64_t blk, const int8_t* const* q,
+                     const float* const* sw, float* y, int64_t ldy, const float* bias, const char* pf = nullptr,
+                     int64_t npf = 0) {
   constexpr bool by_n = MR == 4, by_r = !by_n && NR == 4;
   constexpr int G = by_n ? NR : by_r ? MR : MR * NR;  // groups (accumulators)
   __m128 acc[G];
@@ -175,9 +177,10 @@ inline void itile(const int8_t* xq, const float* sx, int64_t K, int64_t nb, int6
 }
 #endif
 
-// Scalar forms (no AVX2, or shapes the vector tiles do not cover: then for the whole layer).
-inline void ftile_scalar(const float* x, int64_t ldx, int MR, const float* w, int64_t ldw, int NR, int64_t K,
-                         float* y, int64_t ldy, const float* bias) {
+// Scalar forms: float_tile_scalar where the build has no AVX2; int_tile_scalar there too and for
+// int layers the vector tiles do not cover (K or blk not a multiple of 32), then for the whole layer.
+inline void float_tile_scalar(const float* x, int64_t ldx, int MR, const float* w, int64_t ldw, int NR, int64_t K,
+                              float* y, int64_t ldy, const float* bias) {
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) {
       float s = 0.f;
@@ -186,9 +189,9 @@ inline void ftile_scalar(const float* x, int64_t ldx, int MR, const float* w, in
     }
 }
 
-inline void itile_scalar(const int8_t* xq, const float* sx, int MR, int64_t K, int64_t nb, int64_t blk,
-                         const int8_t* const* q, const float* const* sw, int NR, float* y, int64_t ldy,
-                         const float* bias) {
+inline void int_tile_scalar(const int8_t* xq, const float* sx, int MR, int64_t K, int64_t nb, int64_t blk,
+                            const int8_t* const* q, const float* const* sw, int NR, float* y, int64_t ldy,
+                            const float* bias) {
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n) {
       float acc = 0.f;
@@ -202,7 +205,7 @@ inline void itile_scalar(const int8_t* xq, const float* sx, int MR, int64_t K, i
 }
 
 // Row n of an int weight as int8 codes (int4 unpacked into buf).
-inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
+inline const int8_t* int_row(const LinearWeights& L, int64_t n, int8_t* buf) {
   if (L.bits == 8) return L.wq + n * L.k;
   const uint8_t* p = reinterpret_cast<const uint8_t*>(L.wq) + n * (L.k / 2);
   for (int64_t c = 0; c < L.k; c += 32, p += 16) {
@@ -219,8 +222,9 @@ inline const int8_t* int_row(const Lin& L, int64_t n, int8_t* buf) {
 }
 
 // Weight rows per block: the unit of work of a thread. A block's weights are read from memory
-// once for all M input rows (GEMM for M > 1: prefill, batches); int4 rows are unpacked (and
-// float-input int rows dequantized, AVX-512 blocks packed) once per block. AVX-512 builds take
+// once for all M input rows (GEMM for M > 1: prefill, batches); int4 rows that a kernel does not
+// read packed are unpacked (and float-input int rows dequantized, AVX-512 int blocks packed) once
+// per block. AVX-512 builds take
 // blocks of 48 (gptc_gemm512.h: three registers of 16 outputs), AVX2 ones of 12 (4 x 3 tiles).
 #if defined(GPTC_F512)
 constexpr int NBLK = 48;
@@ -230,32 +234,34 @@ constexpr int NBLK = 12;
 
 // Float weights (NBLK or fewer rows) against all M input rows; the 4-row tiles prefetch pf_bytes
 // from pf (the next block's weights; null: none), an even part each.
-inline void fblock(const float* x, int64_t M, int64_t K, const float* w, int nr, float* y, int64_t ldy,
-                   const float* bias, const char* pf = nullptr, int64_t pf_bytes = 0) {
+inline void float_block(const float* x, int64_t M, int64_t K, const float* w, int nr, float* y, int64_t ldy,
+                        const float* bias, const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
   if (nr == NBLK) {
-    static_assert(NBLK % 3 == 0, "fblock's 4 x 3 tiles");
+    static_assert(NBLK % 3 == 0, "float_block's 4 x 3 tiles");
     const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, NBLK / 3 * (M / 4));
     int64_t part = 0;
     for (int s = 0; s < NBLK; s += 3) {  // 4 x 3 tiles: 12 accumulators, 7 loads per 12 fmas
       int64_t m = 0;
       for (; m + 4 <= M; m += 4, ++part) {
         const int64_t a = lines * part / parts, b = lines * (part + 1) / parts;
-        ftile<4, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr,
-                    pf ? pf + a * 64 : nullptr, b - a);
+        float_tile<4, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr,
+                         pf ? pf + a * 64 : nullptr, b - a);
       }
-      for (; m < M; ++m) ftile<1, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr);
+      for (; m < M; ++m)
+        float_tile<1, 3>(x + m * K, K, w + s * K, K, K, y + m * ldy + s, ldy, bias ? bias + s : nullptr);
     }
     return;
   }
   for (int n = 0; n < nr; ++n)
-    for (int64_t m = 0; m < M; ++m) ftile<1, 1>(x + m * K, K, w + n * K, K, K, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+    for (int64_t m = 0; m < M; ++m)
+      float_tile<1, 1>(x + m * K, K, w + n * K, K, K, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
 #else
-  ftile_scalar(x, K, int(M), w, K, nr, K, y, ldy, bias);
+  float_tile_scalar(x, K, int(M), w, K, nr, K, y, ldy, bias);
 #endif
 }
 
-// Whether iblock takes packed int4 rows as they are (unpacked in registers): the vector path, and
+// Whether int_block takes packed int4 rows as they are (unpacked in registers): the vector path, and
 // few input rows (each input row of a tile unpacks them again; more rows unpack once into a buffer).
 inline bool packed4_ok(int64_t M, int64_t K, int64_t blk) {
 #if defined(__AVX2__)
@@ -266,11 +272,11 @@ inline bool packed4_ok(int64_t M, int64_t K, int64_t blk) {
 }
 
 template <bool I4 = false>
-inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
-                   const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias,
-                   const char* pf = nullptr, int64_t pf_bytes = 0) {
+inline void int_block(const int8_t* xq, const float* sx, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                      const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy, const float* bias,
+                      const char* pf = nullptr, int64_t pf_bytes = 0) {
 #if defined(__AVX2__)
-  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see fblock)
+  if (!I4 && K % 32 == 0 && blk % 32 == 0) {  // int8 rows: 4 x 3 tiles, as the float ones (pf: see float_block)
     const int64_t lines = (pf_bytes + 63) / 64, parts = std::max<int64_t>(1, nr / 3 * (M / 4));
     int64_t part = 0;
     int n = 0;
@@ -278,17 +284,20 @@ inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int6
       int64_t m = 0;
       for (; m + 4 <= M; m += 4, ++part) {
         const int64_t a = lines * part / parts, b = lines * (part + 1) / parts;
-        itile<4, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr,
-                    pf ? pf + a * 64 : nullptr, b - a);
+        int_tile<4, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                       bias ? bias + n : nullptr, pf ? pf + a * 64 : nullptr, b - a);
       }
       for (; m + 2 <= M; m += 2)
-        itile<2, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        int_tile<2, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                       bias ? bias + n : nullptr);
       for (; m < M; ++m)
-        itile<1, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        int_tile<1, 3>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                       bias ? bias + n : nullptr);
     }
     for (; n < nr; ++n)
       for (int64_t m = 0; m < M; ++m)
-        itile<1, 1>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        int_tile<1, 1>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                       bias ? bias + n : nullptr);
     return;
   }
   if (I4) {  // packed int4 rows (few input rows, packed4_ok): unpacked in registers per tile
@@ -296,25 +305,29 @@ inline void iblock(const int8_t* xq, const float* sx, int64_t M, int64_t K, int6
     for (; n + 4 <= nr; n += 4) {
       int64_t m = 0;
       for (; m + 2 <= M; m += 2)
-        itile<2, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        int_tile<2, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                           bias ? bias + n : nullptr);
       for (; m < M; ++m)
-        itile<1, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        int_tile<1, 4, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                           bias ? bias + n : nullptr);
     }
     for (; n < nr; ++n)
       for (int64_t m = 0; m < M; ++m)
-        itile<1, 1, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy, bias ? bias + n : nullptr);
+        int_tile<1, 1, I4>(xq + m * K, sx + m * nb, K, nb, blk, q + n, sw + n, y + m * ldy + n, ldy,
+                           bias ? bias + n : nullptr);
     return;
   }
 #endif
   for (int64_t m = 0; m < M; ++m)
-    itile_scalar(xq + m * K, sx + m * nb, 1, K, nb, blk, q, sw, nr, y + m * ldy, ldy, bias);
+    int_tile_scalar(xq + m * K, sx + m * nb, 1, K, nb, blk, q, sw, nr, y + m * ldy, ldy, bias);
 }
 
 #if defined(__AVX2__)
 // ------------------------------------------------------------------ int, rows in lanes (AVX2)
 // Int weights against int8 inputs of more than one row, 8 input rows at a time in the 8 lanes of
 // a register (panels of 8 rows), each weight row's 4-code groups broadcast straight from the row:
-// no horizontal sums (the 4 x 3 tiles above reduce every dot of 32 codes with hadds), no packing.
+// no horizontal sums (the 4 x 3 tiles above reduce every dot of 32 codes with hadds), no weight
+// packing (the inputs are packed once per Linear call, pack_lanes8).
 // vpmaddubsw multiplies |x| (unsigned, <= 128) by w * sign(x) (|w| <= 127: the codes' range), so
 // each pair of products is at most 2 * 128 * 127 = 32512 and never saturates int16; vpmaddwd
 // adds the pairs into the lane's int32 total (dot32_u8: one vpdpbusd where the build has 256-bit
@@ -351,8 +364,8 @@ inline void pack_lanes8(const int8_t* xq, const float* sx, int64_t M, int64_t K,
 // NR weight rows against one panel: out[n * 8 + r] = row r's output n (+ bias[n]). int4: the 4
 // bytes at byte 4 t of a 32-code chunk hold groups t (low nibbles) and t + 4 (high ones).
 template <int NR, bool I4>
-inline void itile_lanes8(const int32_t* xs, const int32_t* xa, const float* s, int64_t nb, int64_t blk,
-                         const int8_t* const* q, const float* const* sw, float* out, const float* bias) {
+inline void int_tile_lanes8(const int32_t* xs, const int32_t* xa, const float* s, int64_t nb, int64_t blk,
+                            const int8_t* const* q, const float* const* sw, float* out, const float* bias) {
   const __m256i nib = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
   __m256 f[NR];
   GPTC_UNROLL for (int n = 0; n < NR; ++n) f[n] = _mm256_setzero_ps();
@@ -407,9 +420,9 @@ inline void itile_lanes8(const int32_t* xs, const int32_t* xa, const float* s, i
 // Int weights (nr rows at q[n]: int8 codes, or packed int4 ones; scales sw[n]) against M input
 // rows packed by pack_lanes8 into y (M rows, ldy apart; the nr outputs).
 template <bool I4>
-inline void iblock_lanes8(const LaneInputs8& in, int64_t M, int64_t K, int64_t nb, int64_t blk,
-                          const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
-                          const float* bias) {
+inline void int_block_lanes8(const LaneInputs8& in, int64_t M, int64_t K, int64_t nb, int64_t blk,
+                             const int8_t* const* q, const float* const* sw, int nr, float* y, int64_t ldy,
+                             const float* bias) {
   alignas(32) float out[4 * 8];
   auto b_at = [&](int n) { return bias ? bias + n : nullptr; };
   for (int64_t p = 0; p < (M + 7) / 8; ++p) {
@@ -421,8 +434,8 @@ inline void iblock_lanes8(const LaneInputs8& in, int64_t M, int64_t K, int64_t n
         for (int n = 0; n < cnt; ++n) y[(8 * p + r) * ldy + n0 + n] = out[n * 8 + r];
     };
     int n = 0;
-    for (; n + 4 <= nr; n += 4) itile_lanes8<4, I4>(xs, xa, s, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 4);
-    for (; n < nr; ++n) itile_lanes8<1, I4>(xs, xa, s, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 1);
+    for (; n + 4 <= nr; n += 4) int_tile_lanes8<4, I4>(xs, xa, s, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 4);
+    for (; n < nr; ++n) int_tile_lanes8<1, I4>(xs, xa, s, nb, blk, q + n, sw + n, out, b_at(n)), put(n, 1);
   }
 }
 #endif

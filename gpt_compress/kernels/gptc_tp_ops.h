@@ -15,9 +15,9 @@
 // The arithmetic is the single-card block's (the same layer_norm, attend, prepare_inputs /
 // prepare_rows and linear_for calls), split where Megatron splits it; only the order of the
 // partial sums' additions differs (float32 rounding; integer block dots stay exact when the
-// rank's inputs are whole blocks, which the export checks). Weights as gptc_decoder packs them
+// rank's inputs are whole blocks, which the export checks). Weights packed as gptc_generate's
 // (a float32 and an int8 blob, 4 layout numbers a piece, unpack()): a block's 16 pieces in
-// gptc_layer's order for both of its halves; wte, wte_s, wpe, wpe_s for the embedding;
+// make_layer_weights' order for both of its halves; wte, wte_s, wpe, wpe_s for the embedding;
 // ln_f_w, ln_f_b, head_w, head_s for the head.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_TP_OPS_H_
@@ -27,21 +27,21 @@
 
 namespace {
 
-// A block's 16 pieces (gptc_layer's order) and its caches' shape checked: the rank's LayerW.
-LayerW tp_layer(const std::vector<View>& ws, int64_t C, int64_t heads, int64_t head_dim, const std::vector<int>& bits,
-                const std::vector<float>& act) {
+// A block's 16 pieces (make_layer_weights' order) and its caches' shape checked: the rank's LayerWeights.
+LayerWeights tp_layer(const std::vector<WeightView>& ws, int64_t C, int64_t heads, int64_t head_dim,
+                      const std::vector<int>& bits, const std::vector<float>& act) {
   PD_CHECK(ws.size() == size_t(kPerLayer) && bits.size() == 4 && act.size() == 4,
            "gptc_tp: a block needs 16 weight pieces and 4 bits/act entries");
-  return make_layer(ws.data(), C, heads, head_dim, bits.data(), act.data());
+  return make_layer_weights(ws.data(), C, heads, head_dim, bits.data(), act.data());
 }
 
 // The attention half of layer_step for x (M, C) -> y: the same calls up to attn.out, whose
 // output is this rank's partial sum (+ x when `residual`).
-void tp_attention_step(const LayerW& w, const Step& s, const float* xd, float* yd, float* K_, float* V_, int64_t cap,
-                       bool residual) {
+void tp_attention_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, float* K_, float* V_,
+                       int64_t cap, bool residual) {
   Scratch& sc = t_scratch;
   const int64_t B = s.B, T = s.T, C = s.C, L = s.L, S = s.S, M = s.M, H = w.H, D = w.D, inner = H * D;
-  const Lin &qkv = w.qkv, &out = w.out;
+  const LinearWeights &qkv = w.qkv, &out = w.out;
   const float scale = 1.f / std::sqrt(float(D));
   float *q = s.q, *ctx = s.ctx;
   auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
@@ -58,27 +58,27 @@ void tp_attention_step(const LayerW& w, const Step& s, const float* xd, float* y
   };
   float* h = s.rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
   if (!s.rows) layer_norm(xd, M, C, w.ln1_w, w.ln1_b, s.eps, h);
-  const In in1 = s.rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, s.eps, h, s.xqs, s.sxs)
+  const LinearInputs in1 = s.rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, s.eps, h, s.xqs, s.sxs)
                         : prepare_inputs(qkv, h, M, sc);
   linear_for(qkv, in1, M, q, nullptr, -1);
 #pragma omp for collapse(2) schedule(dynamic)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
-  const In in_out = s.rows ? prepare_rows(out, ctx, M, nullptr, nullptr, s.eps, nullptr, s.xqs, s.sxs)
+  const LinearInputs in_out = s.rows ? prepare_rows(out, ctx, M, nullptr, nullptr, s.eps, nullptr, s.xqs, s.sxs)
                            : prepare_inputs(out, ctx, M, sc);
   linear_for(out, in_out, M, yd, residual ? xd : nullptr, -1);
 }
 
 // The MLP half of layer_step: y = [x +] this rank's fc_out partial sum of act(fc_in(ln2(x))).
-void tp_mlp_step(const LayerW& w, const Step& s, const float* xd, float* yd, bool residual) {
+void tp_mlp_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, bool residual) {
   Scratch& sc = t_scratch;
   const int64_t M = s.M, C = s.C;
   float* h = s.rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
   if (!s.rows) layer_norm(xd, M, C, w.ln2_w, w.ln2_b, s.eps, h);
-  const In in2 = s.rows ? prepare_rows(w.fc, xd, M, w.ln2_w, w.ln2_b, s.eps, h, s.xqs, s.sxs)
+  const LinearInputs in2 = s.rows ? prepare_rows(w.fc, xd, M, w.ln2_w, w.ln2_b, s.eps, h, s.xqs, s.sxs)
                         : prepare_inputs(w.fc, h, M, sc);
   linear_for(w.fc, in2, M, s.f, nullptr, s.activation);
-  const In in_proj = s.rows ? prepare_rows(w.proj, s.f, M, nullptr, nullptr, s.eps, nullptr, s.xqs, s.sxs)
+  const LinearInputs in_proj = s.rows ? prepare_rows(w.proj, s.f, M, nullptr, nullptr, s.eps, nullptr, s.xqs, s.sxs)
                             : prepare_inputs(w.proj, s.f, M, sc);
   linear_for(w.proj, in_proj, M, yd, residual ? xd : nullptr, -1);
 }
@@ -91,7 +91,7 @@ std::vector<paddle::Tensor> TpEmbedForward(const paddle::Tensor& ids, const padd
                                            int position) {
   const int64_t B = ids.dims()[0], T = ids.dims()[1], L = mask.dims()[1];
   PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_tp_embed: mask must be (B, S+T)");
-  const std::vector<View> ws = unpack(blobs, layout);
+  const std::vector<WeightView> ws = unpack(blobs, layout);
   PD_CHECK(ws.size() == 4, "gptc_tp_embed: weights are wte, wte_s, wpe, wpe_s");
   const Table wte = make_table(ws[0], ws[1], wte_bits), wpe = make_table(ws[2], ws[3], wpe_bits);
   const int64_t C = table_width(ws[0], wte_bits);
@@ -128,8 +128,8 @@ std::vector<paddle::Tensor> TpAttentionForward(const paddle::Tensor& x, const pa
   op_enter(T > 1);
   Laps lp(T > 1);
   check_cache(caches[0], caches[1], B, heads, L);
-  const LayerW w = tp_layer(unpack(blobs, layout), C, heads, caches[0].dims()[3], bits, act);
-  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, w.H * w.D, w.F, kmax_of(w), 0, eps, 0);
+  const LayerWeights w = tp_layer(unpack(blobs, layout), C, heads, caches[0].dims()[3], bits, act);
+  const StepContext s = make_step_context(B, T, C, mask.data<int64_t>(), L, w.H * w.D, w.F, kmax_of(w), 0, eps, 0);
   auto y = paddle::empty({B * T, C}, paddle::DataType::FLOAT32, x.place());
 #pragma omp parallel num_threads(s.nt)
   {
@@ -151,8 +151,9 @@ std::vector<paddle::Tensor> TpMlpForward(const paddle::Tensor& x, const paddle::
   PD_CHECK(B * T == x.dims()[0] && L >= T, "gptc_tp_mlp: x (B*T, C), mask (B, S+T)");
   op_enter(T > 1);
   Laps lp(T > 1);
-  const LayerW w = tp_layer(unpack(blobs, layout), C, heads, head_dim, bits, act);
-  const Step s = make_step(B, T, C, mask.data<int64_t>(), L, w.H * w.D, w.F, kmax_of(w), 0, eps, activation);
+  const LayerWeights w = tp_layer(unpack(blobs, layout), C, heads, head_dim, bits, act);
+  const StepContext s = make_step_context(B, T, C, mask.data<int64_t>(), L, w.H * w.D, w.F, kmax_of(w), 0, eps,
+                                          activation);
   auto y = paddle::empty({B * T, C}, paddle::DataType::FLOAT32, x.place());
 #pragma omp parallel num_threads(s.nt)
   {
@@ -171,15 +172,15 @@ std::vector<paddle::Tensor> TpHeadForward(const paddle::Tensor& x, const paddle:
   const int64_t M = x.dims()[0], C = x.dims()[1], n = rows.numel();
   op_enter(n > 1);
   Laps lp(n > 1);
-  const std::vector<View> ws = unpack(blobs, layout);
+  const std::vector<WeightView> ws = unpack(blobs, layout);
   PD_CHECK(ws.size() == 4 && !ws[0].i8 && !ws[1].i8 && ws[0].d0 * ws[0].d1 == C && ws[1].d0 * ws[1].d1 == C,
            "gptc_tp_head: weights are the final layer norm (float32, hidden size), head_w, head_s");
-  const Lin head = make_lin(ws[2], ws[3], nullptr, head_bits, head_act);
+  const LinearWeights head = make_linear_weights(ws[2], ws[3], nullptr, head_bits, head_act);
   PD_CHECK(head.k == C, "gptc_tp_head: head weight has ", head.k, " inputs, hidden size is ", C);
   const int64_t* r = rows.data<int64_t>();
   for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_tp_head: row index out of range");
-  // head_inputs' Step: the hidden size, eps and (16 rows and more) the shared row buffers.
-  Step s{};
+  // head_inputs' StepContext: the hidden size, eps and (16 rows and more) the shared row buffers.
+  StepContext s{};
   s.C = C, s.eps = eps, s.nt = nthreads();
   if (n >= kSharedRows) {
     s.hs = grow(t_shared.rows_h, size_t(n * C));
@@ -190,7 +191,7 @@ std::vector<paddle::Tensor> TpHeadForward(const paddle::Tensor& x, const paddle:
   float* logits = out.data<float>();
 #pragma omp parallel num_threads(s.nt)
   {
-    const In hin = head_inputs(head, s, x.data<float>(), r, n, ws[0].f(), ws[1].f());
+    const LinearInputs hin = head_inputs(head, s, x.data<float>(), r, n, ws[0].f(), ws[1].f());
     if (n) linear_for(head, hin, n, logits, nullptr, -1);
     trim(t_scratch);
   }

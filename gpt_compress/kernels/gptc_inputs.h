@@ -1,0 +1,158 @@
+// A Linear's inputs as the kernels take them: per-thread scratch (Scratch, Shared), the int8
+// input quantization (per token and block, or one calibrated scale) and LinearInputs (made by
+// prepare_inputs on every thread, or shared out among them by prepare_rows).
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_INPUTS_H_
+#define GPTC_KERNELS_GPTC_INPUTS_H_
+
+#include "gptc_common.h"
+
+namespace {
+
+void activate(float* h, int64_t n, int act);
+
+// Scratch of one thread, kept across calls (libgomp's threads persist): no allocation per call
+// once grown. The op's calling thread also keeps the buffers its threads share (Shared).
+struct Scratch {
+  std::vector<float> h, sx, wbuf, tile, p, gemv;
+  std::vector<int8_t> xq, ibuf;
+  std::vector<float> xp, pk_sw;  // AVX-512 blocks: packed input pairs, a packed block's scales,
+  std::vector<float> facc;       // float accumulators between k chunks
+  std::vector<int8_t> pk_codes;  // and codes
+  std::vector<int32_t> pk_start;
+  std::vector<uint8_t> xu;       // int8 inputs + 128
+  std::vector<int32_t> lane_x, lane_start;  // int8 input rows in lanes (LaneInputs, LaneInputs8)
+  std::vector<float> lane_s;
+};
+struct Shared {
+  std::vector<float> q, ctx, f, sel, h;
+  std::vector<int32_t> keys;
+  std::vector<int64_t> nkeys;
+  std::vector<float> rows_h, rows_sx;  // prepare_rows' layer norms and input scales (M > 1)
+  std::vector<int8_t> rows_xq;         // and int8 inputs
+};
+thread_local Scratch t_scratch;
+thread_local Shared t_shared;
+
+template <class T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// After a call: buffers past 8 MB (long prompts, scoring batches) are freed, not kept for the
+// life of the thread; decode-sized ones stay.
+template <class T>
+inline void trim(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > (size_t(8) << 20)) std::vector<T>().swap(v);
+}
+inline void trim(Scratch& s) {
+  trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
+  trim(s.xp), trim(s.pk_sw), trim(s.facc), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
+  trim(s.lane_x), trim(s.lane_start), trim(s.lane_s);
+}
+inline void trim(Shared& s) {
+  trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);
+  trim(s.rows_h), trim(s.rows_sx), trim(s.rows_xq);
+}
+
+inline bool is_integer(const LinearWeights& L) { return !(L.bits == 32 || L.act < 0.f); }
+
+// The inputs of an integer layer as int8: (M, K) codes into xq, (M, K/blk) scales into sx.
+void quantize_inputs(const LinearWeights& L, const float* x, int64_t M, int8_t* xq, float* sx) {
+  const int64_t K = L.k, nb = K / L.blk;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * L.blk;
+      float s = L.act;
+      if (s == 0.f) {
+        float amax = 0.f;
+        int64_t j = 0;
+#if defined(__AVX2__)
+        if (L.blk >= 8) {  // max is exact in any order; a NaN is skipped as std::max skips it
+          __m256 acc = _mm256_setzero_ps();
+          for (; j + 8 <= L.blk; j += 8)
+            acc = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)), acc);
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, acc);
+          for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
+        }
+#endif
+        for (; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        s = std::max(amax, 1e-30f) / 127.0f;
+      }
+      sx[m * nb + b] = s;
+      int8_t* qb = xq + m * K + b * L.blk;
+      int64_t j = 0;
+#if defined(__AVX2__)
+      // The scalar loop's exact values, 8 at a time: the same IEEE division, std::round's
+      // half-away-from-zero as trunc + (|v - trunc| >= 0.5 ? sign : 0), the same clamps.
+      const __m256 vs = _mm256_set1_ps(s), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+      const __m256 sgn = _mm256_set1_ps(-0.f);
+      for (; j + 8 <= L.blk; j += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(xb + j), vs);
+        const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sgn, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+        __m256 r = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sgn, v))));
+        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-128.f)), _mm256_set1_ps(127.f));
+        const __m256i i32 = _mm256_cvtps_epi32(r);
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + j), _mm_packs_epi16(i16, i16));
+      }
+#endif
+      for (; j < L.blk; ++j) {
+        const float v = std::round(xb[j] / s);
+        qb[j] = int8_t(std::min(127.f, std::max(-128.f, v)));
+      }
+    }
+}
+
+// A linear's inputs as this thread's kernels take them: x itself, or its int8 codes and scales
+// (made by this thread into its scratch: every thread of a region quantizes the same rows the
+// same way, so no thread waits for another).
+struct LinearInputs {
+  const float* x;
+  const int8_t* xq = nullptr;
+  const float* sx = nullptr;
+};
+
+LinearInputs prepare_inputs(const LinearWeights& L, const float* x, int64_t M, Scratch& sc) {
+  LinearInputs in{x};
+  if (is_integer(L)) {
+    int8_t* xq = grow(sc.xq, size_t(M * L.k));
+    float* sx = grow(sc.sx, size_t(M * (L.k / L.blk)));
+    quantize_inputs(L, x, M, xq, sx);
+    in.xq = xq;
+    in.sx = sx;
+  }
+  return in;
+}
+
+void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
+
+// M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
+// out among the threads into the op's buffers xq, sx (the worksharing loop's end is the
+// barrier) instead of every thread making all of them; with ln_w, each row's layer norm first
+// (into h, rows C = L.k apart; the linear's inputs are then h). Per row, so the same values.
+LinearInputs prepare_rows(const LinearWeights& L, const float* x, int64_t M, const float* ln_w, const float* ln_b,
+                          float eps, float* h, int8_t* xq, float* sx) {
+  const bool integer = is_integer(L);
+  if (!integer && ln_w == nullptr) return LinearInputs{x};  // nothing to make (every thread alike: no barrier)
+  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    if (ln_w != nullptr) {
+      layer_norm(xm, 1, K, ln_w, ln_b, eps, h + m * K);
+      xm = h + m * K;
+    }
+    if (integer) quantize_inputs(L, xm, 1, xq + m * K, sx + m * nb);
+  }
+  LinearInputs in{ln_w != nullptr ? h : x};
+  if (integer) in.xq = xq, in.sx = sx;
+  return in;
+}
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_INPUTS_H_
