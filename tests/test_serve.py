@@ -218,14 +218,15 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     at = next(i for i in range(2, 8) if free[i] not in free[:i])  # a new token inside the first run
     eos = free[at]
     # (prompt, max_tokens, min_tokens, temperature): holds of 0, 13 and 4 tokens, a sampled row
-    jobs = [(prompts[0], 24, 0, 0.0), (prompts[1], 13, 13, 0.0), (prompts[2], 9, 4, 0.0), (prompts[3], 6, 0, 0.7)]
+    jobs = [(prompts[0], 24, 0, 0.0), (prompts[1], 13, 13, 0.0), (prompts[2], 9, 4, 0.0), (prompts[3], 6, 0, 0.7),
+            (prompts[3], 11, 0, 0.0)]
     want = [gen.generate([p], max_new_tokens=m, min_new_tokens=lo, eos_token_id=eos, seed=3,
                          **({"decode_strategy": "sampling", "temperature": t} if t else {})).sequences[0]
             for p, m, lo, t in jobs]
     assert want[0] == free[:at + 1]
 
-    def run(batch: list[int]) -> tuple[list, list]:
-        engine = Engine(gen, max_batch=4)
+    def run(batch: list[int], max_batch: int = 4) -> tuple[list, list]:
+        engine = Engine(gen, max_batch=max_batch)
         engine.eos = eos
         runs = []
         real = engine.batch.step_greedy
@@ -261,7 +262,10 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     # other's is not, then row 1 alone: a run held to its end (its min_tokens is its max_tokens).
     assert runs[0] == (2, 3, 3) and runs[-1][0] == 1 and runs[-1][1] == runs[-1][2] >= 2
     got, runs = run([0, 1, 2, 3])
-    assert got == want and all(r[0] < 4 for r in runs)  # the sampled row: single steps while it runs
+    assert got == want[:4] and all(r[0] < 4 for r in runs)  # the sampled row: single steps while it runs
+    # Three requests for two slots: runs while the third waits (no slot to admit it into).
+    got, runs = run([4, 0, 1], max_batch=2)
+    assert got == [want[4], want[0], want[1]] and runs[0] == (2, gen.backend.greedy_steps, 0)
 
 
 def test_slot_decoder_steps_leave_no_python_objects_behind(gen):

@@ -100,12 +100,14 @@ double gptc_bench_peak(int kind, int64_t iters) {
 // A Linear of the fused ops (y (M, N) = x (M, K) @ W^T + bias) on random weights and inputs:
 // bits 32 float, 8 int8 codes, 4 packed int4; int blocks of blk codes; act as LinearWeights::act (0: inputs
 // quantized per token and block). Null for shapes the formats do not allow.
+namespace {
 struct BenchLinear {
   LinearWeights L;
   int64_t M;
   std::vector<float> x, wf, scale, bias, y;
   std::vector<int8_t> wq;
 };
+}  // namespace
 
 void* gptc_bench_linear_new(int bits, int64_t M, int64_t N, int64_t K, int64_t blk, float act) {
   if (M < 1 || N < 1 || K < 1 || (bits != 32 && (blk < 1 || K % blk)) || (bits == 4 && K % 32)) return nullptr;

@@ -188,33 +188,39 @@ struct Subset {
   float *ctx, *x;
 };
 
+// Row b's head hh (H heads of D; its qkv outputs head-major (H, 3, D) in s.q): the keys and
+// values of its T new positions into the cache (K_, V_: (B, H, cap, D)) at S..S+T-1, then the
+// attention of each of its queries that `need` marks (null: all) into s.ctx.
+inline void attend_head(const StepContext& s, int64_t H, int64_t D, float* K_, float* V_, int64_t cap,
+                        const char* need, int64_t b, int64_t hh, Scratch& sc) {
+  const int64_t T = s.T, L = s.L, S = s.S, inner = H * D;
+  const float scale = 1.f / std::sqrt(float(D));
+  float* p = grow(sc.p, size_t(L + 8));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = s.q + (b * T + t) * 3 * inner + hh * 3 * D;
+    const int64_t dst = ((b * H + hh) * cap + S + t) * D;
+    std::memcpy(K_ + dst, src + D, D * sizeof(float));
+    std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
+  }
+  for (int64_t t = 0; t < T; ++t)
+    if (need == nullptr || need[b * T + t])
+      attend(s.q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
+             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, s.ctx + (b * T + t) * inner + hh * D);
+}
+
 void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, float* K_, float* V_,
                 int64_t cap, Laps& lp, bool lead, const Subset* sub = nullptr) {
   Scratch& sc = t_scratch;
-  const int64_t B = s.B, T = s.T, C = s.C, L = s.L, S = s.S, M = s.M, H = w.H, D = w.D, inner = H * D;
+  const int64_t B = s.B, C = s.C, M = s.M, H = w.H, D = w.D, inner = H * D;
   const LinearWeights &qkv = w.qkv, &out = w.out, &fc = w.fc, &proj = w.proj;
   const bool rows = s.rows;
-  const float eps = s.eps, scale = 1.f / std::sqrt(float(D));
+  const float eps = s.eps;
   float *q = s.q, *ctx = s.ctx, *f = s.f;
   // Head hh's qkv outputs are the rows [hh * 3D, (hh + 1) * 3D) (head-major (H, 3, D)): with
   // enough heads per thread one work item computes them, writes the new keys/values into the
   // cache and runs the head's attention, with no barrier between the three.
   const bool by_head = H % s.nt == 0 || H >= 3 * s.nt;
-  // The new keys/values and the attention of the (b, hh) rows: keys/values of the T new
-  // positions into the cache at S..S+T-1, then each query's attention.
-  auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
-    float* p = grow(sc.p, size_t(L + 8));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = q + (b * T + t) * 3 * inner + hh * 3 * D;
-      const int64_t dst = ((b * H + hh) * cap + S + t) * D;
-      std::memcpy(K_ + dst, src + D, D * sizeof(float));
-      std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
-    }
-    for (int64_t t = 0; t < T; ++t)
-      if (sub == nullptr || sub->need[b * T + t])
-        attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-               s.keys + b * L, s.nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
-  };
+  const char* need = sub ? sub->need : nullptr;
   float* h = rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
   if (!rows) layer_norm(xd, M, C, w.ln1_w, w.ln1_b, eps, h);
   const LinearInputs in1 = rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, eps, h, s.xqs, s.sxs)
@@ -224,7 +230,7 @@ void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, fl
 #pragma omp for schedule(dynamic)
     for (int64_t hh = 0; hh < H; ++hh) {
       linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
-      for (int64_t b = 0; b < B; ++b) attend_head(b, hh, sc);
+      for (int64_t b = 0; b < B; ++b) attend_head(s, H, D, K_, V_, cap, need, b, hh, sc);
     }
     if (lead) lp.lap(kQkv);
   } else {
@@ -232,7 +238,7 @@ void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, fl
     if (lead) lp.lap(kQkv);
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
+      for (int64_t hh = 0; hh < H; ++hh) attend_head(s, H, D, K_, V_, cap, need, b, hh, sc);
     if (lead) lp.lap(kAttn);
   }
   int64_t m = M;  // the rows that go on: all, or the subset's, gathered

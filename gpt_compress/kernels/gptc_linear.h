@@ -286,13 +286,6 @@ void linear_for(const LinearWeights& L, const LinearInputs& in, int64_t M, float
 #pragma omp barrier
 }
 
-// y (M, N) = x (M, K) @ W^T + bias, in a parallel region of its own.
-void linear(const LinearWeights& L, const float* x, int64_t M, float* y) {
-  const LinearInputs in = prepare_inputs(L, x, M, t_scratch);  // once, by the calling thread
-#pragma omp parallel num_threads(nthreads())
-  linear_for(L, in, M, y, nullptr, -1);
-}
-
 }  // namespace
 
 #endif  // GPTC_KERNELS_GPTC_LINEAR_H_

@@ -40,22 +40,9 @@ LayerWeights tp_layer(const std::vector<WeightView>& ws, int64_t C, int64_t head
 void tp_attention_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, float* K_, float* V_,
                        int64_t cap, bool residual) {
   Scratch& sc = t_scratch;
-  const int64_t B = s.B, T = s.T, C = s.C, L = s.L, S = s.S, M = s.M, H = w.H, D = w.D, inner = H * D;
+  const int64_t B = s.B, C = s.C, M = s.M, H = w.H, D = w.D;
   const LinearWeights &qkv = w.qkv, &out = w.out;
-  const float scale = 1.f / std::sqrt(float(D));
   float *q = s.q, *ctx = s.ctx;
-  auto attend_head = [&](int64_t b, int64_t hh, Scratch& sc) {
-    float* p = grow(sc.p, size_t(L + 8));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = q + (b * T + t) * 3 * inner + hh * 3 * D;
-      const int64_t dst = ((b * H + hh) * cap + S + t) * D;
-      std::memcpy(K_ + dst, src + D, D * sizeof(float));
-      std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
-    }
-    for (int64_t t = 0; t < T; ++t)
-      attend(q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, ctx + (b * T + t) * inner + hh * D);
-  };
   float* h = s.rows ? s.hs : grow(sc.h, size_t(M * std::max(C, int64_t(1))));
   if (!s.rows) layer_norm(xd, M, C, w.ln1_w, w.ln1_b, s.eps, h);
   const LinearInputs in1 = s.rows ? prepare_rows(qkv, xd, M, w.ln1_w, w.ln1_b, s.eps, h, s.xqs, s.sxs)
@@ -63,7 +50,7 @@ void tp_attention_step(const LayerWeights& w, const StepContext& s, const float*
   linear_for(qkv, in1, M, q, nullptr, -1);
 #pragma omp for collapse(2) schedule(dynamic)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t hh = 0; hh < H; ++hh) attend_head(b, hh, sc);
+    for (int64_t hh = 0; hh < H; ++hh) attend_head(s, H, D, K_, V_, cap, nullptr, b, hh, sc);
   const LinearInputs in_out = s.rows ? prepare_rows(out, ctx, M, nullptr, nullptr, s.eps, nullptr, s.xqs, s.sxs)
                            : prepare_inputs(out, ctx, M, sc);
   linear_for(out, in_out, M, yd, residual ? xd : nullptr, -1);

@@ -23,9 +23,10 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    (``SlotDecoder.step_many``) that feeds each speculated request its token and draft tokens
    (prompt lookup, or a draft model with a slot cache of its own), after which each keeps what
    ``model/speculative.py``'s ``verify_row`` accepts (greedy: its own choices; sampling: the
-   rejection rule with its own generator) and the caches roll back. When no request waits and
-   every running one is plain greedy (no penalty, bias, log-probabilities or speculation), up to
-   the decoder's ``greedy_steps`` steps run in one call instead (``step_greedy``: vLLM's
+   rejection rule with its own generator) and the caches roll back. When no request can be
+   admitted (none waits, or the batch is full) and every running one is plain greedy (no
+   penalty, bias, log-probabilities or speculation), up to the decoder's ``greedy_steps`` steps
+   run in one call instead (``step_greedy``: vLLM's
    multi-step scheduling; the argmax is made where the logits lie and no logits leave the
    program), never past the nearest ``max_tokens``; their tokens are then taken one by one as
    in 3-4, so a request's tokens, events and stop strings are those of single steps.
@@ -286,11 +287,14 @@ class Engine:
         self._gauges()
 
     def _greedy_run(self) -> Optional[tuple[int, Optional[int], int]]:
-        """(steps, eos, suppress) for ``step_greedy`` when the running batch can take several greedy
-        steps in one call, else None: nothing waits to be admitted, every request is plain greedy,
-        the run stops at the nearest ``max_tokens``, and ``min_tokens`` holds EOS back for the same
-        first steps of every row (the program's one ``suppress`` count)."""
-        if self.batch.greedy_steps < 2 or self._pending or self.speculative_tokens:
+        """(steps, eos, suppress) for ``step_greedy`` when the running batch can take its next
+        greedy steps in one call, the argmax made in the program, else None: no request can be
+        admitted (none waits, or the batch is full), every request is plain greedy, the run stops
+        at the nearest ``max_tokens``, and ``min_tokens`` holds EOS back for the same first steps
+        of every row (the program's one ``suppress`` count). A run of one step still spares the
+        logits' copy out of the program and the argmax of each row in numpy."""
+        if (self.batch.greedy_steps < 2 or self.speculative_tokens
+                or (self._pending and len(self._running) < self.max_batch)):
             return None
         steps, holds = self.batch.greedy_steps, set()
         for req in self._running.values():
@@ -302,9 +306,9 @@ class Engine:
             steps = min(steps, cfg.max_new_tokens - done)
             holds.add(max(0, cfg.min_new_tokens - done))
         if self.eos is None:
-            return (steps, None, 0) if steps >= 2 else None
+            return steps, None, 0
         steps = min([steps] + [h for h in holds if h > 0])  # each row's hold is 0 or covers the run
-        if steps < 2 or len({min(h, steps) for h in holds}) > 1:
+        if len({min(h, steps) for h in holds}) > 1:
             return None
         return steps, self.eos, min(max(holds), steps)
 

@@ -181,38 +181,35 @@ class SlotDecoder(Decoder):
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         """Decode one token for every row (``tokens[key]`` its last chosen token); returns each
         row's next logits (V,)."""
+        s, rows, ids = self._next_column(tokens, 1)
+        logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s))
+        return {k: logits[i] for i, k in enumerate(self.keys)}
+
+    def _next_column(self, tokens: dict[Hashable, int], columns: int) -> tuple[int, int, np.ndarray]:
+        """Room for ``columns`` more columns (a relayout when the cache lacks it), and the next
+        one opened to the running rows with their ``tokens``: (its index S, the rows the program
+        runs, ids (rows, 1))."""
         missing = [k for k in self.keys if k not in tokens]
         if missing:
             raise ValueError(f"no token for rows {missing}")
         n = len(self.keys)
-        if self.width + 1 > self.capacity:
-            self.backend.on_thread(self._relayout, 0)
+        if self.width + columns > self.capacity:
+            self.backend.on_thread(self._relayout, 0, columns)
         s = self.width
         rows = n if self._views else self.max_batch
         self._mask = np.pad(self._mask, ((0, 0), (0, 1)))
         self._mask[:n, s] = 1
         ids = np.zeros((rows, 1), np.int64)
         ids[:n, 0] = [tokens[k] for k in self.keys]
-        logits, _ = self.backend.decode(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s))
-        return {k: logits[i] for i, k in enumerate(self.keys)}
+        return s, rows, ids
 
     def step_greedy(self, tokens: dict[Hashable, int], steps: int, eos: Optional[int],
                     suppress: int) -> dict[Hashable, np.ndarray]:
         """``steps`` greedy steps in one program run (``decode_greedy_steps``): see ``Decoder``."""
-        missing = [k for k in self.keys if k not in tokens]
-        if missing:
-            raise ValueError(f"no token for rows {missing}")
         if not 1 <= steps <= self.greedy_steps:
             raise ValueError(f"steps must be in [1, {self.greedy_steps}], got {steps}")
+        s, rows, ids = self._next_column(tokens, steps)
         n = len(self.keys)
-        if self.width + steps > self.capacity:
-            self.backend.on_thread(self._relayout, 0, steps)
-        s = self.width
-        rows = n if self._views else self.max_batch
-        self._mask = np.pad(self._mask, ((0, 0), (0, 1)))
-        self._mask[:n, s] = 1
-        ids = np.zeros((rows, 1), np.int64)
-        ids[:n, 0] = [tokens[k] for k in self.keys]
         finished = np.arange(rows) >= n  # free slots: their tokens are padding
         out, _ = self.backend.decode_greedy_steps(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s),
                                                   steps, eos, 0, finished, suppress)
