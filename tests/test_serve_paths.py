@@ -355,3 +355,45 @@ def test_cli_flags_api_key_model_name_threads_no_verify_grace_period(export_dir,
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
+
+
+def test_generated_text_decodes_only_past_its_head_and_equals_a_full_decode(gpt2_tokenizer, shared_data):
+    """``serve/text.py``: token by token over real English and Chinese text (multi-byte
+    characters split across tokens), the text is the full decode at every length, the decoded
+    head moves on, and ``upto`` (the text without a final EOS) works; a tokenizer that does not
+    concatenate decodes every list whole."""
+    import dataclasses
+
+    from gpt_compress.serve import text as text_mod
+    from gpt_compress.serve.text import GeneratedText
+
+    en = (shared_data / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:1500]
+    zh = json.loads((shared_data / "chinese" / "tang300.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    zh = "".join(str(v) for v in zh.values())[:300]
+    assert gpt2_tokenizer.concatenates
+    for sample in (en, zh + en[:200] + "naïve café — ¿qué? 🙂"):
+        ids = gpt2_tokenizer.encode(sample)
+        buf, heads = GeneratedText(gpt2_tokenizer), set()
+        for n in range(1, len(ids) + 1):
+            assert buf.text(ids[:n]) == gpt2_tokenizer.decode(ids[:n]), n
+            heads.add(buf.anchor)
+        assert len(heads) > 3 and max(heads) >= len(ids) - 3 * text_mod.ANCHOR_TOKENS  # it moved along
+        assert buf.text(ids, len(ids) - 1) == gpt2_tokenizer.decode(ids[:-1])
+        with pytest.raises(ValueError, match="before the decoded head"):
+            buf.text(ids, buf.anchor - 1)
+
+    @dataclasses.dataclass
+    class Whole:  # a decoder whose text is not the concatenation (WordPiece-like: spaces between)
+        concatenates: bool = False
+        calls: list = dataclasses.field(default_factory=list)
+
+        def decode(self, ids):
+            self.calls.append(len(ids))
+            return " ".join(map(str, ids))
+
+    tok = Whole()
+    buf = GeneratedText(tok)
+    for n in range(1, 40):
+        assert buf.text(list(range(n))) == " ".join(map(str, range(n)))
+    assert tok.calls == list(range(1, 40)) and buf.anchor == 0
+    assert GeneratedText(None).text([1, 2, 3]) == ""

@@ -272,6 +272,14 @@ class Tokenizer:
         """Number of ids, special tokens included (50,257 for GPT-2)."""
         return self._special.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def concatenates(self) -> bool:
+        """Whether the text of ids a + b is the text of a followed by that of b wherever a's text
+        ends in a whole character (no trailing U+FFFD): true of byte-level decoders (GPT-2's), whose
+        text is the UTF-8 of the tokens' bytes laid end to end; a server then decodes only the
+        tokens after the last such point (``serve/text.py``)."""
+        return isinstance(self._special.decoder, decoders.ByteLevel)
+
     def _backend(self, allow_special: bool) -> tokenizers.Tokenizer:
         return self._special if allow_special else self._plain
 

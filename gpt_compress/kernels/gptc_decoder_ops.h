@@ -227,9 +227,10 @@ void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, fl
                       : prepare_inputs(qkv, h, M, sc);
   if (lead) lp.lap(kLn1);
   if (by_head) {
+    const PackedInputs pk = rows_inputs(qkv, in1, M, sc);  // by every thread, for itself: no barrier
 #pragma omp for schedule(dynamic)
     for (int64_t hh = 0; hh < H; ++hh) {
-      linear_rows(qkv, in1, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
+      linear_rows(qkv, in1, pk, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
       for (int64_t b = 0; b < B; ++b) attend_head(s, H, D, K_, V_, cap, need, b, hh, sc);
     }
     if (lead) lp.lap(kQkv);

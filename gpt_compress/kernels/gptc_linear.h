@@ -245,11 +245,16 @@ inline PackedInputs rows_of(const LinearWeights& L, const PackedInputs& p, int64
   return s;
 }
 
-// Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread.
-void linear_rows(const LinearWeights& L, const LinearInputs& in, int64_t M, int64_t r0, int64_t r1, float* y,
-                 int64_t ldy, const float* res, int act, Scratch& sc) {
+// The inputs as linear_rows reads them (none to pack for a GEMV): packed once for all the row
+// ranges a thread computes of one Linear (pack_inputs' buffers are the thread's own).
+inline PackedInputs rows_inputs(const LinearWeights& L, const LinearInputs& in, int64_t M, Scratch& sc) {
+  return M == 1 && gemv_ok(L, in) ? PackedInputs{} : pack_inputs(L, in, M, sc);
+}
+
+// Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread; pk: rows_inputs.
+void linear_rows(const LinearWeights& L, const LinearInputs& in, const PackedInputs& pk, int64_t M, int64_t r0,
+                 int64_t r1, float* y, int64_t ldy, const float* res, int act, Scratch& sc) {
   if (M == 1 && gemv_ok(L, in)) return gemv_rows(L, in, r0, r1, y, res, act, sc);
-  const PackedInputs pk = pack_inputs(L, in, M, sc);
   const int64_t P = panel_rows(L, in, M);
   for (int64_t m0 = 0; m0 < M; m0 += P) {
     const LinearInputs ip = rows_of(L, in, m0);

@@ -57,6 +57,7 @@ from ..model.generation import next_tokens, uses_history
 from ..model.speculative import DRAFT_TOKENS, AdaptiveK, NgramDraft, pick_row, verify_row
 from .decoder import make_decoder
 from .slots import SlotDecoder
+from .text import GeneratedText
 
 log = logging.getLogger("gptc.serve")
 
@@ -131,6 +132,7 @@ class Request:
     counts: Optional[np.ndarray] = None  # (1, V) times each token was generated (OpenAI's penalties)
     rng: Optional[np.random.Generator] = None
     shown: int = 0  # characters of the decoded text already emitted
+    text: Optional[GeneratedText] = None  # its tokens' text, decoded as they come
     last_token_at: float = 0.0
     ended: bool = False  # its Finished or Failed event was emitted
     schedule: Optional[AdaptiveK] = None  # draft tokens per step, when the request is speculated
@@ -425,6 +427,7 @@ class Engine:
         failed alone) if that raises, so that no row joins without its request."""
         try:
             req.rng = np.random.default_rng(req.cfg.seed)
+            req.text = GeneratedText(self.tokenizer)
             req.seen = np.zeros((1, req.logits.shape[-1]), dtype=bool)
             req.counts = np.zeros((1, req.logits.shape[-1] if uses_history(req.cfg) else 0), dtype=np.int32)
             if req.cfg.repetition_penalty != 1.0:
@@ -617,7 +620,7 @@ class Engine:
         scores = {} if logprobs is None else _top(logprobs, tok, req.logprobs)
         if self.eos is not None and tok == self.eos:
             req.emit(Token(tok, "", **scores))
-            self._finish(req, Finished("stop", self._rest(req, req.tokens[:-1]), len(req.tokens)))
+            self._finish(req, Finished("stop", self._rest(req, len(req.tokens) - 1), len(req.tokens)))
             return True
         piece, stopped = self._text(req)
         req.emit(Token(tok, piece, **scores))
@@ -625,18 +628,16 @@ class Engine:
             self._finish(req, Finished("stop", "", len(req.tokens)))
             return True
         if len(req.tokens) >= req.cfg.max_new_tokens:
-            self._finish(req, Finished("length", self._rest(req, req.tokens), len(req.tokens)))
+            self._finish(req, Finished("length", self._rest(req, len(req.tokens)), len(req.tokens)))
             return True
         return False
 
     # ------------------------------------------------------------------ text and stop strings
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
 
     def _text(self, req: Request) -> tuple[str, bool]:
         """The text piece to emit now, and whether a stop string ended the request. Text that
         ends inside a multi-byte character, or could be the start of a stop string, is held."""
-        text = self._decode(req.tokens)
+        text = req.text.text(req.tokens)
         hits = [i for i in (text.find(s, max(0, req.shown - len(s))) for s in req.stop) if i >= 0]
         if hits:
             end = min(hits)
@@ -650,8 +651,9 @@ class Engine:
         piece, req.shown = text[req.shown:end], end
         return piece, False
 
-    def _rest(self, req: Request, tokens: list[int]) -> str:
-        text = self._decode(tokens)
+    def _rest(self, req: Request, upto: int) -> str:
+        """The text of ``req``'s first ``upto`` tokens not emitted yet (all of it is then shown)."""
+        text = req.text.text(req.tokens, upto)
         rest = text[req.shown:]
         req.shown = len(text)
         return rest
