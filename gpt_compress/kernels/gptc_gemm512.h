@@ -408,12 +408,31 @@ inline __m512i bcast_groups(const int8_t* w) {
 // pf: pf_lines cache lines from there are prefetched, spread over the blocks (the rows of the
 // tiles ahead: at small M a tile is memory-bound, and rows as short as a head's leave the hardware
 // prefetchers too little to lock on to).
+// After a block's P-lane sums, G weight rows share one register (lane r * P + j: row r's output
+// n + j, j < G; G = P for P = 2 and 4 when NR allows, else 1): one convert and one fma for the G
+// rows, each lane's value the same float(dot) * (sx * sw) fma as alone. The G values of a lane
+// group (sw, bias), in order, in every lane group.
+template <int G>
+inline __m512 lane_group_values(const float* const* v, int64_t b, int n) {
+  if constexpr (G == 2) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, v[n] + b, 4);
+    std::memcpy(&hi, v[n + 1] + b, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi64(int64_t(uint64_t(hi) << 32 | lo)));
+  } else {
+    static_assert(G == 4, "two or four rows a register");
+    return _mm512_broadcast_f32x4(_mm_set_ps(v[n + 3][b], v[n + 2][b], v[n + 1][b], v[n][b]));
+  }
+}
+
 template <int P, int NR, bool I4>
 inline void int_tile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const int8_t* const* q,
                            const float* const* sw, float* out, const float* bias, const char* pf, int64_t pf_lines) {
   constexpr int S = 8 / P;  // steps a 32-code chunk
-  __m512 f[NR];
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) f[n] = _mm512_setzero_ps();
+  constexpr int G = P == 4 && NR % 4 == 0 ? 4 : P >= 2 && NR % 2 == 0 ? 2 : 1;  // rows a float register
+  constexpr int NF = NR / G;
+  __m512 f[NF];
+  GPTC_UNROLL for (int n = 0; n < NF; ++n) f[n] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32(I4 ? 0x0F0F0F0F : int32_t(0x80808080));  // int4: nibbles; int8: + 128
   const int64_t chunks = blk / 32;
   for (int64_t b = 0; b < nb; ++b) {
@@ -452,11 +471,31 @@ inline void int_tile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const 
     if constexpr (P == 4)
       GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm512_add_epi32(acc[n], _mm512_shuffle_epi32(acc[n], _MM_PERM_BADC));
     const __m512 xsc = _mm512_loadu_ps(in.s + b * 16);
-    GPTC_UNROLL for (int n = 0; n < NR; ++n)
-      f[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[n]), _mm512_mul_ps(xsc, _mm512_set1_ps(sw[n][b])), f[n]);
+    if constexpr (G == 1) {
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)
+        f[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[n]), _mm512_mul_ps(xsc, _mm512_set1_ps(sw[n][b])), f[n]);
+    } else {
+      GPTC_UNROLL for (int j = 0; j < NF; ++j) {
+        __m512i c = _mm512_mask_blend_epi32(0xAAAA, acc[G * j], acc[G * j + 1]);  // odd lanes: row + 1
+        if constexpr (G == 4)
+          c = _mm512_mask_blend_epi32(0xCCCC, c, _mm512_mask_blend_epi32(0xAAAA, acc[4 * j + 2], acc[4 * j + 3]));
+        f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(xsc, lane_group_values<G>(sw, b, G * j)), f[j]);
+      }
+    }
   }
-  GPTC_UNROLL for (int n = 0; n < NR; ++n)
-    _mm512_storeu_ps(out + n * 16, _mm512_add_ps(f[n], _mm512_set1_ps(bias ? bias[n] : 0.f)));
+  if constexpr (G == 1) {
+    GPTC_UNROLL for (int n = 0; n < NR; ++n)
+      _mm512_storeu_ps(out + n * 16, _mm512_add_ps(f[n], _mm512_set1_ps(bias ? bias[n] : 0.f)));
+  } else {
+    // Row n + j's outputs sit in lanes r * P + j: stored j floats early, so that out[(n + j) * 16 + r * P]
+    // holds them (the lanes this writes over, r * P + j' with j' > 0, are never read).
+    const float* const bias_rows[4] = {bias, bias ? bias + 1 : nullptr, bias ? bias + 2 : nullptr,
+                                       bias ? bias + 3 : nullptr};
+    GPTC_UNROLL for (int j = 0; j < NF; ++j) {
+      const __m512 v = _mm512_add_ps(f[j], bias ? lane_group_values<G>(bias_rows, G * j, 0) : _mm512_setzero_ps());
+      GPTC_UNROLL for (int i = 0; i < G; ++i) _mm512_storeu_ps(out + (G * j + i) * 16 - i, v);
+    }
+  }
 }
 
 // Int weights (nr rows: int8 codes, or packed int4 ones, at q[n], `row` bytes apart in memory;
