@@ -481,9 +481,9 @@ def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, d
     engine = Engine(gen, max_batch=4, max_queue=8, metrics=metrics, speculative_tokens=4, draft=source)
     engine.eos = eos
     assert _run_engine(engine, jobs, cfgs) == want
-    assert engine.proposed > 0 and 0 < engine.accepted < engine.proposed  # rows with different acceptance
-    assert metrics.draft_tokens._value.get() == engine.proposed and engine.batch.relayouts >= 1
-    assert metrics.accepted_tokens._value.get() == engine.accepted
-    assert metrics.tokens_per_step._value.get() == pytest.approx(engine.spec_tokens / engine.spec_steps)
+    assert engine.spec.proposed > 0 and 0 < engine.spec.accepted < engine.spec.proposed  # rows with different acceptance
+    assert metrics.draft_tokens._value.get() == engine.spec.proposed and engine.batch.relayouts >= 1
+    assert metrics.accepted_tokens._value.get() == engine.spec.accepted
+    assert metrics.tokens_per_step._value.get() == pytest.approx(engine.spec.produced / engine.spec.steps)
     if draft == "model":
-        assert engine.drafter.relayouts >= 1 and len(engine.drafter) == 0
+        assert engine.spec.drafter.relayouts >= 1 and len(engine.spec.drafter) == 0

@@ -21,13 +21,13 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 4. removes finished requests (EOS, ``max_tokens``, a stop string) from the batch at once,
 5. runs one ``decode`` step for the rest; with speculative decoding, a verify step instead
    (``SlotDecoder.step_many``) that feeds each speculated request its token and draft tokens
-   (prompt lookup, or a draft model with a slot cache of its own), after which each keeps what
-   ``model/speculative.py``'s ``verify_row`` accepts (greedy: its own choices; sampling: the
-   rejection rule with its own generator) and the caches roll back. When no request can be
-   admitted (none waits, or the batch is full) and every running one is plain greedy (no
-   penalty, bias, log-probabilities or speculation), up to the decoder's ``greedy_steps`` steps
-   run in one call instead (``step_greedy``: vLLM's
-   multi-step scheduling; the argmax is made where the logits lie and no logits leave the
+   (prompt lookup, or a draft model with a slot cache of its own; ``speculation.py``), after
+   which each keeps what ``model/speculative.py``'s ``verify_row`` accepts (greedy: its own
+   choices; sampling: the rejection rule with its own generator) and the caches roll back.
+   When no request can be admitted (none waits, or the batch is full) and every running one is
+   plain greedy (no penalty, bias, log-probabilities or speculation), up to the decoder's
+   ``greedy_steps`` steps run in one call instead (``step_greedy``: vLLM's multi-step
+   scheduling; the argmax is made where the logits lie and no logits leave the
    program), never past the nearest ``max_tokens``; their tokens are then taken one by one as
    in 3-4, so a request's tokens, events and stop strings are those of single steps.
 
@@ -54,9 +54,9 @@ import numpy as np
 from ..config import GenerationConfig
 from ..eval.scoring import top_logprobs
 from ..model.generation import next_tokens, uses_history
-from ..model.speculative import DRAFT_TOKENS, AdaptiveK, NgramDraft, pick_row, verify_row
+from ..model.speculative import DRAFT_TOKENS, AdaptiveK
 from .decoder import make_decoder
-from .slots import SlotDecoder
+from .speculation import Speculation
 from .text import GeneratedText
 
 log = logging.getLogger("gptc.serve")
@@ -156,20 +156,14 @@ class Engine:
         self.prefill_budget = prefill_budget
         self.admit_wait_steps = admit_wait_steps
         self.batch = make_decoder(generator.backend, max_batch)
-        # Speculative decoding (``model/speculative.py``): up to this many draft tokens per request
-        # and step (``AdaptiveK``), checked in one verify step (``SlotDecoder.step_many``); 0: off.
-        # ``draft``: "ngram" (prompt lookup; the default) or, for ``Generator.draft_for``, "auto", a
-        # model directory or a Generator: a draft model with a slot cache of its own.
-        self.speculative_tokens = speculative_tokens or (DRAFT_TOKENS if draft else 0)
-        if self.speculative_tokens and not self.batch.verifies:
+        # Speculative decoding (``speculation.py``): up to this many draft tokens per request and
+        # step, checked in one verify step (``SlotDecoder.step_many``); 0: off. ``draft``: "ngram"
+        # (prompt lookup; the default) or, for ``Generator.draft_for``, "auto", a model directory
+        # or a Generator: a draft model with a slot cache of its own.
+        tokens = speculative_tokens or (DRAFT_TOKENS if draft else 0)
+        if tokens and not self.batch.verifies:
             raise ValueError("speculative decoding in the server needs the fused Paddle program (backend paddle)")
-        self.ngram = NgramDraft()
-        self.drafter = (self._draft_decoder(draft, max_batch)
-                        if self.speculative_tokens and draft not in (None, "", "ngram") else None)
-        self._draft_round: tuple[int, dict[int, int]] = (0, {})  # the draft model's last run (``_drafts``)
-        self._q: dict[int, np.ndarray] = {}  # sampled requests' draft probabilities (k, V) this step
-        self.proposed = self.accepted = 0  # draft tokens checked / kept (stats)
-        self.spec_steps = self.spec_tokens = 0  # request steps that checked drafts / tokens they produced
+        self.spec = Speculation(generator, tokens, draft, max_batch, self.eos, metrics) if tokens else None
         self._pending: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._cond = threading.Condition()
@@ -251,7 +245,7 @@ class Engine:
                     done.append(rid)
             except Exception as e:
                 log.exception("request %d failed", rid)
-                self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+                self._fail(req, e)
                 done.append(rid)
         self._leave(done)
         if self._running:
@@ -263,11 +257,12 @@ class Engine:
                 if run is not None:
                     out = self.batch.step_greedy(tokens, *run)
                 else:
-                    drafts = self._proposals() if self.speculative_tokens else {}
+                    drafts = self.spec.proposals(self._running) if self.spec is not None else {}
                     logits = (self.batch.step_many({rid: [tok] + drafts.get(rid, []) for rid, tok in tokens.items()})
                               if drafts else None)
                     if logits is None:
-                        self._draft_rollback({})  # no room for the verify step: nothing was checked
+                        if self.spec is not None:  # no room for the verify step: nothing was checked
+                            self.spec.rollback(self._running, {})
                         drafts, logits = {}, self.batch.step(tokens)
             except Exception as e:
                 log.exception("decode step failed")
@@ -280,7 +275,8 @@ class Engine:
                 return
             self.steps += 1
             if drafts:
-                self._leave(self._verify(logits, drafts))
+                self._leave(self.spec.verify(self._running, self.batch, logits, drafts,
+                                             lambda req, tok: self._take(req, tok, None), self._fail))
             else:
                 for rid, row in logits.items():
                     self._running[rid].logits = row
@@ -295,7 +291,7 @@ class Engine:
         at the nearest ``max_tokens``, and ``min_tokens`` holds EOS back for the same first steps
         of every row (the program's one ``suppress`` count). A run of one step still spares the
         logits' copy out of the program and the argmax of each row in numpy."""
-        if (self.batch.greedy_steps < 2 or self.speculative_tokens
+        if (self.batch.greedy_steps < 2 or self.spec is not None
                 or (self._pending and len(self._running) < self.max_batch)):
             return None
         steps, holds = self.batch.greedy_steps, set()
@@ -327,7 +323,7 @@ class Engine:
                         break
                 except Exception as e:
                     log.exception("request %d failed", rid)
-                    self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+                    self._fail(req, e)
                     done.append(rid)
                     break
         return done
@@ -374,7 +370,8 @@ class Engine:
             joining = [(req, state) for req, state in self._prefill(taken) if self._ready(req)]
             if joining:
                 self.batch.join([(req.id, state) for req, state in joining])
-                self._join_draft([req for req, _ in joining if req.schedule is not None])
+                if self.spec is not None:
+                    self.spec.join([req for req, _ in joining if req.schedule is not None])
         except Exception as e:
             log.exception("admitting %d requests failed", len(taken))
             self._leave([req.id for req in taken])
@@ -432,11 +429,11 @@ class Engine:
             req.counts = np.zeros((1, req.logits.shape[-1] if uses_history(req.cfg) else 0), dtype=np.int32)
             if req.cfg.repetition_penalty != 1.0:
                 req.seen[0, req.prompt] = True
-            if self.speculative_tokens and not uses_history(req.cfg) and req.logprobs is None:
-                req.schedule = AdaptiveK(self.speculative_tokens)
+            if self.spec is not None:
+                req.schedule = self.spec.schedule(req)
         except Exception as e:
             log.exception("request %d failed", req.id)
-            self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+            self._fail(req, e)
             return False
         return True
 
@@ -463,136 +460,6 @@ class Engine:
                 continue
             joining.append((req, state))
         return joining
-
-    # ------------------------------------------------------------------ speculative decoding
-    def _draft_decoder(self, draft, max_batch: int) -> SlotDecoder:
-        """The draft model's slot decoder (its own in-place cache, rows joined and left with the
-        target's): ``draft`` as ``Generator.draft_for`` takes it (same vocabulary and tokenizer)."""
-        backend = self.gen.draft_for(draft).backend
-        if backend.serve_decoder != "slots":
-            raise ValueError(f"the draft {draft} does not run on the fused Paddle program, which the server's "
-                             "draft models need (its slot cache)")
-        if backend.manifest.max_positions < self.gen.max_positions:
-            raise ValueError(f"the draft {draft} has a context of {backend.manifest.max_positions} positions, the "
-                             f"model {self.gen.max_positions}: a draft needs at least the model's")
-        return SlotDecoder(backend, max_batch)
-
-    def _join_draft(self, reqs: list[Request]) -> None:
-        """Prefill the speculated newcomers' prompts on the draft model and give them its slots."""
-        if self.drafter is None or not reqs:
-            return
-        states = self.drafter.prefill_many([req.prompt for req in reqs])
-        self.drafter.join([(req.id, state) for req, (_, state) in zip(reqs, states)])
-        for req in reqs:
-            req.drafted = len(req.prompt)
-
-    def _proposals(self) -> dict[int, list[int]]:
-        """Each speculated request's draft tokens for this step: up to its ``AdaptiveK`` count
-        (asked once per step, as ``speculative_tokens`` does), never past ``max_tokens``; from
-        prompt lookup or the draft model (``_drafts``)."""
-        want = {}
-        for rid, req in self._running.items():
-            if req.schedule is not None:
-                k = min(req.schedule.next(), req.cfg.max_new_tokens - len(req.tokens) - 1)
-                if k > 0:
-                    want[rid] = k
-        if self.drafter is not None:
-            return self._drafts(want) if want else {}
-        out = {}
-        for rid, k in want.items():
-            req = self._running[rid]
-            got = self.ngram.lookup(req.prompt + req.tokens, k)
-            if got:
-                out[rid] = got
-        return out
-
-    def _drafts(self, want: dict[int, int]) -> dict[int, list[int]]:
-        """The draft model proposes ``want[rid]`` tokens per request: one ``step_many`` feeds every
-        draft row the tokens its cache lacks (the newest, and the last accepted draft when all were
-        kept), then max(want) - 1 one-token steps feed each row its previous proposal (a row that
-        proposes fewer, or none, its last token: those columns are dropped after the verify).
-        Sampled requests draw from the draft's distribution with their own generator, kept in
-        ``_q`` for the rejection rule."""
-        t0 = time.perf_counter()
-        reqs = {rid: self._running[rid] for rid in self.drafter.keys}
-        rows = self.drafter.step_many({rid: (r.prompt + r.tokens)[r.drafted:] for rid, r in reqs.items()})
-        if rows is None:  # no room in the draft's cache: no proposals this step
-            return {}
-        for r in reqs.values():
-            r.drafted = len(r.prompt) + len(r.tokens)
-        last = {rid: x[-1] for rid, x in rows.items()}
-        steps = max(want.values())
-        drafts: dict[int, list[int]] = {rid: [] for rid in want}
-        probs: dict[int, list] = {rid: [] for rid in want}
-        for j in range(steps):
-            for rid, k in want.items():
-                if j < k:
-                    req = reqs[rid]
-                    tok, q = pick_row(last[rid], len(req.tokens) + j, req.cfg, self.eos, req.rng)
-                    drafts[rid].append(tok)
-                    probs[rid].append(q)
-            if j < steps - 1:
-                feed = {rid: drafts[rid][j] if j < want.get(rid, 0) else r.tokens[-1] for rid, r in reqs.items()}
-                last = self.drafter.step(feed)
-        self._draft_round = (steps - 1, {rid: min(k, steps - 1) for rid, k in want.items()})
-        self._q = {rid: np.stack(q) for rid, q in probs.items() if q[0] is not None}
-        if self.metrics is not None:
-            self.metrics.draft_seconds.inc(time.perf_counter() - t0)
-        return drafts
-
-    def _draft_rollback(self, accepted: dict[int, int]) -> None:
-        """After a verify step: each draft row keeps the proposals it fed that were accepted
-        (``accepted[rid]`` drafts kept), the other columns of the last ``_drafts`` run dropped."""
-        fed, own = self._draft_round
-        self._draft_round, self._q = (0, {}), {}
-        if self.drafter is None or not fed:
-            return
-        keep = {rid: min(accepted.get(rid, 0), n) for rid, n in own.items()}
-        self.drafter.drop({rid: fed - keep.get(rid, 0) for rid in self.drafter.keys})
-        for rid, n in keep.items():
-            if rid in self._running:
-                self._running[rid].drafted += n
-
-    def _verify(self, logits: dict[int, np.ndarray], drafts: dict[int, list[int]]) -> list[int]:
-        """Each request with drafts keeps them by ``verify_row`` (greedy: while they are its greedy
-        choices; sampling: the rejection rule with its own generator, so the distribution is the
-        target's) and takes its next token, emitted as ``_choose`` would (EOS, stop strings and
-        ``max_tokens`` end it inside a run); the others get their next logits. The slot caches
-        roll back (``SlotDecoder.keep``, ``SlotDecoder.drop``); returns the requests that finished."""
-        done, kept, accepted = [], {}, {}
-        for rid, req in list(self._running.items()):
-            rows, fed = logits[rid], drafts.get(rid, [])
-            if not fed:
-                kept[rid], req.logits = 1, rows[0]
-                continue
-            before, finished = len(req.tokens), False
-            try:
-                a, nxt = verify_row(rows, np.asarray(fed), self._q.get(rid), len(fed), before, req.cfg, self.eos,
-                                    req.rng)
-                for tok in fed[:a] + [nxt]:
-                    finished = self._take(req, int(tok), None)
-                    if finished:
-                        break
-            except Exception as e:
-                log.exception("request %d failed", rid)
-                self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
-                a, finished = 0, True
-            req.schedule.update(len(fed), a)
-            kept[rid], accepted[rid] = 1 + a, a
-            self.proposed, self.accepted = self.proposed + len(fed), self.accepted + a
-            self.spec_steps, self.spec_tokens = self.spec_steps + 1, self.spec_tokens + len(req.tokens) - before
-            if finished:
-                done.append(rid)
-        self.batch.keep(kept)
-        self._draft_rollback(accepted)
-        if self.metrics is not None and accepted:
-            m = self.metrics
-            m.draft_tokens.inc(sum(len(drafts[rid]) for rid in accepted))
-            m.accepted_tokens.inc(sum(accepted.values()))
-            m.spec_steps.inc(len(accepted))
-            m.acceptance_rate.set(self.accepted / max(self.proposed, 1))
-            m.tokens_per_step.set(self.spec_tokens / max(self.spec_steps, 1))
-        return done
 
     def _choose(self, req: Request) -> bool:
         """Pick, record and emit the next token of ``req``; True when it has finished."""
@@ -667,12 +534,16 @@ class Engine:
         self._count("ok" if isinstance(event, Finished) else f"error_{event.status}")
         req.emit(event)
 
+    def _fail(self, req: Request, e: Exception) -> None:
+        """End ``req`` alone with a 500 naming the exception (its row leaves with the finished)."""
+        self._finish(req, Failed(500, f"request failed: {type(e).__name__}: {e}"))
+
     def _leave(self, rids) -> None:
         if not rids:
             return
         self.batch.remove(rids)
-        if self.drafter is not None:
-            self.drafter.remove(rids)
+        if self.spec is not None:
+            self.spec.leave(rids)
         for rid in rids:
             self._running.pop(rid, None)
 
@@ -680,10 +551,9 @@ class Engine:
         """Fail every running request and empty the batch (rows of no running request too)."""
         reqs = list(self._running.values())
         self._running.clear()
-        self._draft_round, self._q = (0, {}), {}
         self.batch.remove(list(self.batch.keys))
-        if self.drafter is not None:
-            self.drafter.remove(list(self.drafter.keys))
+        if self.spec is not None:
+            self.spec.clear()
         for req in reqs:
             self._finish(req, Failed(status, message))
 
