@@ -40,8 +40,11 @@ LOSS_RTOL = 1e-6
 # summation order: <= 5.5e-6 (dp2, seed 2).
 PARAM_ATOL = 4e-6  # every parameter but the key bias
 KEY_BIAS_ATOL = 2.5e-5  # the key third of each qkv bias
-# Logits of a checkpoint in one process vs resharded into the layout: <= 4.2e-7 at |logit| <= 1.44
-# (mp2, pp2 x mp2; pp2 is exact).
+# Logits of a checkpoint in one process vs resharded into the layout. mp2 splits the K-term sums
+# of the row-parallel linears (attention output K = 64, FFN output K = 256) into two partial sums
+# added by the all-reduce: a reordering, off by at most gamma_K sum |a b| each, a few ulps of the
+# logit. Measured <= 4.2e-7 at |logit| <= 1.44 (mp2, pp2 x mp2; 3.5 ulps of float32 there):
+# 2e-6 is 4.8x that. pp2 runs the same blocks' ops in the same order on two ranks: bitwise.
 LOGIT_ATOL = 2e-6
 
 # name -> (processes, Parallel overrides, Engine.micro_batch_size per rank). Global batch 8 everywhere:
@@ -259,7 +262,10 @@ def test_checkpoint_from_layout_loads_in_one_process(layout, flags, parallel_run
     with paddle.no_grad():
         single = load_model(ckpt)(paddle.to_tensor(ids)).numpy()
     assert got.shape == single.shape == (2, 24, 1024)
-    assert float(np.max(np.abs(got - single))) < LOGIT_ATOL
+    if "mp" in layout:
+        assert float(np.max(np.abs(got - single))) < LOGIT_ATOL
+    else:
+        np.testing.assert_array_equal(got, single)
 
 
 def test_fleet_tensor_parallel_stage_pieces_match_dense(tmp_path):
