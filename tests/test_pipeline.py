@@ -11,21 +11,11 @@ import sys
 import pytest
 import yaml
 
-from _export_helpers import LOGIT_ATOL
+from _export_helpers import FLOAT_PPL_RTOL, INT8_PPL_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = {"data", "pretrain", "prune", "distill", "qat", "export_base", "export_compressed", "draft",
        "eval_base", "eval_compressed", "eval_int8", "report"}
-# Perplexity of one model under Paddle Inference vs onnxruntime, relative. Each token's NLL is a
-# logit minus a log-sum-exp; each runtime's logits are within LOGIT_ATOL of dygraph's
-# (tests/_export_helpers.py), so the two runtimes' NLLs, and their mean, within 2 x 2 LOGIT_ATOL,
-# and the perplexities within exp(4 LOGIT_ATOL) - 1 = 8e-5 relative. Measured over Global.seed
-# 1234, 1-5: fp32 <= 1.3e-8 (errors of either sign average out over the text's tokens).
-FLOAT_PPL_RTOL = 4 * LOGIT_ATOL
-# int8 adds inputs whose code rounds the other way in one runtime (tests/_parity_helpers.py),
-# a rare, host-dependent event: measured <= 1.7e-6 over those seeds; 2e-5 more, 12x that. A wrong
-# scale or a lost block moves logits by whole units, the perplexity by far more than 1e-4.
-INT8_PPL_RTOL = FLOAT_PPL_RTOL + 2e-5
 # Bytes an int8 export saves per quantized weight (every matrix: the block linears and the
 # weight-only embeddings) over the fp32 export of the same model, weight and graph files together:
 # 3, less the fp32 per-channel scales and the dequantize nodes. Measured 2.92 (Paddle) and 2.77

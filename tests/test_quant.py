@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from _export_helpers import ENV, LOGIT_ATOL, ROOT, model_dirs
+from _export_helpers import ENV, FLOAT_PPL_RTOL, INT8_PPL_RTOL, LOGIT_ATOL, MEAN_SCORE_RTOL, ROOT, model_dirs
 from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol
 from gpt_compress.inference.base import Scorer
 from gpt_compress.inference.runner import Generator
@@ -197,10 +197,11 @@ def test_qat_int8_export_matches_fake_quant_and_keeps_perplexity(qat_run, dirs, 
     # QAT also finetunes (40 steps on the training data of a briefly trained model), which can
     # only lower perplexity: the margin is one-sided here; PTQ below checks both sides.
     fp32 = report["input"]["wikitext_ppl"]
-    assert fp32 == pytest.approx(_ppl(Generator.from_dir(dirs["export"], backend="onnx"), tok, wiki), rel=1e-4)
+    onnx_fp32 = _ppl(Generator.from_dir(dirs["export"], backend="onnx"), tok, wiki)
+    assert fp32 == pytest.approx(onnx_fp32, rel=FLOAT_PPL_RTOL)
     for key in ("fake_quant", "int8_onnx", "int8_paddle"):
         assert report[key]["wikitext_ppl_delta_pct"] < PPL_MARGIN_PCT, (key, report[key])
-        assert report[key]["wikitext_ppl"] == pytest.approx(report["fake_quant"]["wikitext_ppl"], rel=1e-4)
+        assert report[key]["wikitext_ppl"] == pytest.approx(report["fake_quant"]["wikitext_ppl"], rel=INT8_PPL_RTOL)
     # Parity with the fake-quant model: tokens identical, logits within int8_logit_atol.
     _parity(qmodel, path, tok)
     # Weights ~4x smaller than the float export of the same model, in both formats. ONNX: the int8
@@ -236,7 +237,8 @@ def test_int8_dir_manifest_and_cli_eval_infer(qat_run, wiki):
     assert set(m.data["quant"]["validation"]) == {"atol_relative", "paddle", "onnx"} | fused
     res = _gptc("eval", "--model", path, "--backend", "onnx", "--task", "wikitext", "--data", wiki,
                 "--seq-len", "128", "--no-progress")
-    assert res["ppl"] == pytest.approx(report["int8_onnx"]["wikitext_ppl"], rel=1e-5)
+    # The same program on the same text and windows as the QAT command's figure: bitwise (measured).
+    assert res["ppl"] == report["int8_onnx"]["wikitext_ppl"]
     # The int8 scoring programs (head only at the scored rows) give the full logits' figures.
     from gpt_compress.eval.wikitext import evaluate_wikitext
 
@@ -248,7 +250,9 @@ def test_int8_dir_manifest_and_cli_eval_infer(qat_run, wiki):
         assert gen.scores_positions, b
         fast = evaluate_wikitext(gen, gen.tokenizer, text, "raw", seq_len=128, stride=64, progress=False)
         full = evaluate_wikitext(_FullLogits(gen), gen.tokenizer, text, "raw", seq_len=128, stride=64, progress=False)
-        assert fast.num_scored == full.num_scored and fast.avg_loss == pytest.approx(full.avg_loss, rel=1e-6), b
+        # Head-only scoring vs full logits (measured 1.4e-9 Paddle, 1.9e-9 onnxruntime).
+        assert fast.num_scored == full.num_scored, b
+        assert fast.avg_loss == pytest.approx(full.avg_loss, rel=MEAN_SCORE_RTOL), b
     res = _gptc("infer", "--model-dir", path, "--backend", "paddle", "--prompt-ids", "1,2,3",
                 "-o", "Generation.max_new_tokens=4")
     assert res["new_tokens"] == 4
