@@ -261,10 +261,12 @@ def test_generation_scores_against_reference_values():
     s = score_generations(["the cat sat on the mat", "a b"], ["the cat sat on the mat", "a c"])
     assert s["exact_match"] == 50.0 and 0 < s["bleu"] < 100 and 50 < s["rouge_l"] < 100
     zh = score_generations(["清晨入古寺，初日照高林。"], ["清晨入古寺，初日照高林。"])
-    assert zh["bleu"] == pytest.approx(100.0) and zh["rouge_l"] == pytest.approx(100.0)
+    # Identical texts: the scores are 100 up to float ulps, rounded to 4 places by score_generations.
+    assert zh["bleu"] == 100.0 and zh["rouge_l"] == 100.0
     half = score_generations(["清晨入古寺"], ["清晨入古寺，初日照高林。"])
     # CJK text is scored per character (rouge-score's own tokenizer drops it): LCS 5 of 5 / 12.
-    assert half["rouge_l"] == pytest.approx(100 * 2 * (5 / 12) / (1 + 5 / 12), abs=1e-3)
+    # The same F-measure rounded to 4 places (58.82352941...: ulps away from any rounding edge).
+    assert half["rouge_l"] == round(100 * 2 * (5 / 12) / (1 + 5 / 12), 4)
     assert zh["form"] == zh["reference_form"] == {"form_rate": 100.0, "clauses": 2, "poems_in_form": 100.0}
     assert "form" not in s
     # Form: 5 or 7 characters then ， or 。; an unfinished last line counts only once it is too long.
@@ -304,7 +306,10 @@ def test_sst2_as_generation_reaches_stated_accuracy(tmp_path_factory, shakespear
     hyps = res["generation"]["hypotheses"]
     acc = float(np.mean([h.strip() == r.response.strip() for h, r in zip(hyps, dev_rows)]))
     print("sst2 generation accuracy", acc, res["eval_before"], res["eval_after"])
-    assert len(hyps) == 872 and res["generation"]["exact_match"] == pytest.approx(100 * acc)
+    # The command rounds to 4 places (finetune/metrics.py): within 5e-5; one row more or less moves
+    # it by 100 / 872 = 0.11. (The default approx, rel 1e-6, allowed less than the rounding's 5e-5
+    # for any accuracy under 50%.)
+    assert len(hyps) == 872 and res["generation"]["exact_match"] == pytest.approx(100 * acc, rel=0, abs=5e-5)
     # Above chance (``chance_floor``): the majority class is 0.509 of the 872 rows, the floor 0.560;
     # measured 0.646. The GLUE head on the same model and schedule (`gptc finetune-glue`) stays at 0.509.
     majority, floor = chance_floor(r.response for r in dev_rows)
@@ -329,11 +334,16 @@ TANG_SAMPLING = ["Generation.decode_strategy=sampling", "Generation.temperature=
 TANG_MIN_FORM = 25.0  # % of the generated poems' clauses in form (sampling, seed 0): see the Tang test
 TANG_MAX_PPL_RATIO, LORA_PPL_MARGIN, LORA_MAX_PPL_RATIO = 0.6, 1.4, 0.6
 REFERENCE_MIN_FORM = 80.0  # % of the 30 held-out references' clauses in form (measured 91.8: some lines have 3, 4, 6 characters)
-# The merged LoRA model's ONNX export vs the unmerged dygraph model, absolute logits: float32
-# rounding of the same math in another order (the merge folds s A @ B into W). Measured 1.9e-5
-# (max over 4 held-out poems, 100 positions); 8e-5 is 4x that. The export's own gate
-# (export/api.py FLOAT_ATOL, 1e-4 x max |logit|) is wider.
-EXPORT_LOGIT_ATOL = 8e-5
+# A merged LoRA model (s A @ B folded into W, each weight rounded once) and its ONNX export
+# (that math summed in another order) vs the unmerged model (x @ W + s (x @ A) @ B), in float32
+# ulps of the largest |logit| (2^-23 x max |logit|): the error of a reordered K-term sum is
+# relative to the sum of |terms|, so it scales with the logits, not a fixed absolute. Measured on
+# the Tang LoRA model (4 held-out poems, 100 positions; Global.seed 1234, 1, 2, 3; max |logit|
+# 14-24): the export 6.1-9.8 ulps, the merged dygraph model 5.6-7.4; on gpt-tiny after 20 LoRA
+# steps (init/data seeds 0-3): 3.5-4.0 and 3.1-3.6. 40 ulps is 4x the largest (the former bounds,
+# 8e-5 absolute and 1e-5 x max |logit| = 84 ulps, sat on one measurement and 12x above it). The
+# export's own gate (export/api.py FLOAT_ATOL, 1e-4 x max |logit|) is wider.
+LORA_MERGE_ULPS = 40
 LORA = ["Finetune.lora.enabled=true", "Finetune.lora.rank=4", "Finetune.lora.alpha=8",
         'Finetune.lora.targets=["gpt.blocks.*","gpt.wte"]']
 
@@ -499,8 +509,8 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     without the ``gpt.wte`` adapter 2.06x: most parameters are the embedding, and poems need
     other tokens than the pretraining text.) 36,992 trainable parameters, 12.7% of the model:
     the rank-4 adapter on the 8,192 x 32 embedding is 4 x (8192 + 32) of them. Then `gptc export`'s code path exports the merged checkpoint to ONNX;
-    its logits equal the unmerged (adapter) dygraph model's within EXPORT_LOGIT_ATOL (measured
-    1.9e-5 max over 4 held-out poems) and its greedy poems are token-identical."""
+    its logits equal the unmerged (adapter) dygraph model's within LORA_MERGE_ULPS of the largest
+    |logit| and its greedy poems are token-identical."""
     from gpt_compress.export import export
     from gpt_compress.finetune.lora import lora_layers
     from gpt_compress.inference.dygraph import DygraphBackend
@@ -532,15 +542,14 @@ def test_lora_reaches_full_finetune_perplexity_and_its_merged_export_equals_it(t
     for i, r in enumerate(rows):  # right padding
         ids[i, :len(r)], mask[i, :len(r)] = r, 1
     got, ref = onnx.score(ids, mask), dygraph.score(ids, mask)
+    ulp = float(np.finfo(np.float32).eps) * float(np.abs(ref[mask > 0]).max())
     diff = float(np.abs(got - ref)[mask > 0].max())
-    print("export vs unmerged max |logit diff|", diff)
-    assert diff < EXPORT_LOGIT_ATOL, diff
-    with paddle.no_grad():  # and the merged dygraph model, against the same reference: float32 rounding of
-        # W + s*A@B vs x@W + s*(x@A)@B, within 1e-5 of the largest |logit| (measured 1.25e-5 absolute;
-        # after a short run: test_lora_trains_only_adapters_and_merges_exactly)
+    print("export vs unmerged max |logit diff|", diff, f"({diff / ulp:.1f} ulps of max |logit|)")
+    assert diff < LORA_MERGE_ULPS * ulp, diff / ulp
+    with paddle.no_grad():  # and the merged dygraph model, against the same reference
         got_merged = merged(paddle.to_tensor(ids[:1, :len(rows[0])])).numpy()
-        scale = float(np.abs(ref[:1, :len(rows[0])]).max())
-        assert np.abs(got_merged - ref[:1, :len(rows[0])]).max() < 1e-5 * scale
+        ulp = float(np.finfo(np.float32).eps) * float(np.abs(ref[:1, :len(rows[0])]).max())
+        assert np.abs(got_merged - ref[:1, :len(rows[0])]).max() < LORA_MERGE_ULPS * ulp
     a, b = (g.generate(prompts, max_new_tokens=24) for g in (onnx, dygraph))
     assert a.sequences == b.sequences and len(a.sequences[0]) > 0
     assert a.prompt_tokens == [TANG_PROMPT_TOKENS] * 4

@@ -2,6 +2,7 @@
 artifact's figures; a second run skips everything; deleting one stage's output reruns only that
 stage and what depends on it."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -10,9 +11,17 @@ import sys
 import pytest
 import yaml
 
+from _export_helpers import FLOAT_PPL_RTOL, INT8_PPL_RTOL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = {"data", "pretrain", "prune", "distill", "qat", "export_base", "export_compressed", "draft",
        "eval_base", "eval_compressed", "eval_int8", "report"}
+# Bytes an int8 export saves per quantized weight (every matrix: the block linears and the
+# weight-only embeddings) over the fp32 export of the same model, weight and graph files together:
+# 3, less the fp32 per-channel scales and the dequantize nodes. Measured 2.92 (Paddle) and 2.77
+# (ONNX) on the pruned model (114,688 quantized weights), the same for every seed (sizes depend
+# only on shapes). Weights stored fp16 save at most 2 bytes, fp32 none; 2.25 lies between.
+INT8_MIN_SAVED_BYTES = 2.25
 
 
 def _png_size(path):
@@ -20,6 +29,13 @@ def _png_size(path):
         head = f.read(24)
     assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def _matrix_elements(path):
+    """Elements of the 2-D tensors in a safetensors file, read from its JSON header."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__" and len(t["shape"]) == 2)
 
 
 def _run(config, *extra):
@@ -67,14 +83,16 @@ def test_pipeline_runs_skips_and_reruns_what_follows(tiny_config):
         assert r["lambada_acc"] is not None and 0 <= r["lambada_acc"] <= 1, r
         assert 1.0 < r["wikitext_ppl"] < 512  # a trained model beats uniform over the 512-token vocabulary
     by = {(r["name"], r["backend"]): r for r in rows}
+    quantized = _matrix_elements(next((out / "distill" / "checkpoints").glob("step_*")) / "model.safetensors")
     for b in ("paddle", "onnx"):
-        # Pruned is smaller; int8 files are > 2x smaller even at this size, where per-channel
-        # scales, biases and norms (kept fp32) weigh more than in a real model (4x there).
+        # Pruned is smaller; QAT int8 (of the pruned+distilled model) saves INT8_MIN_SAVED_BYTES
+        # per quantized weight over that model's fp32 files.
         assert by[("pruned+distilled (fp32)", b)]["size_mb"] < by[("base (fp32)", b)]["size_mb"]
-        assert by[("QAT int8", b)]["size_mb"] < 0.5 * by[("base (fp32)", b)]["size_mb"]
+        saved = (by[("pruned+distilled (fp32)", b)]["size_mb"] - by[("QAT int8", b)]["size_mb"]) * 2**20
+        assert saved > INT8_MIN_SAVED_BYTES * quantized, (b, saved / quantized)
     for name in ("base (fp32)", "pruned+distilled (fp32)", "QAT int8"):
         p, o = by[(name, "paddle")]["wikitext_ppl"], by[(name, "onnx")]["wikitext_ppl"]
-        assert abs(p - o) / p < 1e-3, (name, p, o)
+        assert abs(p - o) / p < (INT8_PPL_RTOL if "int8" in name else FLOAT_PPL_RTOL), (name, p, o)
     md = (out / "report" / "report.md").read_text()
     assert md.count("| QAT int8 |") == 2 and "prune (taylor" in md
     # The int8 export is the base export's speculative draft, with its measured acceptance.

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from _export_helpers import ENV, LOGIT_ATOL, ROOT, model_dirs
+from _export_helpers import ENV, FLOAT_PPL_RTOL, INT8_PPL_RTOL, LOGIT_ATOL, MEAN_SCORE_RTOL, ROOT, model_dirs
 from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol
 from gpt_compress.inference.base import Scorer
 from gpt_compress.inference.runner import Generator
@@ -25,6 +25,16 @@ WIKI_CHARS = 20000
 PPL_MARGIN_PCT = 0.5
 # Weight-only int4 (blocks of 32): measured 0.30% (Xeon host), 0.6% (earlier hosts); 3x the largest.
 INT4_PPL_MARGIN_PCT = 2.0
+# Sensitivity ranking at W8A4 (train_tiny seeds 1234 (the test's model), 1, 2, 3; relative
+# WikiText perplexity gaps): all 8 layers quantized 0.119, 0.023, 0.098, 0.061; W8A8 (the setting
+# if 4-bit inputs were ignored) |gap| <= 0.00014 here, 0.0013 on earlier hosts. SENS_MIN_GAP
+# lies between: 7.7x that W8A8 gap, 2.3x under the smallest W8A4 gap.
+SENS_MIN_GAP = 0.01
+# Skipping the 2 layers ranked worst leaves 0.092, 0.69, 0.060, 0.050 of the full gap; skipping the
+# 2 ranked best (the control) 1.09, 1.08, 1.01, 1.01. A ranking no better than chance leaves on
+# average 6/8 = 0.75 of it (2 of 8 layers, gaps adding up): the ranking must beat that, against
+# both. (0.5 held for the test's model, but not on seed 1, whose gap spreads over the layers.)
+SKIP_MAX_SHARE = 0.75
 # model.pdiparams holds each tensor's bytes and a header of a few dozen bytes (~40 tensors, ~2 KB
 # of ~190 KB int8): the file ratio is within 3% of the weights' (``_int8_weight_bytes``).
 SIZE_RATIO_SLACK = 0.97
@@ -58,11 +68,12 @@ def _gptc(*args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _int8_weight_bytes(ckpt, block=32) -> tuple[int, int]:
+def _int8_weight_bytes(ckpt, block=32, weight_only_bits=None) -> tuple[int, int]:
     """(fp32, int8) bytes of the QAT int8 model's weights, from the float checkpoint: every matrix
     one byte a weight, with one fp32 scale per output channel (W8A8 block layers) or per ``block``
     inputs (the weight-only token and position tables); norms and biases stay fp32. gpt-tiny:
-    695,296 and 193,024 bytes (3.60x)."""
+    695,296 and 193,024 bytes (3.60x). With ``weight_only_bits``: every matrix weight-only, that
+    many bits a weight and a scale per ``block`` (gpt-tiny: 200,704 bytes at 8, 114,688 at 4)."""
     from gpt_compress.checkpoint import load_model
 
     sd = load_model(ckpt).state_dict()
@@ -71,8 +82,8 @@ def _int8_weight_bytes(ckpt, block=32) -> tuple[int, int]:
         fp32 += 4 * v.size
         if len(v.shape) != 2:
             int8 += 4 * v.size
-        elif name in ("gpt.wte.weight", "gpt.wpe.weight"):
-            int8 += v.size + 4 * (v.size // block)
+        elif weight_only_bits or name in ("gpt.wte.weight", "gpt.wpe.weight"):
+            int8 += v.size * (weight_only_bits or 8) // 8 + 4 * (v.size // block)
         else:
             int8 += v.size + 4 * v.shape[1]
     return fp32, int8
@@ -186,10 +197,11 @@ def test_qat_int8_export_matches_fake_quant_and_keeps_perplexity(qat_run, dirs, 
     # QAT also finetunes (40 steps on the training data of a briefly trained model), which can
     # only lower perplexity: the margin is one-sided here; PTQ below checks both sides.
     fp32 = report["input"]["wikitext_ppl"]
-    assert fp32 == pytest.approx(_ppl(Generator.from_dir(dirs["export"], backend="onnx"), tok, wiki), rel=1e-4)
+    onnx_fp32 = _ppl(Generator.from_dir(dirs["export"], backend="onnx"), tok, wiki)
+    assert fp32 == pytest.approx(onnx_fp32, rel=FLOAT_PPL_RTOL)
     for key in ("fake_quant", "int8_onnx", "int8_paddle"):
         assert report[key]["wikitext_ppl_delta_pct"] < PPL_MARGIN_PCT, (key, report[key])
-        assert report[key]["wikitext_ppl"] == pytest.approx(report["fake_quant"]["wikitext_ppl"], rel=1e-4)
+        assert report[key]["wikitext_ppl"] == pytest.approx(report["fake_quant"]["wikitext_ppl"], rel=INT8_PPL_RTOL)
     # Parity with the fake-quant model: tokens identical, logits within int8_logit_atol.
     _parity(qmodel, path, tok)
     # Weights ~4x smaller than the float export of the same model, in both formats. ONNX: the int8
@@ -225,7 +237,8 @@ def test_int8_dir_manifest_and_cli_eval_infer(qat_run, wiki):
     assert set(m.data["quant"]["validation"]) == {"atol_relative", "paddle", "onnx"} | fused
     res = _gptc("eval", "--model", path, "--backend", "onnx", "--task", "wikitext", "--data", wiki,
                 "--seq-len", "128", "--no-progress")
-    assert res["ppl"] == pytest.approx(report["int8_onnx"]["wikitext_ppl"], rel=1e-5)
+    # The same program on the same text and windows as the QAT command's figure: bitwise (measured).
+    assert res["ppl"] == report["int8_onnx"]["wikitext_ppl"]
     # The int8 scoring programs (head only at the scored rows) give the full logits' figures.
     from gpt_compress.eval.wikitext import evaluate_wikitext
 
@@ -237,7 +250,9 @@ def test_int8_dir_manifest_and_cli_eval_infer(qat_run, wiki):
         assert gen.scores_positions, b
         fast = evaluate_wikitext(gen, gen.tokenizer, text, "raw", seq_len=128, stride=64, progress=False)
         full = evaluate_wikitext(_FullLogits(gen), gen.tokenizer, text, "raw", seq_len=128, stride=64, progress=False)
-        assert fast.num_scored == full.num_scored and fast.avg_loss == pytest.approx(full.avg_loss, rel=1e-6), b
+        # Head-only scoring vs full logits (measured 1.4e-9 Paddle, 1.9e-9 onnxruntime).
+        assert fast.num_scored == full.num_scored, b
+        assert fast.avg_loss == pytest.approx(full.avg_loss, rel=MEAN_SCORE_RTOL), b
     res = _gptc("infer", "--model-dir", path, "--backend", "paddle", "--prompt-ids", "1,2,3",
                 "-o", "Generation.max_new_tokens=4")
     assert res["new_tokens"] == 4
@@ -293,8 +308,8 @@ def test_sensitivity_skip_list_reduces_the_ptq_gap(dirs, shakespeare, wiki, tmp_
         return _ppl(DygraphBackend(model), tok, wiki) / base - 1.0
 
     full, with_skips, control = gap([]), gap(skips), gap(least_sensitive(ranking, 2))
-    assert full > 0.05, full  # the harsh setting really hurts
-    assert with_skips < 0.5 * full and with_skips < 0.5 * control, (full, with_skips, control)
+    assert full > SENS_MIN_GAP, full  # the harsh setting really hurts
+    assert with_skips < SKIP_MAX_SHARE * full and with_skips < SKIP_MAX_SHARE * control, (full, with_skips, control)
 
 
 # --------------------------------------------------------------------------------------
@@ -344,11 +359,12 @@ def test_ptq_cli_with_skip_list_exports_int8(dirs, shakespeare, wiki, tmp_path):
 # --------------------------------------------------------------------------------------
 # 4. Weight-only int8 / int4 (the decode path): MatMulNBits on every matrix incl. the LM head
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits,min_ratio", [(8, 3.0), (4, 4.5)])
-def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_ratio):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits):
     from gpt_compress.checkpoint import load_model
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.export import export_model
+    from gpt_compress.export.onnx import ALIGN
     from gpt_compress.inference.dygraph import DygraphBackend
     from gpt_compress.config import QuantConfig
     from gpt_compress.qat.quantize import quant_layers, quantize_model
@@ -361,14 +377,27 @@ def test_weight_only_export_parity_and_size(dirs, wiki, tmp_path, bits, min_rati
     # onnxruntime (accuracy_level=4) and the fused ops quantize the inputs themselves: a code may
     # round the other way (int8_logit_atol).
     _parity(model, path, tok)
-    # One float32 scale per 32 weights (+12.5% over int8, +25% over int4) and the page alignment.
+    # One float32 scale per 32 weights (+12.5% over int8, +25% over int4): ONNX keeps at most
+    # ``_int8_weight_bytes`` in its data file (the norms and biases may stay inside the graphs),
+    # each tensor at a page boundary (``_onnx_data_tensors``), so the file ratio is at least the
+    # fp32 tensors' bytes over those bytes plus a page per tensor. Measured: tensors 196,608 bytes
+    # of 200,704 derived (int8), 109,568 of 114,688 (int4); file ratio 3.18 (bound 2.41), 4.93
+    # (bound 3.44). Int4 codes stored one a byte (+86,016 bytes) or a scale per 16 weights
+    # (+21,504) exceed the derived bytes; the former bounds, ratios 3.0 / 4.5, sat 6% / 9% under
+    # the measured file ratios.
+    fp32_bytes, woq_bytes = _int8_weight_bytes(dirs["ckpt"], weight_only_bits=bits)
+    float_tensors, woq_tensors = _onnx_data_tensors(dirs["export"]), _onnx_data_tensors(path)
+    assert sum(woq_tensors) <= woq_bytes, (woq_tensors, woq_bytes)
     onnx_ratio = os.path.getsize(os.path.join(dirs["export"], "model.onnx.data")) / \
         os.path.getsize(os.path.join(path, "model.onnx.data"))
-    assert onnx_ratio > min_ratio, onnx_ratio
-    # Paddle has no int4 type: its file keeps 4-bit codes in int8 (the same size as int8).
+    assert onnx_ratio > sum(float_tensors) / (woq_bytes + len(woq_tensors) * ALIGN), onnx_ratio
+    # Paddle has no int4 type: its file keeps 4-bit codes in int8 (the same size as int8), and
+    # only a header beside them (SIZE_RATIO_SLACK). Measured 3.45 of 3.46 derived, both widths
+    # (bound 3.36; the former 3.0 let a scale per 16 weights, 3.13, pass).
+    _, pd_bytes = _int8_weight_bytes(dirs["ckpt"], weight_only_bits=8)
     pd_ratio = os.path.getsize(os.path.join(dirs["export"], "model.pdiparams")) / \
         os.path.getsize(os.path.join(path, "model.pdiparams"))
-    assert pd_ratio > 3.0, pd_ratio
+    assert pd_ratio > SIZE_RATIO_SLACK * fp32_bytes / pd_bytes, pd_ratio
     types = _onnx_op_types(path, "decode")
     assert types.count("MatMulNBits") == 9 and types.count("GatherBlockQuantized") == 2, sorted(set(types))
     gap = _ppl(DygraphBackend(model), tok, wiki) / _ppl(DygraphBackend(load_model(dirs["ckpt"])), tok, wiki) - 1
