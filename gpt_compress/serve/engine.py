@@ -24,12 +24,13 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    (prompt lookup, or a draft model with a slot cache of its own; ``speculation.py``), after
    which each keeps what ``model/speculative.py``'s ``verify_row`` accepts (greedy: its own
    choices; sampling: the rejection rule with its own generator) and the caches roll back.
-   When no request can be admitted (none waits, or the batch is full) and every running one is
-   plain greedy (no penalty, bias, log-probabilities or speculation), up to the decoder's
-   ``greedy_steps`` steps run in one call instead (``step_greedy``: vLLM's multi-step
-   scheduling; the argmax is made where the logits lie and no logits leave the
-   program), never past the nearest ``max_tokens``; their tokens are then taken one by one as
-   in 3-4, so a request's tokens, events and stop strings are those of single steps.
+   When every running request is plain greedy (no penalty, bias, log-probabilities or
+   speculation), the step runs as ``step_greedy`` instead: the argmax is made where the logits
+   lie and no logits leave the program; while no request can be admitted (none waits, or the
+   batch is full) up to the decoder's ``greedy_steps`` steps run in that one call (vLLM's
+   multi-step scheduling), never past the nearest ``max_tokens``. Their tokens are then taken
+   one by one as in 3-4, so a request's tokens, events and stop strings are those of single
+   steps.
 
 Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
 layer forwards them into its event loop), exactly one ``Finished`` or ``Failed`` per request.
@@ -285,16 +286,16 @@ class Engine:
         self._gauges()
 
     def _greedy_run(self) -> Optional[tuple[int, Optional[int], int]]:
-        """(steps, eos, suppress) for ``step_greedy`` when the running batch can take its next
-        greedy steps in one call, the argmax made in the program, else None: no request can be
-        admitted (none waits, or the batch is full), every request is plain greedy, the run stops
-        at the nearest ``max_tokens``, and ``min_tokens`` holds EOS back for the same first steps
-        of every row (the program's one ``suppress`` count). A run of one step still spares the
-        logits' copy out of the program and the argmax of each row in numpy."""
-        if (self.batch.greedy_steps < 2 or self.spec is not None
-                or (self._pending and len(self._running) < self.max_batch)):
+        """(steps, eos, suppress) for ``step_greedy`` when every running request is plain greedy,
+        else None: the argmax is made in the program (no logits copied out, no argmax of each
+        row in numpy). Several steps only while no request can be admitted (none waits, or the
+        batch is full); else one, so that the waiting are admitted at the next step. The run
+        stops at the nearest ``max_tokens``, and ``min_tokens`` must hold EOS back for the same
+        first steps of every row (the program's one ``suppress`` count)."""
+        if self.batch.greedy_steps < 2 or self.spec is not None:
             return None
-        steps, holds = self.batch.greedy_steps, set()
+        admissible = self._pending and len(self._running) < self.max_batch
+        steps, holds = 1 if admissible else self.batch.greedy_steps, set()
         for req in self._running.values():
             cfg = req.cfg
             if (cfg.decode_strategy != "greedy" or uses_history(cfg) or cfg.logit_bias or req.logprobs is not None
