@@ -397,7 +397,8 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
                   body=completion_body):
     """Server-sent events: a chunk per token (or per run of tokens: a choice's tokens already
     waiting when one is sent, as a run of greedy steps makes them, share its chunk), one with
-    each choice's finish_reason, the usage when ``prompt_tokens`` is given (``stream_options.include_usage``), then ``[DONE]``.
+    each choice's finish_reason, the usage when ``prompt_tokens`` is given
+    (``stream_options.include_usage``), then ``[DONE]``.
     ``logprobs``: a ``Logprobs`` per choice when the request asked for them; ``body`` makes a
     chunk from completion choices (``chat_chunk`` for the chat endpoint)."""
     cid = completion_id()
@@ -414,15 +415,15 @@ async def _stream(reqs, events: asyncio.Queue, echo, model: str, prompt_tokens: 
             else:
                 index, ev = await events.get()
             if isinstance(ev, Token) and logprobs is None:  # tokens already queued go in one chunk
-                text, ids = [ev.text], [ev.token_id]
+                pieces, ids = [ev.text], [ev.token_id]
                 while not events.empty():
                     nxt = events.get_nowait()
                     if nxt[0] != index or not isinstance(nxt[1], Token):
                         held = nxt
                         break
-                    text.append(nxt[1].text)
+                    pieces.append(nxt[1].text)
                     ids.append(nxt[1].token_id)
-                yield _sse(body(cid, model, [{"index": index, "text": "".join(text), "logprobs": None,
+                yield _sse(body(cid, model, [{"index": index, "text": "".join(pieces), "logprobs": None,
                                               "finish_reason": None, "token_ids": ids}], None))
                 continue
             if isinstance(ev, PromptScored):

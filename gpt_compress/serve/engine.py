@@ -239,14 +239,7 @@ class Engine:
         self._admit()
         done: list[int] = []
         for rid, req in list(self._running.items()):
-            if req.logits is None:
-                continue
-            try:
-                if self._choose(req):
-                    done.append(rid)
-            except Exception as e:
-                log.exception("request %d failed", rid)
-                self._fail(req, e)
+            if req.logits is not None and self._guarded(req, self._choose, req):
                 done.append(rid)
         self._leave(done)
         if self._running:
@@ -272,13 +265,12 @@ class Engine:
             if run is not None:
                 self.steps += run[0]
                 self._leave(self._take_run(out))
-                self._gauges()
-                return
-            self.steps += 1
-            if drafts:
+            elif drafts:
+                self.steps += 1
                 self._leave(self.spec.verify(self._running, self.batch, logits, drafts,
                                              lambda req, tok: self._take(req, tok, None), self._fail))
             else:
+                self.steps += 1
                 for rid, row in logits.items():
                     self._running[rid].logits = row
             if self.step_delay:
@@ -298,8 +290,7 @@ class Engine:
         steps, holds = 1 if admissible else self.batch.greedy_steps, set()
         for req in self._running.values():
             cfg = req.cfg
-            if (cfg.decode_strategy != "greedy" or uses_history(cfg) or cfg.logit_bias or req.logprobs is not None
-                    or req.ended):
+            if cfg.decode_strategy != "greedy" or uses_history(cfg) or cfg.logit_bias or req.logprobs is not None:
                 return None
             done = len(req.tokens)  # generated so far; the run makes tokens done + 0, 1, ...
             steps = min(steps, cfg.max_new_tokens - done)
@@ -317,17 +308,19 @@ class Engine:
         done = []
         for rid, toks in out.items():
             req = self._running[rid]
-            for tok in toks:
-                try:
-                    if self._take(req, int(tok), None):
-                        done.append(rid)
-                        break
-                except Exception as e:
-                    log.exception("request %d failed", rid)
-                    self._fail(req, e)
-                    done.append(rid)
-                    break
+            if any(self._guarded(req, self._take, req, int(tok), None) for tok in toks):
+                done.append(rid)
         return done
+
+    def _guarded(self, req: Request, fn: Callable[..., bool], *args) -> bool:
+        """``fn(*args)`` for ``req`` (True when it finished); an exception fails ``req`` alone
+        (True: it leaves the batch)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            log.exception("request %d failed", req.id)
+            self._fail(req, e)
+            return True
 
     def _drop_expired(self, now: float) -> None:
         gone = []
