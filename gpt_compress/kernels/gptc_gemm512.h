@@ -410,18 +410,17 @@ inline __m512i bcast_groups(const int8_t* w) {
 // prefetchers too little to lock on to).
 // After a block's P-lane sums, G weight rows share one register (lane r * P + j: row r's output
 // n + j, j < G; G = P for P = 2 and 4 when NR allows, else 1): one convert and one fma for the G
-// rows, each lane's value the same float(dot) * (sx * sw) fma as alone. The G values of a lane
-// group (sw, bias), in order, in every lane group.
+// rows, each lane's value the same float(dot) * (sx * sw) fma as alone. v[0..G) (the G rows'
+// scales or biases), in order, in every lane group of G.
 template <int G>
-inline __m512 lane_group_values(const float* const* v, int64_t b, int n) {
+inline __m512 lane_group_values(const float* v) {
   if constexpr (G == 2) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, v[n] + b, 4);
-    std::memcpy(&hi, v[n + 1] + b, 4);
-    return _mm512_castsi512_ps(_mm512_set1_epi64(int64_t(uint64_t(hi) << 32 | lo)));
+    int64_t pair;
+    std::memcpy(&pair, v, 8);
+    return _mm512_castsi512_ps(_mm512_set1_epi64(pair));
   } else {
     static_assert(G == 4, "two or four rows a register");
-    return _mm512_broadcast_f32x4(_mm_set_ps(v[n + 3][b], v[n + 2][b], v[n + 1][b], v[n][b]));
+    return _mm512_broadcast_f32x4(_mm_loadu_ps(v));
   }
 }
 
@@ -479,7 +478,9 @@ inline void int_tile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const 
         __m512i c = _mm512_mask_blend_epi32(0xAAAA, acc[G * j], acc[G * j + 1]);  // odd lanes: row + 1
         if constexpr (G == 4)
           c = _mm512_mask_blend_epi32(0xCCCC, c, _mm512_mask_blend_epi32(0xAAAA, acc[4 * j + 2], acc[4 * j + 3]));
-        f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(xsc, lane_group_values<G>(sw, b, G * j)), f[j]);
+        float sj[G];
+        GPTC_UNROLL for (int i = 0; i < G; ++i) sj[i] = sw[G * j + i][b];
+        f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(xsc, lane_group_values<G>(sj)), f[j]);
       }
     }
   }
@@ -489,10 +490,8 @@ inline void int_tile_lanes(const LaneInputs& in, int64_t nb, int64_t blk, const 
   } else {
     // Row n + j's outputs sit in lanes r * P + j: stored j floats early, so that out[(n + j) * 16 + r * P]
     // holds them (the lanes this writes over, r * P + j' with j' > 0, are never read).
-    const float* const bias_rows[4] = {bias, bias ? bias + 1 : nullptr, bias ? bias + 2 : nullptr,
-                                       bias ? bias + 3 : nullptr};
     GPTC_UNROLL for (int j = 0; j < NF; ++j) {
-      const __m512 v = _mm512_add_ps(f[j], bias ? lane_group_values<G>(bias_rows, G * j, 0) : _mm512_setzero_ps());
+      const __m512 v = _mm512_add_ps(f[j], bias ? lane_group_values<G>(bias + G * j) : _mm512_setzero_ps());
       GPTC_UNROLL for (int i = 0; i < G; ++i) _mm512_storeu_ps(out + (G * j + i) * 16 - i, v);
     }
   }
