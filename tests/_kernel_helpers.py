@@ -90,7 +90,7 @@ def compare_builds(ours: dict, theirs: dict, float_cases) -> dict:
     return figures
 
 
-def batch_invariant_logits(ckpt: str, mode: str) -> np.ndarray:
+def assert_batch_invariant_logits(ckpt: str, mode: str) -> np.ndarray:
     """The logits (B, positions, V) of PROMPTS (left-padded) + 3 steps on the fused model of ``ckpt``
     (``mode``: fp32, or weight-only int8 / int4) on 2 threads, after asserting each row's are
     bitwise the same run alone (1 thread) and, for one row, fed token by token."""

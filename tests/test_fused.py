@@ -15,7 +15,7 @@ import paddle
 import pytest
 
 from _export_helpers import ENV, LOGIT_ATOL, model_dirs
-from _kernel_helpers import batch_invariant_logits, build_pair, compare_builds, other_build_outputs
+from _kernel_helpers import assert_batch_invariant_logits, build_pair, compare_builds, other_build_outputs
 from _parity_helpers import PROMPTS, Recorder, calib_batches, int8_logit_atol, left_padded
 from gpt_compress.inference.runner import Generator
 
@@ -414,7 +414,7 @@ def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(
     """Batch invariance (what ``gptc serve``'s continuous batching relies on): a sequence's logits
     are bitwise identical run alone, as a left-padded row of a batch (on 2 OpenMP threads), and
     with its prompt fed token by token (GEMV decode steps) instead of in one prefill (GEMM)."""
-    batch_invariant_logits(dirs["ckpt"], mode)
+    assert_batch_invariant_logits(dirs["ckpt"], mode)
 
 
 OTHER_BUILD = r"""
@@ -424,7 +424,7 @@ from gpt_compress import runtime
 runtime.prefer_mkl_avx2()  # as conftest.py does for the test session
 sys.path.insert(0, sys.argv[2])
 import _kernel_helpers as t
-np.savez(sys.argv[1], **{m: t.batch_invariant_logits(sys.argv[3], m) for m in ("fp32", "int8", "int4")})
+np.savez(sys.argv[1], **{m: t.assert_batch_invariant_logits(sys.argv[3], m) for m in ("fp32", "int8", "int4")})
 print("{}")
 """
 
@@ -434,7 +434,7 @@ def test_the_fused_models_logits_are_bitwise_the_same_in_the_avx2_and_native_bui
     ``GPTC_KERNEL_ISA``), on a host whose native build has AVX-512 or VNNI paths: each build
     asserts its own invariance, and the two give bitwise the same logits (float32, int8, int4)."""
     this, other, _ = build_pair()
-    ours = {m: batch_invariant_logits(dirs["ckpt"], m) for m in ("fp32", "int8", "int4")}
+    ours = {m: assert_batch_invariant_logits(dirs["ckpt"], m) for m in ("fp32", "int8", "int4")}
     script = OTHER_BUILD.replace("sys.argv[3]", repr(dirs["ckpt"]))
     theirs, _ = other_build_outputs(tmp_path, other, script)
     figures = compare_builds(ours, theirs, ("fp32",))

@@ -99,7 +99,7 @@ def _run(program, ids, mask, rows, caches) -> np.ndarray:
                    paddle.to_tensor(np.asarray(rows, np.int64)), caches).numpy()
 
 
-def layer_case(ops, name: str) -> np.ndarray:
+def assert_layer_case(ops, name: str) -> np.ndarray:
     """The batch's layer outputs, seen through the final layer norm (B, T, C), of case ``name``,
     after asserting each row's are bitwise the same prefilled alone and token by token."""
     import paddle
@@ -135,7 +135,7 @@ def layer_case(ops, name: str) -> np.ndarray:
     return batch
 
 
-def head_case(ops, name: str) -> np.ndarray:
+def assert_head_case(ops, name: str) -> np.ndarray:
     """The head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
     one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
     then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 11, 8, 7 and 2 of the rows and each row alone give bitwise
@@ -209,7 +209,7 @@ def head_error_bound(x, h, deq, bits: int) -> np.ndarray:
 
 
 def case(ops, name: str) -> np.ndarray:
-    return layer_case(ops, name) if name in LAYERS else head_case(ops, name)
+    return assert_layer_case(ops, name) if name in LAYERS else assert_head_case(ops, name)
 
 
 CASES = tuple(LAYERS) + tuple(HEADS_BITS)
@@ -219,14 +219,14 @@ CASES = tuple(LAYERS) + tuple(HEADS_BITS)
 def test_a_tokens_layer_output_is_bitwise_the_same_in_any_tile(name):
     from gpt_compress.kernels import load_ops
 
-    layer_case(load_ops(), name)
+    assert_layer_case(load_ops(), name)
 
 
 @pytest.mark.parametrize("name", tuple(HEADS_BITS))
 def test_a_heads_logits_are_bitwise_the_same_for_one_row_or_many(name):
     from gpt_compress.kernels import load_ops
 
-    head_case(load_ops(), name)
+    assert_head_case(load_ops(), name)
 
 
 # Run in a subprocess under the other ISA: every case (its invariance assertions included), the
