@@ -202,7 +202,7 @@ def roofline(presets: list, ms: list, formats: list, peak_reps: int) -> dict:
         for layer, (n, k) in block_shapes(c).items():
             for m in ms:
                 for fmt in formats:
-                    bits = {"fp32": 32, "int8": 8, "int4": 4}[fmt]
+                    bits = {"fp32": 32, "int8": 9, "int8_rows": 8, "int4": 4}[fmt]  # int8: row groups
                     h = lib.gptc_bench_linear_new(bits, m, n, k, 32, -1.0 if bits == 32 else 0.0)
                     if not h:
                         continue

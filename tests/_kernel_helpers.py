@@ -90,10 +90,10 @@ def compare_builds(ours: dict, theirs: dict, float_cases) -> dict:
     return figures
 
 
-def assert_batch_invariant_logits(ckpt: str, mode: str) -> np.ndarray:
+def assert_batch_invariant_logits(ckpt: str, mode: str, group_int8: bool = True) -> np.ndarray:
     """The logits (B, positions, V) of PROMPTS (left-padded) + 3 steps on the fused model of ``ckpt``
-    (``mode``: fp32, or weight-only int8 / int4) on 2 threads, after asserting each row's are
-    bitwise the same run alone (1 thread) and, for one row, fed token by token."""
+    (``mode``: fp32, or weight-only int8 / int4; ``group_int8``: ``FusedLM``'s) on 2 threads, after
+    asserting each row's are bitwise the same run alone (1 thread) and, for one row, fed token by token."""
     import paddle
 
     from gpt_compress.checkpoint import load_model
@@ -106,7 +106,7 @@ def assert_batch_invariant_logits(ckpt: str, mode: str) -> np.ndarray:
     if mode != "fp32":  # int4: one or two rows read the packed weights, more unpack them first
         model = quantize_model(model, QuantConfig(targets=[], weight_only=["*"], weight_bits=int(mode[3:])))
     model.eval()
-    fused, cfg = FusedLM(fused_weights(model)), model.config
+    fused, cfg = FusedLM(fused_weights(model), group_int8=group_int8), model.config
     ids, mask = left_padded(Tokenizer.load(ckpt), PROMPTS)
     steps = np.random.default_rng(0).integers(0, cfg.vocab_size, (len(PROMPTS), 3))
 

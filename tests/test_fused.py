@@ -417,6 +417,16 @@ def test_a_rows_logits_are_bitwise_the_same_alone_in_a_batch_and_token_by_token(
     assert_batch_invariant_logits(dirs["ckpt"], mode)
 
 
+def test_int8_weights_in_row_groups_give_the_row_major_weights_logits(dirs):
+    """The int8 export's weights in row groups (every Linear and the tied embedding / head: the
+    grouped kernels at every M, the embedding rows read from the groups) give bitwise the logits
+    of the same weights stored row-major (the lane, block and GEMV kernels), each asserting its
+    batch invariance."""
+    grouped = assert_batch_invariant_logits(dirs["ckpt"], "int8")
+    rows = assert_batch_invariant_logits(dirs["ckpt"], "int8", group_int8=False)
+    assert np.array_equal(grouped, rows)
+
+
 OTHER_BUILD = r"""
 import sys
 import numpy as np

@@ -41,6 +41,9 @@ LAYERS = {
     "int8_float_inputs": (8, 64, 16, 96, -1.0),
     # W8A8: one calibrated input scale, weights per channel (blocks of 64, 32, 160 codes)
     "w8a8": (8, 64, 16, 160, 0.05),
+    # W8A8 of odd widths: head dim 20, so a head's qkv rows (60) start inside the row groups of
+    # 48 (gptc_grouped.h); N = 120, 100 and K = 40, 100 (blocks of whole 4-code steps only)
+    "w8a8_odd": (8, 64, 20, 100, 0.05),
 }
 # name -> (bits, K): K = 640 runs the AVX-512 tiles' k range in two chunks (gptc_gemm512.h: 512 codes
 # or floats a chunk); K = 4096 (int8) and 8192 (int4) put the weight rows 4 KB apart, which the
@@ -49,6 +52,10 @@ HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96),
               "head_int8_long_k": (8, 640), "head_int4_long_k": (4, 640), "head_int8_4k_rows": (8, 4096),
               "head_int4_4k_rows": (4, 8192)}
 FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k")  # float dot products (the rest: exact int32 dots)
+# int8 weights against int8 inputs are stored in row groups (export/fused.py's group_rows); each
+# such case also runs with them row-major (name + ROWS: the lane, block and GEMV kernels)
+ROWS = "__rows"
+GROUPED_CASES = ("int8", "w8a8", "w8a8_odd", "head_int8", "head_int8_long_k", "head_int8_4k_rows")
 
 
 def _block(rng, c: int, d: int, f: int, bits: int, act: float) -> dict:
@@ -75,10 +82,10 @@ def _block(rng, c: int, d: int, f: int, bits: int, act: float) -> dict:
     return {"heads": HEADS, "ln_1": ln_1, "ln_2": ln_2, "linears": [qkv, out, linear(f, c), linear(c, f)]}
 
 
-def _program(ops, table: np.ndarray, blocks: list, head: dict, positions: int):
+def _program(ops, table: np.ndarray, blocks: list, head: dict, positions: int, group_int8: bool = True):
     """A fused program (``FusedLM``) whose token embeddings are the rows of ``table`` (C columns),
     with a zero position embedding of ``positions`` rows, the final layer norm of unit gain and
-    no bias, and ``head`` (a ``fused_weights`` head spec)."""
+    no bias, and ``head`` (a ``fused_weights`` head spec); ``group_int8``: ``FusedLM``'s."""
     c = table.shape[1]
 
     def table_spec(w):
@@ -88,7 +95,7 @@ def _program(ops, table: np.ndarray, blocks: list, head: dict, positions: int):
                "layers": iter(blocks), "head": lambda wte_bits: {"tied": False, **head},
                "ln_f": (np.ones(c, np.float32), np.zeros(c, np.float32)), "eps": EPS, "activation": GELU_NEW,
                "config": None}
-    return FusedLM(weights, ops=ops)
+    return FusedLM(weights, ops=ops, group_int8=group_int8)
 
 
 def _run(program, ids, mask, rows, caches) -> np.ndarray:
@@ -104,6 +111,8 @@ def assert_layer_case(ops, name: str) -> np.ndarray:
     after asserting each row's are bitwise the same prefilled alone and token by token."""
     import paddle
 
+    grouped = not name.endswith(ROWS)
+    name = name.removesuffix(ROWS)
     bits, c, d, f, act = LAYERS[name]
     rng = np.random.default_rng(bits + c + f)
     block = _block(rng, c, d, f, bits, act)
@@ -111,7 +120,7 @@ def assert_layer_case(ops, name: str) -> np.ndarray:
     x = rng.standard_normal((len(LENGTHS), t, c)).astype(np.float32)
     ids = np.arange(x.shape[0] * t).reshape(x.shape[0], t)  # position (b, t) embeds as x[b, t]
     program = _program(ops, x.reshape(-1, c), [block], {"w": np.eye(c, dtype=np.float32), "s": None,
-                                                        "bits": 32, "act": -1.0}, t)
+                                                        "bits": 32, "act": -1.0}, t, grouped)
     mask = np.zeros((len(LENGTHS), t), np.int64)
     for i, n in enumerate(LENGTHS):
         mask[i, t - n:] = 1
@@ -141,6 +150,8 @@ def assert_head_case(ops, name: str) -> np.ndarray:
     then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 11, 8, 7 and 2 of the rows and each row alone give bitwise
     the same logits, and that they are near the float64 product of the dequantized weights."""
 
+    grouped = not name.endswith(ROWS)
+    name = name.removesuffix(ROWS)
     bits, c = HEADS_BITS[name]
     rng = np.random.default_rng(bits + c)
     v = 101
@@ -155,7 +166,7 @@ def assert_head_case(ops, name: str) -> np.ndarray:
         deq = (codes * np.repeat(scales, 32, axis=1)).astype(np.float64)
     x = rng.standard_normal((1, HEAD_ROWS, c)).astype(np.float32)
     program = _program(ops, x[0], [], {"w": w, "s": scales if bits < 32 else None, "bits": bits,
-                                       "act": 0.0 if bits < 32 else -1.0}, HEAD_ROWS)
+                                       "act": 0.0 if bits < 32 else -1.0}, HEAD_ROWS, grouped)
     ids, mask = np.arange(HEAD_ROWS)[None], np.ones((1, HEAD_ROWS), np.int64)  # position t embeds as x[0, t]
 
     def head(r):
@@ -209,24 +220,46 @@ def head_error_bound(x, h, deq, bits: int) -> np.ndarray:
 
 
 def case(ops, name: str) -> np.ndarray:
-    return assert_layer_case(ops, name) if name in LAYERS else assert_head_case(ops, name)
+    return assert_layer_case(ops, name) if name.removesuffix(ROWS) in LAYERS else assert_head_case(ops, name)
 
 
-CASES = tuple(LAYERS) + tuple(HEADS_BITS)
+CASES = tuple(LAYERS) + tuple(HEADS_BITS) + tuple(n + ROWS for n in GROUPED_CASES)
 
 
-@pytest.mark.parametrize("name", tuple(LAYERS))
+@pytest.mark.parametrize("name", tuple(LAYERS) + tuple(n + ROWS for n in GROUPED_CASES if n in LAYERS))
 def test_a_tokens_layer_output_is_bitwise_the_same_in_any_tile(name):
     from gpt_compress.kernels import load_ops
 
     assert_layer_case(load_ops(), name)
 
 
-@pytest.mark.parametrize("name", tuple(HEADS_BITS))
+@pytest.mark.parametrize("name", tuple(HEADS_BITS) + tuple(n + ROWS for n in GROUPED_CASES if n in HEADS_BITS))
 def test_a_heads_logits_are_bitwise_the_same_for_one_row_or_many(name):
     from gpt_compress.kernels import load_ops
 
     assert_head_case(load_ops(), name)
+
+
+@pytest.mark.parametrize("name", GROUPED_CASES)
+def test_int8_weights_in_row_groups_give_the_row_major_values(name):
+    """The grouped kernels (every M, N tails, row ranges starting inside a group) against the
+    row-major int8 ones on the same weights and inputs: bitwise equal outputs."""
+    from gpt_compress.export.fused import WEIGHT_FORMAT
+    from gpt_compress.kernels import load_ops
+
+    ops, rng, grouped = load_ops(), np.random.default_rng(0), WEIGHT_FORMAT["kInt8Grouped"]
+    if name in LAYERS:  # the case's weights are stored grouped, and row-major with group_int8=False
+        bits, c, d, f, act = LAYERS[name]
+        blocks, head = [_block(rng, c, d, f, bits, act)], {"w": np.eye(c, dtype=np.float32), "s": None, "bits": 32,
+                                                           "act": -1.0}
+        codes = [p.layer_attrs[0][3] for p in (_program(ops, np.eye(c), blocks, head, 1, g) for g in (True, False))]
+        assert codes == [[grouped] * 4, [8] * 4], codes
+    else:
+        c = HEADS_BITS[name][1]
+        head = {"w": np.ones((3, c), np.int8), "s": np.ones((3, c // 32), np.float32), "bits": 8, "act": 0.0}
+        codes = [_program(ops, np.eye(c), [], head, 1, g).head_code for g in (True, False)]
+        assert codes == [grouped, 8], codes
+    assert np.array_equal(case(ops, name), case(ops, name + ROWS))
 
 
 # Run in a subprocess under the other ISA: every case (its invariance assertions included), the

@@ -6,7 +6,7 @@ One program serves all three (so a runner holds one copy of the weights)::
     fused(input_ids (B,T), attention_mask (B,S+T), rows (n,), cache_key_0, cache_value_0, ...)
         -> logits (n, V) of the flat positions ``rows`` of the (B*T) new tokens
 
-It is one ``gptc_generate`` op (kernel version 3, ``kernels.KERNEL_VERSION``: the one format the
+It is one ``gptc_generate`` op (kernel version 4, ``kernels.KERNEL_VERSION``: the one format the
 ops run; an export of an older version is refused with the command that writes it again): embed,
 every block and the LM head in one call (Paddle's executor cost per op, paid once a call; the
 op's threads stay in one parallel region). A last input, ``control`` (int64 ``[steps, eos, pad,
@@ -20,7 +20,7 @@ shares the fed tensors' memory, so nothing is concatenated or copied per step (c
 
 Weights are stored (N, K) per Linear in the format the model was quantized to
 (``qat.quantize``): float32; weight-only int8 / int4 (blocks of ``weight_block_size``, int4
-packed as ``WEIGHT_FORMAT`` says), inputs quantized per token and block
+packed as ``WEIGHT_FORMAT`` says; int8 with int8 inputs in row groups, ``group_rows``), inputs quantized per token and block
 on the fly as the fake-quant model does (``dynamic_inputs``) or kept float; W8A8 (per-channel
 int8 weights, the calibrated per-tensor input scale). The tied embedding and the LM head share
 one tensor. Tensor-parallel exports (``gptc partition``) get a fused program per rank from
@@ -52,6 +52,10 @@ WEIGHT_FORMAT = {
     "kInt4RunBytes": 16,  # its bytes: byte j holds input j (low nibble), j + 16 (high)
     "kInt4HighInput": 16,  # the input a byte's high nibble holds, past the low one's
     "kInt4Offset": 8,  # a code w is stored as w + 8 (0..15)
+    # int8 codes + 128 in groups of kGroupRows rows, 4 inputs a row a step, scales in the same
+    # groups (kernels/gptc_grouped.h); a format code, not a bit width (the op's bits attributes carry it)
+    "kInt8Grouped": 9,
+    "kGroupRows": 48,
 }
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_new": 2}
 LINEARS = ("attn.qkv", "attn.out", "mlp.fc_in", "mlp.fc_out")
@@ -67,6 +71,33 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
         raise ExportError(f"int4 fused weights need a multiple of {run} inputs, got {k}")
     u = (codes.astype(np.int16) + offset).astype(np.uint8).reshape(n, k // run, run)
     return (u[..., :high] | (u[..., high:] << 4)).astype(np.uint8).reshape(n, k // 2).view(np.int8)
+
+
+def groupable(w: np.ndarray, s: Optional[np.ndarray], bits: int, act: float) -> bool:
+    """Whether an int weight is stored in row groups: int8 codes against int8 inputs (``act`` >= 0),
+    in blocks of whole 4-code steps (the grouped kernels' unit)."""
+    if bits != WEIGHT_FORMAT["kInt8Bits"] or act < 0 or s is None:
+        return False
+    k = w.shape[1]
+    return k % 4 == 0 and s.shape[1] > 0 and k % s.shape[1] == 0 and (k // s.shape[1]) % 4 == 0
+
+
+def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Int8 codes (N, K) and scales (N, nb) -> the row-group storage (``WEIGHT_FORMAT``'s
+    kInt8Grouped, kernels/gptc_grouped.h): groups of 48 rows (the last padded with zero codes and
+    scales); group g, step j holds rows 48g..48g+47's codes of inputs 4j..4j+3 (+ 128), 4 bytes a
+    row; group g, block b the 48 rows' scales. Flat arrays (their pieces declare (N, K), (N, nb))."""
+    rows = WEIGHT_FORMAT["kGroupRows"]
+    n, k = codes.shape
+    nb = scales.shape[1]
+    g = -(-n // rows)
+    c = np.zeros((g * rows, k), np.int8)
+    c[:n] = codes
+    u = (c.view(np.uint8) ^ np.uint8(0x80)).reshape(g, rows, k // 4, 4).transpose(0, 2, 1, 3)
+    sc = np.zeros((g * rows, nb), np.float32)
+    sc[:n] = scales
+    return (np.ascontiguousarray(u).reshape(-1).view(np.int8),
+            np.ascontiguousarray(sc.reshape(g, rows, nb).transpose(0, 2, 1)).reshape(-1))
 
 
 def _packed(codes_nk: np.ndarray, scales_nb: np.ndarray, bits: int):
@@ -137,9 +168,10 @@ def fused_weights(model) -> dict:
                    "linears": [linear_spec(subs[n], f"gpt.blocks.{i}.{n}") for n in LINEARS]}
 
     head_act = 0.0 if isinstance(g.ln_f, HeadInputQuant) else -1.0
+    tied = bool(cfg.tie_word_embeddings)
 
     def head(wte_bits: int) -> dict:
-        if cfg.tie_word_embeddings:
+        if tied:
             return {"tied": True, "bits": wte_bits, "act": head_act if wte_bits != 32 else -1.0}
         spec = linear_spec(model.lm_head, "lm_head")
         if spec["bits"] != 32:
@@ -147,7 +179,7 @@ def fused_weights(model) -> dict:
         return {"tied": False, **spec}
 
     return {"wte": lambda: embedding_spec(g.wte, "gpt.wte"), "wpe": lambda: embedding_spec(g.wpe, "gpt.wpe"),
-            "layers": layers(), "head": head,
+            "layers": layers(), "head": head, "tied_head_act": head_act if tied else -1.0,
             "ln_f": (g.ln_f.weight.numpy(), g.ln_f.bias.numpy()), "eps": float(cfg.layer_norm_epsilon),
             "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
 
@@ -167,7 +199,9 @@ class WeightPacker:
         self.group: list = []  # (kind, offset, flat tensor) of the open group
         self.size = [0, 0]
 
-    def add(self, array: np.ndarray) -> int:
+    def add(self, array: np.ndarray, shape: Optional[tuple] = None) -> int:
+        """A piece of ``array`` (its layout says ``shape``, else the array's: a grouped weight's
+        pieces declare (N, K) and (N, nb) over their padded groups)."""
         a = np.ascontiguousarray(array)
         kind = 1 if a.dtype == np.int8 else 0
         a = a if kind else a.astype(np.float32, copy=False)
@@ -175,9 +209,20 @@ class WeightPacker:
         off = -(-self.size[kind] // unit) * unit
         self.group.append((kind, off, paddle.to_tensor(a.reshape(-1))))
         self.size[kind] = off + a.size
-        rows = int(a.shape[0]) if a.ndim else 1
-        self.entries.append([len(self.blobs) + kind, off, rows, int(np.prod(a.shape[1:], dtype=np.int64))])
+        shape = a.shape if shape is None else shape
+        rows = int(shape[0]) if len(shape) else 1
+        self.entries.append([len(self.blobs) + kind, off, rows, int(np.prod(shape[1:], dtype=np.int64))])
         return len(self.entries) - 1
+
+    def add_weight(self, w: np.ndarray, s: Optional[np.ndarray], bits: int, act: float, none: int,
+                   group: bool = True) -> tuple:
+        """A weight and its scales (``none``: the piece standing for no scales) as the op reads them:
+        (weight piece, scale piece, the op's format code), int8 in row groups where ``groupable``
+        (unless ``group`` is false: row-major, the format the kernels also take)."""
+        if group and groupable(w, s, bits, act):
+            gw, gs = group_rows(w, s)
+            return self.add(gw, w.shape), self.add(gs, s.shape), WEIGHT_FORMAT["kInt8Grouped"]
+        return self.add(w), self.add(s) if s is not None else none, bits
 
     def close(self) -> None:
         """The open group's two blobs (zeros between pieces)."""
@@ -202,39 +247,45 @@ class FusedLM(nn.Layer):
     """The fused program as a Layer (runs eagerly too): weights packed in blobs in the op formats
     (persistable buffers), ``forward`` = one ``gptc_generate`` call (see the module docstring).
     ``tokens=True`` (the saved program): ``forward`` returns the logits and each row's argmax
-    int64 ((n, steps)), so greedy decoding fetches the tokens, not the (n, V) logits."""
+    int64 ((n, steps)), so greedy decoding fetches the tokens, not the (n, V) logits.
+    ``group_int8=False`` stores int8 weights row-major instead of in row groups (the same values:
+    the kernels' other int8 paths, which tests compare)."""
 
-    def __init__(self, weights: dict, ops=None, tokens: bool = False):
+    def __init__(self, weights: dict, ops=None, tokens: bool = False, group_int8: bool = True):
         super().__init__()
         from ..kernels import load_ops
 
         self.ops = ops or load_ops()
-        self.tokens = tokens
+        self.tokens, self._group = tokens, group_int8
         self.cfg = weights["config"]
         self.eps, self.activation = weights["eps"], weights["activation"]
         self._packer = WeightPacker()
         self._none = self._packer.add(np.zeros([1], np.float32))
         # Each spec's arrays are dropped once copied into their pieces (``fused_weights``).
-        self.wte, self.wte_s, self.wte_bits = self._table(weights["wte"]())
-        self.wpe, self.wpe_s, self.wpe_bits = self._table(weights["wpe"]())
+        # A tied head's table is stored as the head reads it (grouped when its inputs are int8).
+        self.wte, self.wte_s, self.wte_bits, self.wte_code = self._table(weights["wte"](),
+                                                                         weights.get("tied_head_act", -1.0))
+        self.wpe, self.wpe_s, self.wpe_bits, _ = self._table(weights["wpe"](), -1.0)
         self.layer_args, self.layer_attrs = [], []
         for lay in weights["layers"]:
             self._packer.close()  # the previous group (the embeddings, or block i - 1)
-            args = [self._packer.add(lay["ln_1"][0]), self._packer.add(lay["ln_1"][1])]
+            args, codes = [self._packer.add(lay["ln_1"][0]), self._packer.add(lay["ln_1"][1])], []
             for j, lin in enumerate(lay["linears"]):
-                args += self._linear(lin)
+                pieces, code = self._linear(lin)
+                args += pieces
+                codes.append(code)
                 if j == 1:
                     args += [self._packer.add(lay["ln_2"][0]), self._packer.add(lay["ln_2"][1])]
             self.layer_args.append(args)
             self.layer_attrs.append((lay["heads"], [lin["bits"] for lin in lay["linears"]],
-                                     [float(lin["act"]) for lin in lay["linears"]]))
+                                     [float(lin["act"]) for lin in lay["linears"]], codes))
         self.ln_f = (self._packer.add(weights["ln_f"][0]), self._packer.add(weights["ln_f"][1]))
         head = weights["head"](self.wte_bits)
         if head["tied"]:
-            self.head_w, self.head_s = self.wte, self.wte_s
+            self.head_w, self.head_s, self.head_code = self.wte, self.wte_s, self.wte_code
         else:
-            self.head_w = self._packer.add(head["w"])
-            self.head_s = self._packer.add(head["s"]) if head["s"] is not None else self._none
+            self.head_w, self.head_s, self.head_code = self._packer.add_weight(
+                head["w"], head["s"], head["bits"], float(head["act"]), self._none, self._group)
         self.head_bits, self.head_act = head["bits"], float(head["act"])
         # The op's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16.
         pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
@@ -246,24 +297,23 @@ class FusedLM(nn.Layer):
             self.blobs.append(getattr(self, f"weights_{i}"))
         self._packer = None
 
-    def _table(self, spec: dict):
-        w = self._packer.add(spec["w"])
-        s = self._packer.add(spec["s"]) if spec["s"] is not None else self._none
-        return w, s, spec["bits"]
+    def _table(self, spec: dict, act: float):
+        w, s, code = self._packer.add_weight(spec["w"], spec["s"], spec["bits"], act, self._none, self._group)
+        return w, s, spec["bits"], code
 
-    def _linear(self, spec: dict) -> list:
-        w = self._packer.add(spec["w"])
-        s = self._packer.add(spec["s"]) if spec["s"] is not None else self._none
+    def _linear(self, spec: dict) -> tuple:
+        w, s, code = self._packer.add_weight(spec["w"], spec["s"], spec["bits"], float(spec["act"]), self._none,
+                                             self._group)
         b = spec["b"] if spec["b"] is not None else np.zeros([spec["w"].shape[0]], np.float32)
-        return [w, s, self._packer.add(b)]
+        return [w, s, self._packer.add(b)], code
 
     def forward(self, input_ids, attention_mask, rows, caches, control=None):
         """ids (B,T), mask (B,S+T), rows (n,), caches [k_0, v_0, ...] (B,H_i,cap,D) -> logits (n,V)
         (and their argmax with ``tokens``); the caches are written in place. ``control`` (None:
         one step): int64 [steps, eos (-1: none), pad, steps without eos, finished per row]."""
-        attrs = (self.blobs, self.layout, self.wte_bits, self.wpe_bits, [a[0] for a in self.layer_attrs],
-                 self.eps, self.activation, [b for a in self.layer_attrs for b in a[1]],
-                 [x for a in self.layer_attrs for x in a[2]], self.head_bits, self.head_act)
+        attrs = (self.blobs, self.layout, self.wte_code, self.wpe_bits, [a[0] for a in self.layer_attrs],
+                 self.eps, self.activation, [c for a in self.layer_attrs for c in a[3]],
+                 [x for a in self.layer_attrs for x in a[2]], self.head_code, self.head_act)
         if control is None:
             from ..kernels import control as make_control
 

@@ -94,14 +94,20 @@ class FusedRankLM(nn.Layer):
         head = weights["head"](wte["bits"])
         tied = head["tied"]
         head = {**wte, "act": head["act"]} if tied else _row_split(head, rank, mp)
-        none = np.zeros([1], np.float32)
+        none = packer.add(np.zeros([1], np.float32))
 
-        def table(spec):
-            return [packer.add(spec["w"]), packer.add(spec["s"] if spec.get("s") is not None else none)]
+        def table(spec, act):  # (pieces, the op's format code): a tied head's table as the head reads it
+            w, s, code = packer.add_weight(spec["w"], spec.get("s"), spec["bits"], act, none)
+            return [w, s], code
 
-        embed = table(wte) + table(wpe)
+        wte_pieces, self.wte_code = table(wte, float(head["act"]) if tied else -1.0)
+        wpe_pieces, _ = table(wpe, -1.0)
+        embed = wte_pieces + wpe_pieces
         ln_f = [packer.add(weights["ln_f"][0]), packer.add(weights["ln_f"][1])]
-        head_pieces = embed[:2] if tied else table(head)  # tied: the embedding's rows
+        if tied:  # the embedding's rows
+            head_pieces, self.head_code = embed[:2], self.wte_code
+        else:
+            head_pieces, self.head_code = table(head, float(head["act"]))
         self.embed_layout, self.head_layout = packer.layout_of(embed), packer.layout_of(ln_f + head_pieces)
         self.wte_bits, self.wpe_bits, self.head_bits, self.head_act = wte["bits"], wpe["bits"], head["bits"], float(head["act"])
         packer.close()
@@ -109,10 +115,12 @@ class FusedRankLM(nn.Layer):
         for i, lay in enumerate(weights["layers"]):
             lins = [(_column_split if name in ROW_PARALLEL else _row_split)(spec, rank, mp)
                     for name, spec in zip(LINEARS, lay["linears"])]
-            pieces = [packer.add(lay["ln_1"][0]), packer.add(lay["ln_1"][1])]
+            pieces, codes = [packer.add(lay["ln_1"][0]), packer.add(lay["ln_1"][1])], []
+            none = packer.add(np.zeros([1], np.float32))
             for j, lin in enumerate(lins):
-                pieces += [packer.add(lin["w"]), packer.add(lin["s"] if lin["s"] is not None else none),
-                           packer.add(lin["b"] if lin["b"] is not None else np.zeros([lin["w"].shape[0]], np.float32))]
+                w, s, code = packer.add_weight(lin["w"], lin["s"], lin["bits"], float(lin["act"]), none)
+                codes.append(code)
+                pieces += [w, s, packer.add(lin["b"] if lin["b"] is not None else np.zeros([lin["w"].shape[0]], np.float32))]
                 if j == 1:
                     pieces += [packer.add(lay["ln_2"][0]), packer.add(lay["ln_2"][1])]
             # Each block's pieces live in its own blob pair: the layout's blob numbers count from 0.
@@ -122,7 +130,7 @@ class FusedRankLM(nn.Layer):
             packer.close()
             self.block_layouts.append(layout)
             self.block_attrs.append((lay["heads"] // mp, [lin["bits"] for lin in lins],
-                                     [float(lin["act"]) for lin in lins]))
+                                     [float(lin["act"]) for lin in lins], codes))
         self.blobs = []
         for i, blob in enumerate(packer.blobs):
             self.register_buffer(f"weights_{i}", blob, persistable=True)
@@ -136,17 +144,17 @@ class FusedRankLM(nn.Layer):
         rank's logits (n, V/mp); the caches are written in place."""
         outer = self.blobs[:2]
         first = self.rank == 0
-        x = self.ops.gptc_tp_embed(input_ids, attention_mask, outer, self.embed_layout, self.wte_bits,
+        x = self.ops.gptc_tp_embed(input_ids, attention_mask, outer, self.embed_layout, self.wte_code,
                                    self.wpe_bits, self.vocab_start, self.vocab, int(first))
         x = self._all_reduce(x)
-        for i, (layout, (heads, bits, act)) in enumerate(zip(self.block_layouts, self.block_attrs)):
+        for i, (layout, (heads, _, act, codes)) in enumerate(zip(self.block_layouts, self.block_attrs)):
             blobs = self.blobs[2 + 2 * i:4 + 2 * i]
             out = self.ops.gptc_tp_attention(x, attention_mask, [caches[2 * i], caches[2 * i + 1]], blobs, layout,
-                                             heads, self.eps, bits, act, int(first))
+                                             heads, self.eps, codes, act, int(first))
             x = self._all_reduce(out[0] if isinstance(out, (list, tuple)) else out)
             x = self._all_reduce(self.ops.gptc_tp_mlp(x, attention_mask, blobs, layout, heads, self.cfg.dim_head,
-                                                      self.eps, self.activation, bits, act, int(first)))
-        return self.ops.gptc_tp_head(x, rows, outer, self.head_layout, self.eps, self.head_bits, self.head_act)
+                                                      self.eps, self.activation, codes, act, int(first)))
+        return self.ops.gptc_tp_head(x, rows, outer, self.head_layout, self.eps, self.head_code, self.head_act)
 
 
 def save_fused_rank(layer: FusedRankLM, out_dir: str) -> dict:

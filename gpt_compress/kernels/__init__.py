@@ -50,14 +50,14 @@ from ..runtime import cpu_flags
 DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
 # (tests/test_kernel_sources.py checks this list against the directory and the #include lines).
-SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_inputs.h", "gptc_gemv.h",
+SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_inputs.h", "gptc_gemv.h", "gptc_grouped.h",
            "gptc_linear.h", "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_tp_ops.h",
            "gptc_bench.h")
 SOURCE = os.path.join(DIR, SOURCES[0])
 NAME = "gptc_ops"
 # Bumped when the operators' inputs, attributes or weight formats change (recorded in manifests);
 # only this version's programs run (an older export is exported again: inference/fused.py says so).
-KERNEL_VERSION = 3  # gptc_generate (2: gptc_decoder, 1: per-layer ops, no longer registered)
+KERNEL_VERSION = 4  # int8 weights in row groups (3: row-major int8 only; 2: gptc_decoder, 1: per-layer ops)
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
 # $GPTC_KERNEL_ISA -> the instruction-set flags of the build, and the CPU flags the host needs to
 # run it. avx2 is x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE): the kernels' AVX2 + FMA

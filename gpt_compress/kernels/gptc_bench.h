@@ -98,7 +98,7 @@ double gptc_bench_peak(int kind, int64_t iters) {
 }
 
 // A Linear of the fused ops (y (M, N) = x (M, K) @ W^T + bias) on random weights and inputs:
-// bits 32 float, 8 int8 codes, 4 packed int4; int blocks of blk codes; act as LinearWeights::act (0: inputs
+// bits 32 float, 8 int8 codes, 4 packed int4, weight_format::kInt8Grouped int8 in row groups; int blocks of blk codes; act as LinearWeights::act (0: inputs
 // quantized per token and block). Null for shapes the formats do not allow.
 namespace {
 struct BenchLinear {
@@ -110,7 +110,10 @@ struct BenchLinear {
 }  // namespace
 
 void* gptc_bench_linear_new(int bits, int64_t M, int64_t N, int64_t K, int64_t blk, float act) {
-  if (M < 1 || N < 1 || K < 1 || (bits != 32 && (blk < 1 || K % blk)) || (bits == 4 && K % 32)) return nullptr;
+  const bool grouped = bits == weight_format::kInt8Grouped;
+  if (M < 1 || N < 1 || K < 1 || (bits != 32 && (blk < 1 || K % blk)) || (bits == 4 && K % 32) ||
+      (grouped && (act < 0.f || K % 4 || blk % 4)))
+    return nullptr;
   auto* b = new BenchLinear;
   std::mt19937 gen(1234);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -126,11 +129,13 @@ void* gptc_bench_linear_new(int bits, int64_t M, int64_t N, int64_t K, int64_t b
     L.wf = b->wf.data();
   } else {
     std::uniform_int_distribution<int> code(bits == 4 ? 0 : -127, bits == 4 ? 255 : 127);
-    b->wq.resize(bits == 4 ? N * K / 2 : N * K);
-    for (auto& v : b->wq) v = int8_t(code(gen));
-    b->scale.resize(N * (K / blk));
+    const int64_t rows = grouped ? (N + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS : N;  // groups: codes + 128
+    b->wq.resize(bits == 4 ? N * K / 2 : rows * K);
+    for (auto& v : b->wq) v = int8_t(code(gen) ^ (grouped ? 0x80 : 0));
+    b->scale.resize(rows * (K / blk));
     for (auto& v : b->scale) v = 1e-3f * (1.f + 0.1f * normal(gen));
     L.wq = b->wq.data(), L.scale = b->scale.data(), L.blk = blk;
+    if (grouped) L.bits = weight_format::kInt8Bits, L.grouped = true;
   }
   return b;
 }

@@ -123,6 +123,7 @@ struct LinearWeights {
   int64_t n = 0, k = 0, blk = 0;
   int bits = 32;
   float act = -1.f;
+  bool grouped = false;  // int8 codes and scales in row groups (weight_format::kInt8Grouped, gptc_grouped.h)
 };
 
 // ---------------------------------------------------------------------------- weight formats
@@ -138,6 +139,10 @@ constexpr int kInt4Run = 32;         // inputs of one packed run
 constexpr int kInt4RunBytes = 16;    // its bytes: byte j holds input j (low nibble), j + 16 (high)
 constexpr int kInt4HighInput = 16;   // the input a byte's high nibble holds, past the low one's
 constexpr int kInt4Offset = 8;       // a code w is stored as w + 8 (0..15)
+// Int8 codes + 128 in groups of kGroupRows rows, 4 inputs of each row a step (gptc_grouped.h),
+// scales in the same groups; a format code, not a bit width (the op's bits attributes carry it).
+constexpr int kInt8Grouped = 9;
+constexpr int kGroupRows = 48;
 static_assert(kInt4RunBytes * 8 == kInt4Run * kInt4Bits, "a run's bytes hold its codes exactly");
 static_assert(kInt4HighInput == kInt4RunBytes, "byte j holds inputs j and j + 16: one 16-byte load unpacks 32");
 static_assert(kInt4Offset == 1 << (kInt4Bits - 1), "signed codes -8..7 stored unsigned 0..15");
@@ -149,6 +154,7 @@ static_assert(kInt4Run % 8 == 0 && kInt8Bits == 8, "runs of whole 8-lane vectors
 struct WeightView {
   const void* p = nullptr;
   int64_t d0 = 0, d1 = 1;
+  int64_t avail = 0;  // elements from p to the end of its memory (a grouped weight's padded rows lie past d0)
   bool i8 = false;
   const float* f() const { return static_cast<const float*>(p); }
   const int8_t* q() const { return static_cast<const int8_t*>(p); }
@@ -162,6 +168,7 @@ WeightView weight_view(const paddle::Tensor& t) {
   v.p = v.i8 ? static_cast<const void*>(t.data<int8_t>()) : static_cast<const void*>(t.data<float>());
   v.d0 = d.size() ? d[0] : 1;
   v.d1 = d.size() > 1 ? d[d.size() - 1] : 1;
+  v.avail = t.numel();
   return v;
 }
 
@@ -176,8 +183,10 @@ LinearWeights make_linear_weights(const WeightView& w, const WeightView& s, cons
     L.k = w.d1;
   } else {
     PD_CHECK(w.i8, "gptc: int8 weight codes expected");
-    PD_CHECK(bits == weight_format::kInt8Bits || bits == weight_format::kInt4Bits,
-             "gptc: weights must be 32, 8 or 4 bits");
+    PD_CHECK(bits == weight_format::kInt8Bits || bits == weight_format::kInt4Bits ||
+                 bits == weight_format::kInt8Grouped,
+             "gptc: weights must be 32, 8 or 4 bits (or int8 in row groups)");
+    if (bits == weight_format::kInt8Grouped) L.grouped = true, L.bits = bits = weight_format::kInt8Bits;
     PD_CHECK(!s.i8 && s.d1 > 0, "gptc: float weight scales expected");
     L.wq = w.q();
     L.k = bits == weight_format::kInt4Bits ? w.d1 * (8 / weight_format::kInt4Bits) : w.d1;
@@ -186,6 +195,12 @@ LinearWeights make_linear_weights(const WeightView& w, const WeightView& s, cons
     PD_CHECK(bits == weight_format::kInt8Bits || L.k % weight_format::kInt4Run == 0,
              "gptc: int4 weights need a multiple of 32 inputs");
     PD_CHECK(s.d0 == L.n && L.blk * s.d1 == L.k, "gptc: weight scale shape mismatch");
+    if (L.grouped) {
+      const int64_t rows = (L.n + weight_format::kGroupRows - 1) / weight_format::kGroupRows * weight_format::kGroupRows;
+      PD_CHECK(act >= 0.f && L.k % 4 == 0 && L.blk % 4 == 0,
+               "gptc: int8 weights in row groups need int8 inputs and blocks of whole 4-code steps");
+      PD_CHECK(rows * L.k <= w.avail && rows * s.d1 <= s.avail, "gptc: int8 weights in row groups lie outside their blob");
+    }
   }
   L.bias = bias;
   return L;

@@ -23,6 +23,7 @@ struct Table {
   const float* s = nullptr;
   int64_t rows = 0, nb = 0;
   int bits = 32;
+  bool grouped = false;  // int8 codes and scales in row groups (a tied head's, gptc_grouped.h)
 };
 
 Table make_table(const WeightView& w, const WeightView& s, int bits) {
@@ -37,6 +38,12 @@ Table make_table(const WeightView& w, const WeightView& s, int bits) {
     t.wq = w.q();
     t.s = s.f();
     t.nb = s.d1;
+    if (bits == weight_format::kInt8Grouped) {
+      const int64_t rows = (t.rows + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
+      PD_CHECK(w.d1 % 4 == 0 && t.nb > 0 && w.d1 % t.nb == 0 && rows * w.d1 <= w.avail && rows * t.nb <= s.avail,
+               "gptc: int8 embedding in row groups: bad shape");
+      t.grouped = true, t.bits = weight_format::kInt8Bits;
+    }
   }
   return t;
 }
@@ -50,6 +57,16 @@ void table_row(const Table& w, int64_t r, int64_t C, float* dst, bool add) {
     return;
   }
   const int64_t blk = C / w.nb;
+  if (w.grouped) {  // row r's codes and scales where the groups hold them (gptc_grouped.h's layout)
+    const int64_t g = r / GROUP_ROWS, i = r % GROUP_ROWS;
+    const int8_t* q = w.wq + g * GROUP_ROWS * C + 4 * i;
+    const float* sg = w.s + g * GROUP_ROWS * w.nb + i;
+    for (int64_t c = 0; c < C; ++c) {
+      const float v = float(int8_t(uint8_t(q[(c / 4) * 4 * GROUP_ROWS + c % 4]) ^ 0x80)) * sg[(c / blk) * GROUP_ROWS];
+      dst[c] = add ? dst[c] + v : v;
+    }
+    return;
+  }
   const float* sc = w.s + r * w.nb;
   const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
   for (int64_t c = 0; c < C; ++c) {

@@ -51,7 +51,7 @@ std::vector<WeightView> unpack(const std::vector<paddle::Tensor>& blobs, const s
     v.i8 = blob % 2 == 1;
     v.p = v.i8 ? static_cast<const void*>(blobs[blob].data<int8_t>() + off)
                : static_cast<const void*>(blobs[blob].data<float>() + off);
-    v.d0 = d0, v.d1 = d1;
+    v.d0 = d0, v.d1 = d1, v.avail = blobs[blob].numel() - off;
   }
   return out;
 }

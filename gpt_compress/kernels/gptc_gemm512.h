@@ -210,6 +210,22 @@ inline void pack_block512(const int8_t* const* q, const float* const* sw, int nr
 // macro, not a function, because an accumulator passed by reference lives in memory.
 #define GPTC_DPBUSD512(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
 
+// The 4 x 3 int tiles (int_tile512; grouped_tile512_4x3, gptc_grouped.h): one input row's three
+// accumulators a0..a2 += vpdpbusd(u_j, s_j) (unsigned operand first), and a block's end, its three
+// float sums s_j += float(a_j) * (xs * w_j) with the block's weight scales w0..w2 in scope.
+#define GPTC_DOT3(a0, a1, a2, u0, u1, u2, s0, s1, s2) \
+  {                                                   \
+    GPTC_DPBUSD512(a0, u0, s0);                       \
+    GPTC_DPBUSD512(a1, u1, s1);                       \
+    GPTC_DPBUSD512(a2, u2, s2);                       \
+  }
+#define GPTC_FMA3(xs, a0, a1, a2, s0, s1, s2)                                 \
+  {                                                                           \
+    s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(xs, w0), s0);  \
+    s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(xs, w1), s1);  \
+    s2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_mul_ps(xs, w2), s2);  \
+  }
+
 thread_local std::vector<uint8_t> t_zero_row;  // K bytes of 128 (x = 0): the rows past M of a tile
 thread_local std::vector<float> t_zero_scales;
 
@@ -257,9 +273,7 @@ inline void int_tile512(const uint8_t* const* xr, const float* const* sr, int64_
   {                                          \
     std::memcpy(&f, x + o + 4 * g, 4);       \
     const __m512i xv = _mm512_set1_epi32(f); \
-    GPTC_DPBUSD512(a0, xv, w0);              \
-    GPTC_DPBUSD512(a1, xv, w1);              \
-    GPTC_DPBUSD512(a2, xv, w2);              \
+    GPTC_DOT3(a0, a1, a2, xv, xv, xv, w0, w1, w2) \
   }
       GPTC_ROW4(x0, d00, d01, d02)
       GPTC_ROW4(x1, d10, d11, d12)
@@ -269,18 +283,10 @@ inline void int_tile512(const uint8_t* const* xr, const float* const* sr, int64_
     }
     const float* ws = pk.sw + b * NBLK512;
     const __m512 w0 = _mm512_loadu_ps(ws), w1 = _mm512_loadu_ps(ws + 16), w2 = _mm512_loadu_ps(ws + 32);
-#define GPTC_FMA4(r, a0, a1, a2, s0, s1, s2)                                              \
-  {                                                                                       \
-    const __m512 xs = _mm512_set1_ps(sr[r][b]);                                           \
-    s0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(xs, w0), s0);              \
-    s1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(xs, w1), s1);              \
-    s2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_mul_ps(xs, w2), s2);              \
-  }
-    GPTC_FMA4(0, d00, d01, d02, f00, f01, f02)
-    GPTC_FMA4(1, d10, d11, d12, f10, f11, f12)
-    GPTC_FMA4(2, d20, d21, d22, f20, f21, f22)
-    GPTC_FMA4(3, d30, d31, d32, f30, f31, f32)
-#undef GPTC_FMA4
+    GPTC_FMA3(_mm512_set1_ps(sr[0][b]), d00, d01, d02, f00, f01, f02)
+    GPTC_FMA3(_mm512_set1_ps(sr[1][b]), d10, d11, d12, f10, f11, f12)
+    GPTC_FMA3(_mm512_set1_ps(sr[2][b]), d20, d21, d22, f20, f21, f22)
+    GPTC_FMA3(_mm512_set1_ps(sr[3][b]), d30, d31, d32, f30, f31, f32)
   }
   const __m512 out[4][3] = {{f00, f01, f02}, {f10, f11, f12}, {f20, f21, f22}, {f30, f31, f32}};
   if (b1 < nb) {  // more blocks to come: the sums as they are

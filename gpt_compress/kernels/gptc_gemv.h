@@ -39,6 +39,7 @@ constexpr int64_t GEMV_AHEAD_I8 = 256;
 
 inline bool gemv_ok(const LinearWeights& L, const LinearInputs& in) {
 #if defined(__AVX2__)
+  if (L.grouped) return false;  // the grouped kernels serve M = 1 too (gptc_grouped.h)
   return L.bits == 32 || (in.xq != nullptr && L.k % 32 == 0 && L.blk % 32 == 0);
 #else
   return false;

@@ -23,6 +23,7 @@ struct Scratch {
   std::vector<uint8_t> xu;       // int8 inputs + 128
   std::vector<int32_t> lane_x, lane_start;  // int8 input rows in lanes (LaneInputs, LaneInputs8)
   std::vector<float> lane_s;
+  std::vector<int32_t> gstart;  // grouped weights: the accumulators' starts per input row and block
 };
 struct Shared {
   std::vector<float> q, ctx, f, sel, h;
@@ -49,7 +50,7 @@ inline void trim(std::vector<T>& v) {
 inline void trim(Scratch& s) {
   trim(s.h), trim(s.sx), trim(s.wbuf), trim(s.tile), trim(s.p), trim(s.gemv), trim(s.xq), trim(s.ibuf);
   trim(s.xp), trim(s.pk_sw), trim(s.facc), trim(s.pk_codes), trim(s.pk_start), trim(s.xu);
-  trim(s.lane_x), trim(s.lane_start), trim(s.lane_s);
+  trim(s.lane_x), trim(s.lane_start), trim(s.lane_s), trim(s.gstart);
 }
 inline void trim(Shared& s) {
   trim(s.q), trim(s.ctx), trim(s.f), trim(s.sel), trim(s.h), trim(s.keys), trim(s.nkeys);

@@ -7,6 +7,7 @@
 
 #include "gptc_gemm512.h"
 #include "gptc_gemv.h"
+#include "gptc_grouped.h"
 #include "gptc_inputs.h"
 
 namespace {
@@ -18,6 +19,7 @@ namespace {
 struct PackedInputs {
   const float* xp = nullptr;
   const uint8_t* xu = nullptr;
+  const int32_t* st = nullptr;  // grouped weights: the accumulators' starts (GroupedInputs)
 #if defined(GPTC_VNNI512)
   LaneInputs lanes;  // few rows of int inputs against int weights (lanes.x null otherwise)
 #elif defined(__AVX2__)
@@ -38,6 +40,10 @@ inline bool lanes_ok(const LinearWeights& L, const LinearInputs& in, int64_t M) 
 
 inline PackedInputs pack_inputs(const LinearWeights& L, const LinearInputs& in, int64_t M, Scratch& sc) {
   PackedInputs p;
+  if (L.grouped) {  // the stored codes are the kernels' operand: only the starts to make
+    p.st = grouped_starts(in.xq, M, L.k, L.blk, grow(sc.gstart, size_t(M * (L.k / L.blk))));
+    return p;
+  }
 #if !defined(GPTC_VNNI512) && defined(__AVX2__)
   if (in.xq != nullptr && M >= LANES8_MIN && (L.bits == 8 || L.bits == 4) && L.k % 32 == 0 && L.blk % 32 == 0) {
     const int64_t panels = (M + 7) / 8, nb = L.k / L.blk;
@@ -75,21 +81,25 @@ inline PackedInputs pack_inputs(const LinearWeights& L, const LinearInputs& in, 
   return p;
 }
 
-// Output rows [n0, n0 + nr) (nr <= NBLK) of y (M, ldy) = x @ W^T + bias for all M input rows,
+// Weight rows a block of the Linear holds (its outputs a work item computes).
+inline int block_rows(const LinearWeights& L) { return L.grouped ? GROUP_ROWS : NBLK; }
+
+// Output rows [n0, n0 + nr) (nr <= block_rows(L)) of y (M, ldy) = x @ W^T + bias for all M input rows,
 // then the epilogue on each new value: activation `act` (>= 0), and + res (same layout as y;
 // may be y itself: each value is read before it is written, by the thread that writes it).
 void linear_block(const LinearWeights& L, const LinearInputs& in, const PackedInputs& pk_in, int64_t M, int64_t n0,
                   int nr, float* y, int64_t ldy, const float* res, int act, Scratch& sc) {
   const int64_t K = L.k;
   const float* bias = L.bias ? L.bias + n0 : nullptr;
-  float* t = grow(sc.tile, size_t(M * NBLK));
+  const int W = block_rows(L);  // the tile's row length
+  float* t = grow(sc.tile, size_t(M * W));
   // M > 1: the next block's weights (this thread's next, but at the end of a grab of
   // linear_for's dynamic schedule) are prefetched by the AVX2 float and int8 4 x 3 tiles
   // (float_block, int_block; the AVX-512 and lane kernels prefetch rows of their own choosing,
   // the packed int4 tiles none); an int layer's next scales here (AVX2 builds).
   const char* pf = nullptr;
   int64_t pf_bytes = 0;
-  if (M > 1 && n0 + NBLK < L.n) {
+  if (M > 1 && !L.grouped && n0 + NBLK < L.n) {
     const int64_t n1 = n0 + NBLK, rows = std::min<int64_t>(NBLK, L.n - n1);
     if (L.bits == 32) {
       pf = reinterpret_cast<const char*>(L.wf + n1 * K);
@@ -113,7 +123,9 @@ void linear_block(const LinearWeights& L, const LinearInputs& in, const PackedIn
     float_block(in.x, M, K, w, nr, t, NBLK, bias, pf, pf_bytes);
 #endif
   };
-  if (L.bits == 32) {
+  if (L.grouped) {
+    grouped_block(L, GroupedInputs{in.xq, in.sx, pk_in.st}, M, n0, nr, t, W);
+  } else if (L.bits == 32) {
     floats(L.wf + n0 * K);
   } else {
     const int8_t* q[NBLK];
@@ -182,22 +194,22 @@ void linear_block(const LinearWeights& L, const LinearInputs& in, const PackedIn
   }
   // The activation elementwise: over the whole tile when its rows are contiguous (nr == NBLK; the
   // same values, a value's activation depending on it alone, without a padded tail per row).
-  const bool whole = act >= 0 && nr == NBLK;
-  if (whole) activate(t, M * NBLK, act);
+  const bool whole = act >= 0 && nr == W;
+  if (whole) activate(t, M * W, act);
 #if defined(__AVX2__)
-  if (nr == NBLK) {  // whole rows: 8- and 4-lane moves (a memcpy call per row costs more than the copy)
-    static_assert(NBLK % 4 == 0, "the row moves below are 8 and 4 values");
+  if (nr == W) {  // whole rows: 8- and 4-lane moves (a memcpy call per row costs more than the copy)
+    static_assert(NBLK % 4 == 0 && GROUP_ROWS % 8 == 0, "the row moves below are 8 and 4 values");
     for (int64_t m = 0; m < M; ++m) {
-      const float* tm = t + m * NBLK;
+      const float* tm = t + m * W;
       float* ym = y + m * ldy + n0;
       const float* rm = res != nullptr ? res + m * ldy + n0 : nullptr;
       int j = 0;
-      for (; j + 8 <= NBLK; j += 8) {
+      for (; j + 8 <= W; j += 8) {
         __m256 a = _mm256_loadu_ps(tm + j);
         if (rm != nullptr) a = _mm256_add_ps(_mm256_loadu_ps(rm + j), a);  // rm + tm, as below
         _mm256_storeu_ps(ym + j, a);
       }
-      if (j < NBLK) {
+      if (j < W) {
         __m128 b = _mm_loadu_ps(tm + j);
         if (rm != nullptr) b = _mm_add_ps(_mm_loadu_ps(rm + j), b);
         _mm_storeu_ps(ym + j, b);
@@ -207,7 +219,7 @@ void linear_block(const LinearWeights& L, const LinearInputs& in, const PackedIn
   }
 #endif
   for (int64_t m = 0; m < M; ++m) {
-    float* tm = t + m * NBLK;
+    float* tm = t + m * W;
     if (act >= 0 && !whole) activate(tm, nr, act);
     float* ym = y + m * ldy + n0;
     if (res != nullptr) {
@@ -242,6 +254,7 @@ inline PackedInputs rows_of(const LinearWeights& L, const PackedInputs& p, int64
   PackedInputs s = p;  // the lane inputs: int inputs are one panel (m0 == 0)
   if (p.xp != nullptr) s.xp = p.xp + (m0 / 2) * (L.k / 8) * 16;
   if (p.xu != nullptr) s.xu = p.xu + m0 * L.k;
+  if (p.st != nullptr) s.st = p.st + m0 * (L.k / L.blk);
   return s;
 }
 
@@ -260,8 +273,8 @@ void linear_rows(const LinearWeights& L, const LinearInputs& in, const PackedInp
     const LinearInputs ip = rows_of(L, in, m0);
     const PackedInputs pp = rows_of(L, pk, m0);
     const int64_t mp = std::min(P, M - m0);
-    for (int64_t n0 = r0; n0 < r1; n0 += NBLK)
-      linear_block(L, ip, pp, mp, n0, int(std::min<int64_t>(NBLK, r1 - n0)), y + m0 * ldy, ldy,
+    for (int64_t n0 = r0; n0 < r1; n0 += block_rows(L))
+      linear_block(L, ip, pp, mp, n0, int(std::min<int64_t>(block_rows(L), r1 - n0)), y + m0 * ldy, ldy,
                    res ? res + m0 * ldy : nullptr, act, sc);
   }
 }
@@ -273,7 +286,7 @@ void linear_rows(const LinearWeights& L, const LinearInputs& in, const PackedInp
 // only at a grab's end), or all on the calling thread outside one.
 void linear_for(const LinearWeights& L, const LinearInputs& in, int64_t M, float* y, const float* res, int act) {
   if (M == 1 && gemv_ok(L, in)) return gemv_for(L, in, y, res, act);
-  const int64_t nblocks = (L.n + NBLK - 1) / NBLK;
+  const int64_t W = block_rows(L), nblocks = (L.n + W - 1) / W;
   const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
   const PackedInputs pk = pack_inputs(L, in, M, sc);  // by every thread, for itself: no barrier
@@ -286,7 +299,7 @@ void linear_for(const LinearWeights& L, const LinearInputs& in, int64_t M, float
     const float* rp = res ? res + m0 * L.n : nullptr;
 #pragma omp for schedule(dynamic, grain) nowait
     for (int64_t blk = 0; blk < nblocks; ++blk)
-      linear_block(L, ip, pp, mp, blk * NBLK, int(std::min<int64_t>(NBLK, L.n - blk * NBLK)), yp, L.n, rp, act, sc);
+      linear_block(L, ip, pp, mp, blk * W, int(std::min<int64_t>(W, L.n - blk * W)), yp, L.n, rp, act, sc);
   }
 #pragma omp barrier
 }

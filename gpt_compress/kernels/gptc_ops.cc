@@ -1,6 +1,6 @@
 // gpt-compress fused CPU operators for Paddle (custom ops, PD_BUILD_OP).
 //
-// One op makes a whole decode/prefill/scoring program (export/fused.py, kernel version 3):
+// One op makes a whole decode/prefill/scoring program (export/fused.py, kernel version 4):
 //   gptc_generate(ids (B,T), mask (B,S+T), rows (n,), control, caches [k_0, v_0, ...], weights
 //       [float32 blob, int8 blob, ...] + a layout attribute) -> logits (n,V), tokens: embed, every
 //       block and the head in one call (gptc_decoder_stack.h); the new keys/values are written IN
@@ -15,7 +15,8 @@
 // formats of gptc_common.h (weight_format: the numbers, checked against export/fused.py's):
 //   float32; int8 codes (N,K) with float scales (N,K/blk); int4 codes stored code+8, packed two
 //   per byte (N,K/2): in each run of 32 inputs, byte j holds input j (low nibble) and input j+16
-//   (high nibble), so one 16-byte load unpacks into 32 consecutive codes; scales (N,K/blk).
+//   (high nibble), so one 16-byte load unpacks into 32 consecutive codes; scales (N,K/blk); int8
+//   codes in row groups (int8 inputs only: gptc_grouped.h), the vpdpbusd operand as stored.
 // Inputs of an int layer are float (act < 0: weights dequantized on the fly), int8 per token and
 // block made on the fly (act == 0: scale max|x|/127, onnxruntime MatMulNBits accuracy_level=4
 // and qat.quantize.fake_quant_dynamic) or int8 with one calibrated scale (act > 0: W8A8,
@@ -23,7 +24,8 @@
 // Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
 // Matrix products run in blocks of weight rows (NBLK: 12 on AVX2, 48 on AVX-512), each read once
 // for all M input rows (a GEMM for prefill and batches: 4x3 float and int8 tiles, 2x4 for packed
-// int4 on AVX2; on AVX-512 the gptc_gemm512.h micro-kernels, vpdpbusd with VNNI; GEMV for M = 1).
+// int4 on AVX2; on AVX-512 the gptc_gemm512.h micro-kernels, vpdpbusd with VNNI; GEMV for M = 1;
+// int8 weights in row groups: groups of 48 rows at every M, gptc_grouped.h).
 // Batch invariant: an output's arithmetic never depends on M, the tile, the thread or the other
 // rows, and attention runs over each row's unmasked keys in order, so a sequence's logits are
 // bitwise the same alone, left-padded in a batch, prefilled at once or token by token
@@ -42,6 +44,7 @@
 #include "gptc_gemm512.h"
 #include "gptc_inputs.h"
 #include "gptc_gemv.h"
+#include "gptc_grouped.h"
 #include "gptc_linear.h"
 #include "gptc_norm_attention.h"
 #include "gptc_decoder_ops.h"

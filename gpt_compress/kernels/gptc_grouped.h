@@ -1,0 +1,337 @@
+// Int8 weights stored in row groups (weight_format::kInt8Grouped): the layout the exporter writes
+// for an int8 Linear whose inputs are int8 too, so that every M (the GEMV of a decode step, a
+// batch, a verify step, a prefill) reads the stored bytes straight into vpdpbusd's vector operand,
+// with no packing per call and no horizontal sum:
+//   codes: groups of 48 weight rows (the last one padded with zero codes); group g, step j (inputs
+//     4j..4j+3) is 192 bytes at (g * K / 4 + j) * 192, bytes 4i..4i+3 holding row 48g + i's four
+//     codes, each + 128 (0..255: vpdpbusd's unsigned operand, as stored): three registers of 16
+//     rows a step, and a group's codes one sequential stream (the next group's follow it);
+//   scales: group g, block b is 48 floats at (g * nb + b) * 48 (zeros for the padded rows).
+// A register of 16 rows' four codes times an input row's four codes (broadcast) accumulates 16
+// outputs' dots at once. The + 128 adds 128 times the input codes' sum: each accumulator starts
+// at -128 times that sum over the block (GroupedInputs), so it ends at the exact int32 dot of
+// the block. Then one convert and one fma per block, float(dot) times sx * sw, into the output's
+// float sum, in block order, + bias at the end: each output's arithmetic is the other int paths'
+// (gptc_ops.cc's head comment), so its values are bitwise theirs, on every ISA and M.
+// AVX2 builds without VNNI read the same bytes with maddubs: the codes back to signed (xor 0x80)
+// take the input's signs, |x| is the unsigned operand (pairs below 2^15: exact), no start.
+// Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
+#ifndef GPTC_KERNELS_GPTC_GROUPED_H_
+#define GPTC_KERNELS_GPTC_GROUPED_H_
+
+#include "gptc_gemm512.h"
+#include "gptc_inputs.h"
+#include "gptc_tiles.h"
+
+namespace {
+
+constexpr int GROUP_ROWS = weight_format::kGroupRows;  // a group: linear_for's unit of work
+constexpr int GROUP_REGS = GROUP_ROWS / 16;            // 16-row registers a step
+constexpr int64_t GROUP_STEP = 4 * GROUP_ROWS;         // bytes of a step
+static_assert(GROUP_ROWS == 48, "three registers of 16 rows a step");
+// The first pass over a group's codes (its first panel of input rows) prefetches the next group's
+// codes and scales into L2, GROUPED_AHEAD_GROUPS groups ahead, spread over the pass: at few rows
+// it is memory-bound, and the hardware prefetchers alone leave the loads behind (as in the GEMV:
+// gptc_gemv.h).
+#ifndef GROUPED_AHEAD_GROUPS
+#define GROUPED_AHEAD_GROUPS 1
+#endif
+
+#if defined(GPTC_VNNI512) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool kGroupedStart = true;  // vpdpbusd of the + 128 codes: accumulators start at -128 * sum(x)
+#else
+constexpr bool kGroupedStart = false;  // signed codes (maddubs, scalar): they start at zero
+#endif
+
+// The int8 inputs of a grouped Linear: codes xq (M, K), scales sx (M, nb) and the accumulators'
+// starts st (M, nb: -128 times the block's code sum; null where kGroupedStart is false).
+struct GroupedInputs {
+  const int8_t* xq;
+  const float* sx;
+  const int32_t* st;
+};
+
+inline const int32_t* grouped_starts(const int8_t* xq, int64_t M, int64_t K, int64_t blk, int32_t* st) {
+  if (!kGroupedStart) return nullptr;
+  const int64_t nb = K / blk;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t t = 0;
+      for (int64_t j = 0; j < blk; ++j) t += xq[m * K + b * blk + j];
+      st[m * nb + b] = -128 * t;
+    }
+  return st;
+}
+
+#if defined(GPTC_VNNI512)
+// R input rows x C of a group's 16-row registers from register c0: yr[r][0..16 C). codes, sw:
+// the group's codes and scales; bias: its 48 values. Registers: R * C int32 accumulators and
+// float sums, C weight vectors, one broadcast input (the 4 x 3 tile is grouped_tile512_4x3).
+// PF: the group's first pass over these registers (prefetches their codes in the next group).
+template <int R, int C, bool PF>
+inline void grouped_tile512(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
+                            const int8_t* codes, const float* sw, int c0, float* const* yr, const float* bias) {
+  const int64_t steps = blk / 4, ahead = GROUPED_AHEAD_GROUPS * GROUP_ROWS * K;
+  __m512 f[R][C];
+  GPTC_UNROLL for (int r = 0; r < R; ++r)
+    GPTC_UNROLL for (int c = 0; c < C; ++c) f[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[R][C];
+    GPTC_UNROLL for (int r = 0; r < R; ++r) {
+      const __m512i s0 = _mm512_set1_epi32(in.st[rows[r] * nb + b]);
+      GPTC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = s0;
+    }
+    const int8_t* cb = codes + b * steps * GROUP_STEP;
+    if constexpr (PF)  // its registers' scales in the next group
+      GPTC_UNROLL for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(sw + (nb + b) * GROUP_ROWS + 16 * (c0 + c)), _MM_HINT_T1);
+    for (int64_t j = 0; j < steps; ++j) {
+      const int8_t* cj = cb + j * GROUP_STEP;
+      if constexpr (PF)  // its registers' codes in the next group
+        GPTC_UNROLL for (int c = 0; c < C; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(cj) + ahead + 64 * (c0 + c), _MM_HINT_T1);
+      __m512i w[C];
+      GPTC_UNROLL for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(cj + 64 * (c0 + c));
+      GPTC_UNROLL for (int r = 0; r < R; ++r) {
+        int32_t v;
+        std::memcpy(&v, in.xq + rows[r] * K + b * blk + 4 * j, 4);
+        const __m512i xb = _mm512_set1_epi32(v);
+        GPTC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
+      }
+    }
+    GPTC_UNROLL for (int c = 0; c < C; ++c) {
+      const __m512 ws = _mm512_loadu_ps(sw + b * GROUP_ROWS + 16 * (c0 + c));
+      GPTC_UNROLL for (int r = 0; r < R; ++r)
+        f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
+                                  _mm512_mul_ps(_mm512_set1_ps(in.sx[rows[r] * nb + b]), ws), f[r][c]);
+    }
+  }
+  GPTC_UNROLL for (int c = 0; c < C; ++c) {
+    const __m512 bv = _mm512_loadu_ps(bias + 16 * (c0 + c));
+    GPTC_UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(yr[r] + 16 * c, _mm512_add_ps(f[r][c], bv));
+  }
+}
+
+// The 4 x 3 tile of a group's later passes: its 12 accumulators and 12 float sums named and
+// pinned to registers (zmm16-27, zmm4-15), as int_tile512's (an array of them is kept in memory,
+// or copied around each vpdpbusd).
+inline void grouped_tile512_4x3(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
+                                const int8_t* codes, const float* sw, float* const* yr, const float* bias) {
+  const int64_t steps = blk / 4;
+  const int8_t *x0 = in.xq + rows[0] * K, *x1 = in.xq + rows[1] * K, *x2 = in.xq + rows[2] * K, *x3 = in.xq + rows[3] * K;
+  register __m512 f00 asm("zmm4") = _mm512_setzero_ps(), f01 asm("zmm5") = f00, f02 asm("zmm6") = f00;
+  register __m512 f10 asm("zmm7") = f00, f11 asm("zmm8") = f00, f12 asm("zmm9") = f00;
+  register __m512 f20 asm("zmm10") = f00, f21 asm("zmm11") = f00, f22 asm("zmm12") = f00;
+  register __m512 f30 asm("zmm13") = f00, f31 asm("zmm14") = f00, f32 asm("zmm15") = f00;
+  for (int64_t b = 0; b < nb; ++b) {
+    register __m512i d00 asm("zmm16") = _mm512_set1_epi32(in.st[rows[0] * nb + b]), d01 asm("zmm17") = d00;
+    register __m512i d02 asm("zmm18") = d00;
+    register __m512i d10 asm("zmm19") = _mm512_set1_epi32(in.st[rows[1] * nb + b]), d11 asm("zmm20") = d10;
+    register __m512i d12 asm("zmm21") = d10;
+    register __m512i d20 asm("zmm22") = _mm512_set1_epi32(in.st[rows[2] * nb + b]), d21 asm("zmm23") = d20;
+    register __m512i d22 asm("zmm24") = d20;
+    register __m512i d30 asm("zmm25") = _mm512_set1_epi32(in.st[rows[3] * nb + b]), d31 asm("zmm26") = d30;
+    register __m512i d32 asm("zmm27") = d30;
+    const int8_t* cb = codes + b * steps * GROUP_STEP;
+    const int64_t o = b * blk;
+    for (int64_t j = 0; j < steps; ++j, cb += GROUP_STEP) {
+      const __m512i w0 = _mm512_loadu_si512(cb), w1 = _mm512_loadu_si512(cb + 64), w2 = _mm512_loadu_si512(cb + 128);
+      int32_t v;
+#define GPTC_GROUP_ROW(x, a0, a1, a2)                \
+  {                                                 \
+    std::memcpy(&v, x + o + 4 * j, 4);              \
+    const __m512i xv = _mm512_set1_epi32(v);        \
+    GPTC_DOT3(a0, a1, a2, w0, w1, w2, xv, xv, xv)   \
+  }
+      GPTC_GROUP_ROW(x0, d00, d01, d02)
+      GPTC_GROUP_ROW(x1, d10, d11, d12)
+      GPTC_GROUP_ROW(x2, d20, d21, d22)
+      GPTC_GROUP_ROW(x3, d30, d31, d32)
+#undef GPTC_GROUP_ROW
+    }
+    const __m512 w0 = _mm512_loadu_ps(sw + b * GROUP_ROWS), w1 = _mm512_loadu_ps(sw + b * GROUP_ROWS + 16);
+    const __m512 w2 = _mm512_loadu_ps(sw + b * GROUP_ROWS + 32);
+    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[0] * nb + b]), d00, d01, d02, f00, f01, f02)
+    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[1] * nb + b]), d10, d11, d12, f10, f11, f12)
+    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[2] * nb + b]), d20, d21, d22, f20, f21, f22)
+    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[3] * nb + b]), d30, d31, d32, f30, f31, f32)
+  }
+  const __m512 out[4][3] = {{f00, f01, f02}, {f10, f11, f12}, {f20, f21, f22}, {f30, f31, f32}};
+  const __m512 bv[3] = {_mm512_loadu_ps(bias), _mm512_loadu_ps(bias + 16), _mm512_loadu_ps(bias + 32)};
+  GPTC_UNROLL for (int r = 0; r < 4; ++r)
+    GPTC_UNROLL for (int c = 0; c < 3; ++c) _mm512_storeu_ps(yr[r] + 16 * c, _mm512_add_ps(out[r][c], bv[c]));
+}
+
+// One group's 48 rows against the M input rows: y[m][0..48). Panels of input rows: 5 to 8 rows
+// are one panel against each register of the group alone (R * 2 registers; the group's codes
+// read from memory once, each load feeding up to 8 rows, the later registers' from L1);
+// otherwise panels of 4 rows (the last of 1 to 3) against all three registers at once, the
+// group's codes in L1 after the first panel.
+inline void grouped_group(const GroupedInputs& in, int64_t M, int64_t K, int64_t nb, int64_t blk, const int8_t* codes,
+                          const float* sw, const float* bias, float (*y)[GROUP_ROWS], int64_t m0) {
+  const int64_t P = M >= 5 && M <= 8 ? M : 4;
+  for (int64_t m = 0; m < M; m += P) {
+    const int R = int(std::min<int64_t>(P, M - m));
+    int64_t rows[8];
+    float* yr[8];
+    for (int r = 0; r < 8; ++r) rows[r] = m0 + m + std::min(r, R - 1), yr[r] = y[m + std::min(r, R - 1)];
+    if (R >= 5) {
+      for (int c = 0; c < GROUP_REGS; ++c) {
+        float* yc[8];
+        for (int r = 0; r < 8; ++r) yc[r] = yr[r] + 16 * c;
+        auto panel = [&](auto rr) {
+          constexpr int RR = decltype(rr)::value;
+          grouped_tile512<RR, 1, true>(in, rows, K, nb, blk, codes, sw, c, yc, bias);
+        };
+        switch (R) {
+          case 8: panel(std::integral_constant<int, 8>()); break;
+          case 7: panel(std::integral_constant<int, 7>()); break;
+          case 6: panel(std::integral_constant<int, 6>()); break;
+          default: panel(std::integral_constant<int, 5>()); break;
+        }
+      }
+      continue;
+    }
+    const bool first = m == 0;
+    switch (R) {
+      case 4:
+        if (first) grouped_tile512<4, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        else grouped_tile512_4x3(in, rows, K, nb, blk, codes, sw, yr, bias);
+        break;
+      case 3:
+        if (first) grouped_tile512<3, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        else grouped_tile512<3, 3, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        break;
+      case 2:
+        if (first) grouped_tile512<2, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        else grouped_tile512<2, 3, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        break;
+      default:
+        if (first) grouped_tile512<1, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        else grouped_tile512<1, 3, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+        break;
+    }
+  }
+}
+#elif defined(__AVX2__)
+// R input rows x C of a group's 16-row registers from register c0 (two 8-row halves each):
+// yr[r][16 c0..16 (c0 + C)); as grouped_tile512 (PF: the group's first pass, prefetching as it
+// does). One row takes all three registers a step (the input broadcast and its |x| made once).
+template <int R, int C, bool PF>
+inline void grouped_tile256(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
+                            const int8_t* codes, const float* sw, int c0, float* const* yr, const float* bias) {
+  const int64_t steps = blk / 4, ahead = GROUPED_AHEAD_GROUPS * GROUP_ROWS * K;
+  __m256 f[R][2 * C];
+  GPTC_UNROLL for (int r = 0; r < R; ++r)
+    GPTC_UNROLL for (int h = 0; h < 2 * C; ++h) f[r][h] = _mm256_setzero_ps();
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[R][2 * C];
+    GPTC_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256i s0 = _mm256_set1_epi32(in.st != nullptr ? in.st[rows[r] * nb + b] : 0);
+      GPTC_UNROLL for (int h = 0; h < 2 * C; ++h) acc[r][h] = s0;
+    }
+    const int8_t* cb = codes + b * steps * GROUP_STEP + 64 * c0;
+    if constexpr (PF)  // the next group's scales
+      GPTC_UNROLL for (int l = 0; l < GROUP_REGS; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(sw + (nb + b) * GROUP_ROWS + 16 * l), _MM_HINT_T1);
+    for (int64_t j = 0; j < steps; ++j) {
+      if constexpr (PF)
+        GPTC_UNROLL for (int l = 0; l < GROUP_REGS; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (b * steps + j) * GROUP_STEP) + ahead + 64 * l, _MM_HINT_T1);
+      __m256i xb[R];
+      GPTC_UNROLL for (int r = 0; r < R; ++r) {
+        int32_t v;
+        std::memcpy(&v, in.xq + rows[r] * K + b * blk + 4 * j, 4);
+        xb[r] = _mm256_set1_epi32(v);
+      }
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+      __m256i ax[R];
+      GPTC_UNROLL for (int r = 0; r < R; ++r) ax[r] = _mm256_abs_epi8(xb[r]);
+#endif
+      GPTC_UNROLL for (int h = 0; h < 2 * C; ++h) {
+        __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * GROUP_STEP + 32 * h));
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+        GPTC_UNROLL for (int r = 0; r < R; ++r) acc[r][h] = _mm256_add_epi32(acc[r][h], dot32_u8(w, xb[r]));
+#else
+        w = _mm256_xor_si256(w, flip);  // signed codes
+        GPTC_UNROLL for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_add_epi32(acc[r][h],
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(w, xb[r])), ones));
+#endif
+      }
+    }
+    const float* sb = sw + b * GROUP_ROWS + 16 * c0;
+    GPTC_UNROLL for (int h = 0; h < 2 * C; ++h) {
+      const __m256 ws = _mm256_loadu_ps(sb + 8 * h);
+      GPTC_UNROLL for (int r = 0; r < R; ++r)
+        f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]),
+                                  _mm256_mul_ps(_mm256_set1_ps(in.sx[rows[r] * nb + b]), ws), f[r][h]);
+    }
+  }
+  GPTC_UNROLL for (int r = 0; r < R; ++r)
+    GPTC_UNROLL for (int h = 0; h < 2 * C; ++h)
+      _mm256_storeu_ps(yr[r] + 16 * c0 + 8 * h, _mm256_add_ps(f[r][h], _mm256_loadu_ps(bias + 16 * c0 + 8 * h)));
+}
+
+// One group's 48 rows against the M input rows: y[m][0..48), two input rows a register at a
+// time, a last single row all three registers at once.
+inline void grouped_group(const GroupedInputs& in, int64_t M, int64_t K, int64_t nb, int64_t blk, const int8_t* codes,
+                          const float* sw, const float* bias, float (*y)[GROUP_ROWS], int64_t m0) {
+  for (int64_t m = 0; m < M; m += 2) {
+    const int64_t rows[2] = {m0 + m, m0 + std::min(m + 1, M - 1)};
+    float* yr[2] = {y[m], y[std::min(m + 1, M - 1)]};
+    if (m + 1 == M) {
+      m == 0 ? grouped_tile256<1, GROUP_REGS, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias)
+             : grouped_tile256<1, GROUP_REGS, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
+      continue;
+    }
+    for (int c = 0; c < GROUP_REGS; ++c)
+      m == 0 && c == 0 ? grouped_tile256<2, 1, true>(in, rows, K, nb, blk, codes, sw, c, yr, bias)
+                       : grouped_tile256<2, 1, false>(in, rows, K, nb, blk, codes, sw, c, yr, bias);
+  }
+}
+#else
+// Scalar: the same values, output by output.
+inline void grouped_group(const GroupedInputs& in, int64_t M, int64_t K, int64_t nb, int64_t blk, const int8_t* codes,
+                          const float* sw, const float* bias, float (*y)[GROUP_ROWS], int64_t m0) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int i = 0; i < GROUP_ROWS; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t d = 0;
+        for (int64_t k = b * blk; k < (b + 1) * blk; ++k)
+          d += (int32_t(uint8_t(codes[(k / 4) * GROUP_STEP + 4 * i + k % 4])) - 128) * int32_t(in.xq[(m0 + m) * K + k]);
+        acc = std::fma(float(d), in.sx[(m0 + m) * nb + b] * sw[b * GROUP_ROWS + i], acc);
+      }
+      y[m][i] = acc + bias[i];
+    }
+}
+#endif
+
+// Weight rows [n0, n0 + nr) of a grouped Linear (L.grouped) against all M input rows into y
+// (M rows, ldy apart; y[m * ldy + n - n0]): each group that holds some of them, whole, in panels
+// of up to 8 input rows.
+void grouped_block(const LinearWeights& L, const GroupedInputs& in, int64_t M, int64_t n0, int nr, float* y,
+                   int64_t ldy) {
+  const int64_t K = L.k, nb = K / L.blk;
+  alignas(64) float out[8][GROUP_ROWS];
+  for (int64_t g = n0 / GROUP_ROWS; g * GROUP_ROWS < n0 + nr; ++g) {
+    const int64_t first = g * GROUP_ROWS;
+    alignas(64) float bias[GROUP_ROWS];
+    for (int i = 0; i < GROUP_ROWS; ++i) bias[i] = L.bias != nullptr && first + i < L.n ? L.bias[first + i] : 0.f;
+    const int64_t lo = std::max(n0, first), hi = std::min(n0 + nr, first + GROUP_ROWS);  // the rows kept
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mp = std::min<int64_t>(8, M - m0);
+      grouped_group(in, mp, K, nb, L.blk, L.wq + first * K, L.scale + first * nb, bias, out, m0);
+      for (int64_t m = 0; m < mp; ++m)
+        std::memcpy(y + (m0 + m) * ldy + (lo - n0), out[m] + (lo - first), size_t(hi - lo) * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+
+#endif  // GPTC_KERNELS_GPTC_GROUPED_H_
