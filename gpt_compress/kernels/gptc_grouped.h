@@ -29,13 +29,11 @@ constexpr int GROUP_ROWS = weight_format::kGroupRows;  // a group: linear_for's 
 constexpr int GROUP_REGS = GROUP_ROWS / 16;            // 16-row registers a step
 constexpr int64_t GROUP_STEP = 4 * GROUP_ROWS;         // bytes of a step
 static_assert(GROUP_ROWS == 48, "three registers of 16 rows a step");
-// The first pass over a group's codes (its first panel of input rows) prefetches the next group's
-// codes and scales into L2, GROUPED_AHEAD_GROUPS groups ahead, spread over the pass: at few rows
-// it is memory-bound, and the hardware prefetchers alone leave the loads behind (as in the GEMV:
-// gptc_gemv.h).
-#ifndef GROUPED_AHEAD_GROUPS
-#define GROUPED_AHEAD_GROUPS 1
-#endif
+// A pass over a group's codes for up to 8 input rows (AVX2: the group's first pass) prefetches the
+// codes and scales this many groups ahead into L2, spread over the pass: at few rows it is
+// memory-bound, and the hardware prefetchers alone leave the loads behind (as in the GEMV,
+// gptc_gemv.h); two groups ahead measured slower than one.
+constexpr int64_t GROUPED_AHEAD_GROUPS = 1;
 
 #if defined(GPTC_VNNI512) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 constexpr bool kGroupedStart = true;  // vpdpbusd of the + 128 codes: accumulators start at -128 * sum(x)
@@ -64,13 +62,13 @@ inline const int32_t* grouped_starts(const int8_t* xq, int64_t M, int64_t K, int
 }
 
 #if defined(GPTC_VNNI512)
-// R input rows x C of a group's 16-row registers from register c0: yr[r][0..16 C). codes, sw:
-// the group's codes and scales; bias: its 48 values. Registers: R * C int32 accumulators and
-// float sums, C weight vectors, one broadcast input (the 4 x 3 tile is grouped_tile512_4x3).
-// PF: the group's first pass over these registers (prefetches their codes in the next group).
-template <int R, int C, bool PF>
+// R <= 4 input rows x a group's three 16-row registers: yr[r][0..48). codes, sw: the group's codes
+// and scales; bias: its 48 values. Registers: 3 R int32 accumulators and float sums, 3 weight
+// vectors, one broadcast input; prefetches as GROUPED_AHEAD_GROUPS says.
+template <int R>
 inline void grouped_tile512(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
-                            const int8_t* codes, const float* sw, int c0, float* const* yr, const float* bias) {
+                            const int8_t* codes, const float* sw, float* const* yr, const float* bias) {
+  constexpr int C = GROUP_REGS;
   const int64_t steps = blk / 4, ahead = GROUPED_AHEAD_GROUPS * GROUP_ROWS * K;
   __m512 f[R][C];
   GPTC_UNROLL for (int r = 0; r < R; ++r)
@@ -82,16 +80,13 @@ inline void grouped_tile512(const GroupedInputs& in, const int64_t* rows, int64_
       GPTC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = s0;
     }
     const int8_t* cb = codes + b * steps * GROUP_STEP;
-    if constexpr (PF)  // its registers' scales in the next group
-      GPTC_UNROLL for (int c = 0; c < C; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(sw + (nb + b) * GROUP_ROWS + 16 * (c0 + c)), _MM_HINT_T1);
+    GPTC_UNROLL for (int c = 0; c < C; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(sw + (nb + b) * GROUP_ROWS + 16 * c), _MM_HINT_T1);
     for (int64_t j = 0; j < steps; ++j) {
       const int8_t* cj = cb + j * GROUP_STEP;
-      if constexpr (PF)  // its registers' codes in the next group
-        GPTC_UNROLL for (int c = 0; c < C; ++c)
-          _mm_prefetch(reinterpret_cast<const char*>(cj) + ahead + 64 * (c0 + c), _MM_HINT_T1);
+      GPTC_UNROLL for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(cj) + ahead + 64 * c, _MM_HINT_T1);
       __m512i w[C];
-      GPTC_UNROLL for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(cj + 64 * (c0 + c));
+      GPTC_UNROLL for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(cj + 64 * c);
       GPTC_UNROLL for (int r = 0; r < R; ++r) {
         int32_t v;
         std::memcpy(&v, in.xq + rows[r] * K + b * blk + 4 * j, 4);
@@ -100,41 +95,46 @@ inline void grouped_tile512(const GroupedInputs& in, const int64_t* rows, int64_
       }
     }
     GPTC_UNROLL for (int c = 0; c < C; ++c) {
-      const __m512 ws = _mm512_loadu_ps(sw + b * GROUP_ROWS + 16 * (c0 + c));
+      const __m512 ws = _mm512_loadu_ps(sw + b * GROUP_ROWS + 16 * c);
       GPTC_UNROLL for (int r = 0; r < R; ++r)
         f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
                                   _mm512_mul_ps(_mm512_set1_ps(in.sx[rows[r] * nb + b]), ws), f[r][c]);
     }
   }
   GPTC_UNROLL for (int c = 0; c < C; ++c) {
-    const __m512 bv = _mm512_loadu_ps(bias + 16 * (c0 + c));
+    const __m512 bv = _mm512_loadu_ps(bias + 16 * c);
     GPTC_UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(yr[r] + 16 * c, _mm512_add_ps(f[r][c], bv));
   }
 }
 
-// The 4 x 3 tile of a group's later passes: its 12 accumulators and 12 float sums named and
-// pinned to registers (zmm16-27, zmm4-15), as int_tile512's (an array of them is kept in memory,
-// or copied around each vpdpbusd).
-inline void grouped_tile512_4x3(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
+// 8 input rows x a group's three registers, in one pass over its codes (each load feeding 8
+// rows), prefetching as grouped_tile512: the 24 accumulators named and pinned to registers
+// (zmm4-27: an array of them is kept in memory, or copied around each vpdpbusd); the float sums
+// wait in yr (48 floats a row, an exact store and load per block), + bias after the last block.
+#define GPTC_ACCS3(r, z0, z1, z2)                                                              \
+  register __m512i d##r##0 asm(z0) = _mm512_set1_epi32(in.st[rows[r] * nb + b]), d##r##1 asm(z1) = d##r##0; \
+  register __m512i d##r##2 asm(z2) = d##r##0;
+inline void grouped_tile512_8x3(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
                                 const int8_t* codes, const float* sw, float* const* yr, const float* bias) {
-  const int64_t steps = blk / 4;
+  const int64_t steps = blk / 4, ahead = GROUPED_AHEAD_GROUPS * GROUP_ROWS * K;
   const int8_t *x0 = in.xq + rows[0] * K, *x1 = in.xq + rows[1] * K, *x2 = in.xq + rows[2] * K, *x3 = in.xq + rows[3] * K;
-  register __m512 f00 asm("zmm4") = _mm512_setzero_ps(), f01 asm("zmm5") = f00, f02 asm("zmm6") = f00;
-  register __m512 f10 asm("zmm7") = f00, f11 asm("zmm8") = f00, f12 asm("zmm9") = f00;
-  register __m512 f20 asm("zmm10") = f00, f21 asm("zmm11") = f00, f22 asm("zmm12") = f00;
-  register __m512 f30 asm("zmm13") = f00, f31 asm("zmm14") = f00, f32 asm("zmm15") = f00;
+  const int8_t *x4 = in.xq + rows[4] * K, *x5 = in.xq + rows[5] * K, *x6 = in.xq + rows[6] * K, *x7 = in.xq + rows[7] * K;
+  for (int r = 0; r < 8; ++r) std::memset(yr[r], 0, GROUP_ROWS * sizeof(float));
   for (int64_t b = 0; b < nb; ++b) {
-    register __m512i d00 asm("zmm16") = _mm512_set1_epi32(in.st[rows[0] * nb + b]), d01 asm("zmm17") = d00;
-    register __m512i d02 asm("zmm18") = d00;
-    register __m512i d10 asm("zmm19") = _mm512_set1_epi32(in.st[rows[1] * nb + b]), d11 asm("zmm20") = d10;
-    register __m512i d12 asm("zmm21") = d10;
-    register __m512i d20 asm("zmm22") = _mm512_set1_epi32(in.st[rows[2] * nb + b]), d21 asm("zmm23") = d20;
-    register __m512i d22 asm("zmm24") = d20;
-    register __m512i d30 asm("zmm25") = _mm512_set1_epi32(in.st[rows[3] * nb + b]), d31 asm("zmm26") = d30;
-    register __m512i d32 asm("zmm27") = d30;
+    GPTC_ACCS3(0, "zmm4", "zmm5", "zmm6")
+    GPTC_ACCS3(1, "zmm7", "zmm8", "zmm9")
+    GPTC_ACCS3(2, "zmm10", "zmm11", "zmm12")
+    GPTC_ACCS3(3, "zmm13", "zmm14", "zmm15")
+    GPTC_ACCS3(4, "zmm16", "zmm17", "zmm18")
+    GPTC_ACCS3(5, "zmm19", "zmm20", "zmm21")
+    GPTC_ACCS3(6, "zmm22", "zmm23", "zmm24")
+    GPTC_ACCS3(7, "zmm25", "zmm26", "zmm27")
+    GPTC_UNROLL for (int c = 0; c < GROUP_REGS; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(sw + (nb + b) * GROUP_ROWS + 16 * c), _MM_HINT_T1);
     const int8_t* cb = codes + b * steps * GROUP_STEP;
     const int64_t o = b * blk;
     for (int64_t j = 0; j < steps; ++j, cb += GROUP_STEP) {
+      GPTC_UNROLL for (int c = 0; c < GROUP_REGS; ++c) _mm_prefetch(reinterpret_cast<const char*>(cb) + ahead + 64 * c, _MM_HINT_T1);
       const __m512i w0 = _mm512_loadu_si512(cb), w1 = _mm512_loadu_si512(cb + 64), w2 = _mm512_loadu_si512(cb + 128);
       int32_t v;
 #define GPTC_GROUP_ROW(x, a0, a1, a2)                \
@@ -147,70 +147,47 @@ inline void grouped_tile512_4x3(const GroupedInputs& in, const int64_t* rows, in
       GPTC_GROUP_ROW(x1, d10, d11, d12)
       GPTC_GROUP_ROW(x2, d20, d21, d22)
       GPTC_GROUP_ROW(x3, d30, d31, d32)
+      GPTC_GROUP_ROW(x4, d40, d41, d42)
+      GPTC_GROUP_ROW(x5, d50, d51, d52)
+      GPTC_GROUP_ROW(x6, d60, d61, d62)
+      GPTC_GROUP_ROW(x7, d70, d71, d72)
 #undef GPTC_GROUP_ROW
     }
     const __m512 w0 = _mm512_loadu_ps(sw + b * GROUP_ROWS), w1 = _mm512_loadu_ps(sw + b * GROUP_ROWS + 16);
     const __m512 w2 = _mm512_loadu_ps(sw + b * GROUP_ROWS + 32);
-    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[0] * nb + b]), d00, d01, d02, f00, f01, f02)
-    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[1] * nb + b]), d10, d11, d12, f10, f11, f12)
-    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[2] * nb + b]), d20, d21, d22, f20, f21, f22)
-    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[3] * nb + b]), d30, d31, d32, f30, f31, f32)
+#define GPTC_GROUP_SUMS(r)                                                                                  \
+  {                                                                                                         \
+    __m512 f0 = _mm512_loadu_ps(yr[r]), f1 = _mm512_loadu_ps(yr[r] + 16), f2 = _mm512_loadu_ps(yr[r] + 32); \
+    GPTC_FMA3(_mm512_set1_ps(in.sx[rows[r] * nb + b]), d##r##0, d##r##1, d##r##2, f0, f1, f2)              \
+    _mm512_storeu_ps(yr[r], f0), _mm512_storeu_ps(yr[r] + 16, f1), _mm512_storeu_ps(yr[r] + 32, f2);         \
   }
-  const __m512 out[4][3] = {{f00, f01, f02}, {f10, f11, f12}, {f20, f21, f22}, {f30, f31, f32}};
-  const __m512 bv[3] = {_mm512_loadu_ps(bias), _mm512_loadu_ps(bias + 16), _mm512_loadu_ps(bias + 32)};
-  GPTC_UNROLL for (int r = 0; r < 4; ++r)
-    GPTC_UNROLL for (int c = 0; c < 3; ++c) _mm512_storeu_ps(yr[r] + 16 * c, _mm512_add_ps(out[r][c], bv[c]));
+    GPTC_GROUP_SUMS(0) GPTC_GROUP_SUMS(1) GPTC_GROUP_SUMS(2) GPTC_GROUP_SUMS(3)
+    GPTC_GROUP_SUMS(4) GPTC_GROUP_SUMS(5) GPTC_GROUP_SUMS(6) GPTC_GROUP_SUMS(7)
+#undef GPTC_GROUP_SUMS
+  }
+  GPTC_UNROLL for (int r = 0; r < 8; ++r)
+    GPTC_UNROLL for (int c = 0; c < GROUP_REGS; ++c)
+      _mm512_storeu_ps(yr[r] + 16 * c, _mm512_add_ps(_mm512_loadu_ps(yr[r] + 16 * c), _mm512_loadu_ps(bias + 16 * c)));
 }
+#undef GPTC_ACCS3
 
-// One group's 48 rows against the M input rows: y[m][0..48). Panels of input rows: 5 to 8 rows
-// are one panel against each register of the group alone (R * 2 registers; the group's codes
-// read from memory once, each load feeding up to 8 rows, the later registers' from L1);
-// otherwise panels of 4 rows (the last of 1 to 3) against all three registers at once, the
-// group's codes in L1 after the first panel.
+// One group's 48 rows against the M <= 8 input rows: y[m][0..48). 5 to 8 rows take the 8 x 3
+// kernel (the group's codes read once, each load feeding 8 rows); fewer take the R x 3 tiles.
 inline void grouped_group(const GroupedInputs& in, int64_t M, int64_t K, int64_t nb, int64_t blk, const int8_t* codes,
                           const float* sw, const float* bias, float (*y)[GROUP_ROWS], int64_t m0) {
-  const int64_t P = M >= 5 && M <= 8 ? M : 4;
-  for (int64_t m = 0; m < M; m += P) {
-    const int R = int(std::min<int64_t>(P, M - m));
-    int64_t rows[8];
-    float* yr[8];
-    for (int r = 0; r < 8; ++r) rows[r] = m0 + m + std::min(r, R - 1), yr[r] = y[m + std::min(r, R - 1)];
-    if (R >= 5) {
-      for (int c = 0; c < GROUP_REGS; ++c) {
-        float* yc[8];
-        for (int r = 0; r < 8; ++r) yc[r] = yr[r] + 16 * c;
-        auto panel = [&](auto rr) {
-          constexpr int RR = decltype(rr)::value;
-          grouped_tile512<RR, 1, true>(in, rows, K, nb, blk, codes, sw, c, yc, bias);
-        };
-        switch (R) {
-          case 8: panel(std::integral_constant<int, 8>()); break;
-          case 7: panel(std::integral_constant<int, 7>()); break;
-          case 6: panel(std::integral_constant<int, 6>()); break;
-          default: panel(std::integral_constant<int, 5>()); break;
-        }
-      }
-      continue;
-    }
-    const bool first = m == 0;
-    switch (R) {
-      case 4:
-        if (first) grouped_tile512<4, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        else grouped_tile512_4x3(in, rows, K, nb, blk, codes, sw, yr, bias);
-        break;
-      case 3:
-        if (first) grouped_tile512<3, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        else grouped_tile512<3, 3, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        break;
-      case 2:
-        if (first) grouped_tile512<2, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        else grouped_tile512<2, 3, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        break;
-      default:
-        if (first) grouped_tile512<1, 3, true>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        else grouped_tile512<1, 3, false>(in, rows, K, nb, blk, codes, sw, 0, yr, bias);
-        break;
-    }
+  int64_t rows[8];
+  float* yr[8];
+  alignas(64) float spare[3][GROUP_ROWS];  // past M (5 to 7 rows): the last row again, its sums here
+  for (int r = 0; r < 8; ++r) {
+    rows[r] = m0 + std::min<int64_t>(r, M - 1);
+    yr[r] = r < M ? y[r] : r >= 5 ? spare[r - 5] : y[M - 1];
+  }
+  switch (M) {
+    case 4: grouped_tile512<4>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    case 3: grouped_tile512<3>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    case 2: grouped_tile512<2>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    case 1: grouped_tile512<1>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    default: grouped_tile512_8x3(in, rows, K, nb, blk, codes, sw, yr, bias); break;
   }
 }
 #elif defined(__AVX2__)
