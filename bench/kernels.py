@@ -44,7 +44,8 @@ time (a call that another process preempts is not charged for the time it waited
   instruction its format's GEMM uses (int8/int4: vpdpbusd where the build's GEMM has 512-bit
   VNNI, else vpmaddubsw; fp32: vfmadd231ps), that peak measured alongside: each call is
   followed by a peak loop of its length (``peak_gmacs_alongside``, their median), so on a shared
-  machine a neighbour slows both sides of the ratio alike.
+  machine a neighbour slows both sides of the ratio alike. ``int8`` is the weights as exports
+  store them (row groups, kernels/gptc_grouped.h); ``--formats int8_rows`` adds row-major int8.
 """
 from __future__ import annotations
 
@@ -233,7 +234,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt-bench")
     p.add_argument("--workdir", default=None, help="exports of bench/decode.py (made if missing)")
-    p.add_argument("--formats", default=None, help="fp32, int8, int4 (default fp32,int8; --roofline: all three)")
+    p.add_argument("--formats", default=None,
+                   help="fp32, int8, int4 (default fp32,int8; --roofline: all three, and int8_rows on request)")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=200, help="predictor runs timed")
