@@ -35,7 +35,11 @@ static_assert(GROUP_ROWS == 48, "three registers of 16 rows a step");
 // gptc_gemv.h); two groups ahead measured slower than one.
 constexpr int64_t GROUPED_AHEAD_GROUPS = 1;
 
-#if defined(GPTC_VNNI512) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+// 256-bit vpdpbusd (dot32_u8's VNNI form): the AVX2 kernels' unsigned operand is the codes as stored.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define GPTC_GROUPED_VNNI256 1
+#endif
+#if defined(GPTC_VNNI512) || defined(GPTC_GROUPED_VNNI256)
 constexpr bool kGroupedStart = true;  // vpdpbusd of the + 128 codes: accumulators start at -128 * sum(x)
 #else
 constexpr bool kGroupedStart = false;  // signed codes (maddubs, scalar): they start at zero
@@ -201,7 +205,7 @@ inline void grouped_tile256(const GroupedInputs& in, const int64_t* rows, int64_
   __m256 f[R][2 * C];
   GPTC_UNROLL for (int r = 0; r < R; ++r)
     GPTC_UNROLL for (int h = 0; h < 2 * C; ++h) f[r][h] = _mm256_setzero_ps();
-#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+#if !defined(GPTC_GROUPED_VNNI256)
   const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t b = 0; b < nb; ++b) {
@@ -224,13 +228,13 @@ inline void grouped_tile256(const GroupedInputs& in, const int64_t* rows, int64_
         std::memcpy(&v, in.xq + rows[r] * K + b * blk + 4 * j, 4);
         xb[r] = _mm256_set1_epi32(v);
       }
-#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+#if !defined(GPTC_GROUPED_VNNI256)
       __m256i ax[R];
       GPTC_UNROLL for (int r = 0; r < R; ++r) ax[r] = _mm256_abs_epi8(xb[r]);
 #endif
       GPTC_UNROLL for (int h = 0; h < 2 * C; ++h) {
         __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + j * GROUP_STEP + 32 * h));
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#if defined(GPTC_GROUPED_VNNI256)
         GPTC_UNROLL for (int r = 0; r < R; ++r) acc[r][h] = _mm256_add_epi32(acc[r][h], dot32_u8(w, xb[r]));
 #else
         w = _mm256_xor_si256(w, flip);  // signed codes
