@@ -172,6 +172,13 @@ WeightView weight_view(const paddle::Tensor& t) {
   return v;
 }
 
+// Whether int8 codes w (N, K) and scales s (N, nb) in row groups (weight_format::kInt8Grouped)
+// lie in their memory: N rounded up to whole groups of each.
+inline bool grouped_fits(const WeightView& w, const WeightView& s) {
+  const int64_t rows = (w.d0 + weight_format::kGroupRows - 1) / weight_format::kGroupRows * weight_format::kGroupRows;
+  return s.d0 == w.d0 && rows * w.d1 <= w.avail && rows * s.d1 <= s.avail;
+}
+
 LinearWeights make_linear_weights(const WeightView& w, const WeightView& s, const float* bias, int bits, float act) {
   LinearWeights L;
   L.bits = bits;
@@ -196,10 +203,9 @@ LinearWeights make_linear_weights(const WeightView& w, const WeightView& s, cons
              "gptc: int4 weights need a multiple of 32 inputs");
     PD_CHECK(s.d0 == L.n && L.blk * s.d1 == L.k, "gptc: weight scale shape mismatch");
     if (L.grouped) {
-      const int64_t rows = (L.n + weight_format::kGroupRows - 1) / weight_format::kGroupRows * weight_format::kGroupRows;
       PD_CHECK(act >= 0.f && L.k % 4 == 0 && L.blk % 4 == 0,
                "gptc: int8 weights in row groups need int8 inputs and blocks of whole 4-code steps");
-      PD_CHECK(rows * L.k <= w.avail && rows * s.d1 <= s.avail, "gptc: int8 weights in row groups lie outside their blob");
+      PD_CHECK(grouped_fits(w, s), "gptc: int8 weights in row groups lie outside their blob");
     }
   }
   L.bias = bias;

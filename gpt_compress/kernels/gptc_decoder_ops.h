@@ -39,8 +39,7 @@ Table make_table(const WeightView& w, const WeightView& s, int bits) {
     t.s = s.f();
     t.nb = s.d1;
     if (bits == weight_format::kInt8Grouped) {
-      const int64_t rows = (t.rows + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
-      PD_CHECK(w.d1 % 4 == 0 && t.nb > 0 && w.d1 % t.nb == 0 && rows * w.d1 <= w.avail && rows * t.nb <= s.avail,
+      PD_CHECK(w.d1 % 4 == 0 && t.nb > 0 && w.d1 % t.nb == 0 && grouped_fits(w, s),
                "gptc: int8 embedding in row groups: bad shape");
       t.grouped = true, t.bits = weight_format::kInt8Bits;
     }

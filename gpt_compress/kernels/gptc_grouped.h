@@ -294,7 +294,7 @@ inline void grouped_group(const GroupedInputs& in, int64_t M, int64_t K, int64_t
 
 // Weight rows [n0, n0 + nr) of a grouped Linear (L.grouped) against all M input rows into y
 // (M rows, ldy apart; y[m * ldy + n - n0]): each group that holds some of them, whole, in panels
-// of up to 8 input rows.
+// of up to 8 input rows (a group starting at n0 into rows of 48 fills all 48: linear_block's tile).
 void grouped_block(const LinearWeights& L, const GroupedInputs& in, int64_t M, int64_t n0, int nr, float* y,
                    int64_t ldy) {
   const int64_t K = L.k, nb = K / L.blk;
@@ -304,11 +304,15 @@ void grouped_block(const LinearWeights& L, const GroupedInputs& in, int64_t M, i
     alignas(64) float bias[GROUP_ROWS];
     for (int i = 0; i < GROUP_ROWS; ++i) bias[i] = L.bias != nullptr && first + i < L.n ? L.bias[first + i] : 0.f;
     const int64_t lo = std::max(n0, first), hi = std::min(n0 + nr, first + GROUP_ROWS);  // the rows kept
+    // A whole group into rows of 48 (linear_block's tile) is written in place; otherwise through out.
+    const bool direct = first == n0 && ldy == GROUP_ROWS;
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
       const int64_t mp = std::min<int64_t>(8, M - m0);
-      grouped_group(in, mp, K, nb, L.blk, L.wq + first * K, L.scale + first * nb, bias, out, m0);
-      for (int64_t m = 0; m < mp; ++m)
-        std::memcpy(y + (m0 + m) * ldy + (lo - n0), out[m] + (lo - first), size_t(hi - lo) * sizeof(float));
+      float(*dst)[GROUP_ROWS] = direct ? reinterpret_cast<float(*)[GROUP_ROWS]>(y + m0 * ldy) : out;
+      grouped_group(in, mp, K, nb, L.blk, L.wq + first * K, L.scale + first * nb, bias, dst, m0);
+      if (!direct)
+        for (int64_t m = 0; m < mp; ++m)
+          std::memcpy(y + (m0 + m) * ldy + (lo - n0), out[m] + (lo - first), size_t(hi - lo) * sizeof(float));
     }
   }
 }
