@@ -23,7 +23,21 @@ from gpt_compress.inference.runner import Generator
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, shakespeare):
-    return model_dirs(tmp_path_factory, shakespeare)
+    """model_dirs, plus ``narrow_ckpt`` / ``narrow_export``: the trained model pruned in depth and
+    width (block 1 of 2, 40 of 64 hidden channels, heads 1 and 3 of 4; head width 16 kept)."""
+    from gpt_compress.checkpoint import load_model, save_model
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.export import export
+    from gpt_compress.prune import prune_model
+
+    out = model_dirs(tmp_path_factory, shakespeare)
+    base = tmp_path_factory.mktemp("narrow")
+    model = load_model(out["ckpt"])
+    keep_hidden = sorted(np.random.default_rng(0).choice(64, 40, replace=False).tolist())
+    narrow = prune_model(model, [[0, 1, 2, 3], [1, 3]], [list(range(256))] * 2, keep_layers=[1], keep_hidden=keep_hidden)
+    out["narrow_ckpt"] = save_model(narrow, str(base / "ckpt"), tokenizer=Tokenizer.load(out["ckpt"]))
+    out["narrow_export"] = export(out["narrow_ckpt"], str(base / "export"), formats=("paddle",))
+    return out
 
 
 def _eager_steps(model, fused, ids, mask, steps, seed=0):
@@ -45,10 +59,11 @@ def _eager_steps(model, fused, ids, mask, steps, seed=0):
     return worst
 
 
-@pytest.mark.parametrize("which", ["ckpt", "pruned_ckpt"])
+@pytest.mark.parametrize("which", ["ckpt", "pruned_ckpt", "narrow_ckpt"])
 def test_fused_ops_eagerly_match_dygraph_on_a_left_padded_batch(dirs, which):
     """The fused program's op runs in dygraph: prefill + 32 decode steps within LOGIT_ATOL x
-    max(1, max |logit|) of the model, with per-layer head counts and FFN widths (pruned)."""
+    max(1, max |logit|) of the model, with per-layer head counts and FFN widths (pruned), and
+    with a hidden size that is not heads x head width (narrow)."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.data.tokenizer import Tokenizer
     from gpt_compress.export.fused import FusedLM, fused_weights
@@ -60,14 +75,14 @@ def test_fused_ops_eagerly_match_dygraph_on_a_left_padded_batch(dirs, which):
     assert _eager_steps(model, FusedLM(fused_weights(model)), ids, mask, steps=32) < LOGIT_ATOL
 
 
-@pytest.mark.parametrize("which", ["export", "pruned_export"])
+@pytest.mark.parametrize("which", ["export", "pruned_export", "narrow_export"])
 def test_fused_program_matches_dygraph_and_the_unfused_programs(dirs, which):
     """The default Paddle backend runs fused.json: prefill + 32 decode steps of a left-padded batch
     within 1e-4 of dygraph; greedy and beam-search tokens identical to the unfused export's."""
     from gpt_compress.inference.fused import FusedBackend
     from gpt_compress.inference.predictor import PaddleBackend
 
-    ckpt = dirs["ckpt"] if which == "export" else dirs["pruned_ckpt"]
+    ckpt = dirs[which.replace("export", "ckpt")]
     fused = Generator.from_dir(dirs[which], backend="paddle")
     unfused = Generator.from_dir(dirs[which], backend="paddle", fused=False)
     ref = Generator.from_dir(ckpt, backend="dygraph")

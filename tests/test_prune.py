@@ -1,5 +1,6 @@
-"""Structured pruning: exact parameter counts, slicing equals masking the removed groups, Taylor
-and magnitude importance both rank sensibly and deterministically, `gptc prune` on real data."""
+"""Structured pruning: exact parameter counts, slicing equals masking the removed groups (heads,
+FFN channels, blocks), width pruning slices every hidden axis, Taylor and magnitude importance
+both rank sensibly and deterministically, `gptc prune` on real data."""
 import itertools
 import json
 import os
@@ -14,7 +15,7 @@ from _compress_helpers import data_overrides, teacher_ckpt
 from gpt_compress.checkpoint import load_model, read_config, save_model
 from gpt_compress.config import ConfigError, ModelConfig, PruneConfig, build_config
 from gpt_compress.model.gpt import GPTForCausalLM
-from gpt_compress.prune import plan_pruning, prune_model, select_keep, structured_prune
+from gpt_compress.prune import hidden_axis, plan_pruning, prune_model, select_keep, structured_prune
 from gpt_compress.train.loss import causal_lm_loss
 from gpt_compress.train.trainer import evaluate
 
@@ -99,6 +100,52 @@ def test_slicing_equals_zeroing_the_removed_groups():
                                   dense(ids).numpy())
 
 
+def test_dropping_blocks_equals_zeroing_what_they_write():
+    """A block whose attn.out and fc_out (weights and biases) are zero is the identity, so keeping
+    blocks 0 and 2 of 4 computes what the dense model computes with blocks 1 and 3 zeroed."""
+    dense = _random_model(2, num_layers=4)
+    every = [list(range(4))] * 4, [list(range(256))] * 4
+    pruned = prune_model(dense, *every, keep_layers=[2, 0])  # order given does not matter
+    assert pruned.config.num_layers == 2 and pruned.config.hidden_size == 64
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, 1024, (2, 24)), dtype="int64")
+    want = pruned(ids).numpy()
+    for i in (1, 3):
+        for layer in (dense.gpt.blocks[i].attn.out, dense.gpt.blocks[i].mlp.fc_out):
+            layer.weight.set_value(np.zeros(layer.weight.shape, np.float32))
+            layer.bias.set_value(np.zeros(layer.bias.shape, np.float32))
+    np.testing.assert_allclose(want, dense(ids).numpy(), rtol=0, atol=SAME_FUNCTION_ATOL)
+    with pytest.raises(ValueError, match="keep no layers"):
+        prune_model(dense, *every, keep_layers=[])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_width_pruning_slices_every_parameter_along_its_hidden_axis(tmp_path, tied):
+    """Keeping 40 of 64 hidden channels: every parameter is the dense one taken at those channels
+    along ``hidden_axis`` (the untied head too), the rest unchanged; no parameter left without a
+    hidden axis has a dimension of the hidden size; head width, counts and saving hold."""
+    dense = _random_model(3, tie_word_embeddings=tied)
+    keep = sorted(np.random.default_rng(1).choice(64, 40, replace=False).tolist())
+    pruned = prune_model(dense, [list(range(4))] * 2, [list(range(256))] * 2, keep_hidden=keep)
+    cfg = pruned.config
+    assert (cfg.hidden_size, cfg.dim_head, cfg.layer_num_heads) == (40, 16, [4, 4])
+    want = {n: p.numpy() for n, p in dense.named_parameters()}
+    sliced = 0
+    for name, p in pruned.named_parameters():
+        axis = hidden_axis(name)
+        ref = want[name]
+        if axis is None:
+            assert 64 not in ref.shape, name
+        else:
+            ref, sliced = np.take(ref, keep, axis=axis), sliced + 1
+            assert p.shape[axis] == 40, name
+        np.testing.assert_array_equal(p.numpy(), ref, err_msg=name)
+    assert sliced == 2 + 2 * 10 + 2 + (0 if tied else 1)  # embeddings, 10 per block, ln_f, head
+    assert _n_params(pruned) == cfg.num_parameters()
+    path = save_model(pruned, str(tmp_path / "narrow"))
+    ids = paddle.to_tensor(np.arange(40).reshape(2, 20), dtype="int64")
+    np.testing.assert_array_equal(load_model(path)(ids).numpy(), pruned(ids).numpy())
+
+
 @pytest.mark.parametrize("keep_heads,match", [([[0, 1]], "has 1 entries"), ([[], [0]], "keep no heads"),
                                               ([[0, 4], [0]], r"distinct indices in \[0, 4\)"),
                                               ([[1, 1], [0]], "distinct")])
@@ -136,21 +183,24 @@ def test_pruning_is_deterministic(teacher, data, criterion):
     """Scoring twice gives identical scores, choices and pruned weights; Taylor leaves no gradients."""
     calib, _ = data
     model = load_model(teacher)
-    cfg = PruneConfig(head_ratio=0.25, ffn_ratio=0.25, criterion=criterion)
+    cfg = PruneConfig(head_ratio=0.25, ffn_ratio=0.25, layer_ratio=0.5, hidden_ratio=0.25, criterion=criterion)
     plan, again = plan_pruning(model, cfg, calib), plan_pruning(model, cfg, calib)
-    assert plan.keep_heads == again.keep_heads and plan.keep_ffn == again.keep_ffn
-    for a, b in zip(plan.head_scores + plan.ffn_scores, again.head_scores + again.ffn_scores):
+    assert plan.summary() == again.summary() and plan.keep_hidden == again.keep_hidden
+    assert plan.summary()["num_layers"] == 1 and plan.summary()["hidden_size"] == 48
+    s, t = plan.scores, again.scores
+    for a, b in zip(s.heads + s.ffn + [s.layers, s.hidden], t.heads + t.ffn + [t.layers, t.hidden]):
         np.testing.assert_array_equal(a, b)
     assert all(p.grad is None or not p.grad.numpy().any() for p in model.parameters())
-    p1, p2 = prune_model(model, plan.keep_heads, plan.keep_ffn), prune_model(model, again.keep_heads, again.keep_ffn)
+    p1, p2 = (prune_model(model, p.keep_heads, p.keep_ffn, p.keep_layers, p.keep_hidden) for p in (plan, again))
     for (n, a), (_, b) in zip(p1.named_parameters(), p2.named_parameters()):
         assert np.array_equal(a.numpy(), b.numpy()), n
 
 
 @pytest.fixture(scope="module")
 def half_pruned_losses(teacher, data):
-    """Held-out loss of the teacher with half of its heads (or of its FFN channels) removed: keeping
-    the half a criterion ranks higher ("best") or the other half ("worst")."""
+    """Held-out loss of the teacher with half of its heads (or of its FFN channels, blocks, hidden
+    channels) removed: keeping the half a criterion ranks higher ("best") or the other half
+    ("worst")."""
     calib, valid = data
     model = load_model(teacher)
     full_heads, full_ffn = [list(range(4))] * 2, [list(range(256))] * 2
@@ -162,27 +212,53 @@ def half_pruned_losses(teacher, data):
         for name, heads, ffn in (("heads_best", plan.keep_heads, full_ffn), ("heads_worst", other_heads, full_ffn),
                                  ("ffn_best", full_heads, plan.keep_ffn), ("ffn_worst", full_heads, other_ffn)):
             out[f"{criterion}_{name}"] = evaluate(prune_model(model, heads, ffn), causal_lm_loss, valid)
+        plan = plan_pruning(model, PruneConfig(layer_ratio=0.5, hidden_ratio=0.5, criterion=criterion), calib)
+        other_hidden = [c for c in range(64) if c not in plan.keep_hidden]
+        for name, layers, hidden in (("layers_best", plan.keep_layers, None), ("layers_worst", [1 - plan.keep_layers[0]], None),
+                                     ("hidden_best", None, plan.keep_hidden), ("hidden_worst", None, other_hidden)):
+            pruned = prune_model(model, full_heads, full_ffn, keep_layers=layers, keep_hidden=hidden)
+            out[f"{criterion}_{name}"] = evaluate(pruned, causal_lm_loss, valid)
     print({k: round(v, 4) for k, v in out.items()})
     return out
 
 
-def test_taylor_importance_keeps_the_heads_and_channels_that_matter(half_pruned_losses):
+def test_taylor_importance_keeps_the_heads_channels_and_blocks_that_matter(half_pruned_losses):
     """Measured on the 600-step teacher: dense 4.348; half the heads, Taylor's half 4.455 vs the
-    other half 4.562; half the FFN channels 4.462 vs 4.902."""
+    other half 4.562; half the FFN channels 4.462 vs 4.902; one of the two blocks 4.757 vs 9.028;
+    half the hidden channels 5.313 vs 5.566."""
     r = half_pruned_losses
-    assert r["dense"] < r["taylor_heads_best"] < r["taylor_heads_worst"]
-    assert r["dense"] < r["taylor_ffn_best"] < r["taylor_ffn_worst"]
+    for group in ("heads", "ffn", "layers", "hidden"):
+        assert r["dense"] < r[f"taylor_{group}_best"] < r[f"taylor_{group}_worst"], group
 
 
 def test_magnitude_importance_ranks_channels_but_taylor_ranks_better(half_pruned_losses):
     """Weight norms rank FFN channels sensibly (4.545 vs 4.782) but not heads: on this model the
     half of the heads with the larger norms is the less useful one (4.519 vs 4.478), a known
     weakness of magnitude criteria for attention heads (Michel et al., 2019). Taylor's choice is
-    better for both."""
+    better for both. Hidden channels fare like heads (5.982 vs 5.234: those with the largest
+    embedding norms are not the ones the model needs most), while blocks rank by the norms of
+    what they write (4.757 vs 9.028). Use Taylor for width pruning."""
     r = half_pruned_losses
     assert r["dense"] < r["magnitude_ffn_best"] < r["magnitude_ffn_worst"]
-    assert r["taylor_heads_best"] < r["magnitude_heads_best"]
-    assert r["taylor_ffn_best"] < r["magnitude_ffn_best"]
+    assert r["dense"] < r["magnitude_layers_best"] < r["magnitude_layers_worst"]
+    for group in ("heads", "ffn", "hidden"):
+        assert r[f"taylor_{group}_best"] < r[f"magnitude_{group}_best"], group
+
+
+def test_cli_prune_removes_blocks_and_hidden_channels(teacher, shakespeare, tmp_path):
+    """Depth and width from the CLI: half the blocks and a quarter of the hidden channels go; the
+    head width stays 16, the report's sizes are the saved model's."""
+    cmd = [sys.executable, "-m", "gpt_compress", "prune", "--model", teacher, "--output", str(tmp_path / "p"),
+           "-o", "Prune.layer_ratio=0.5", "-o", "Prune.hidden_ratio=0.25", "-o", "Prune.calib_batches=2",
+           *data_overrides(shakespeare, tmp_path)]
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (rep["num_layers"], rep["hidden_size"], rep["layer_num_heads"]) == (1, 48, [4])
+    pruned = load_model(rep["output"])
+    assert (pruned.config.num_layers, pruned.config.hidden_size, pruned.config.dim_head) == (1, 48, 16)
+    assert _n_params(pruned) == rep["params_after"] < rep["params_before"]
+    assert rep["valid_ppl_after"] > rep["valid_ppl_before"]
 
 
 def test_cli_prune_reports_counts_and_eval_delta(teacher, shakespeare, tmp_path):

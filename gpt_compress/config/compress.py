@@ -13,10 +13,13 @@ from ..errors import ConfigError
 
 @dataclass
 class PruneConfig:
-    """Structured pruning: remove the least important attention heads and FFN channels."""
+    """Structured pruning: remove the least important attention heads, FFN channels, blocks
+    (depth) and hidden channels (width)."""
 
     head_ratio: float = 0.0  # fraction of attention heads to remove
     ffn_ratio: float = 0.0  # fraction of FFN channels to remove
+    layer_ratio: float = 0.0  # fraction of the transformer blocks to remove (depth)
+    hidden_ratio: float = 0.0  # fraction of the hidden (embedding) channels to remove (width)
     criterion: str = "taylor"  # "taylor" (|w * grad| on calibration data) or "magnitude" (weight norms)
     scope: str = "layer"  # "layer": the ratio in every layer; "global": one ranking across layers
     calib_batches: int = 8  # Taylor: micro-batches of training data that score the weights
@@ -24,7 +27,7 @@ class PruneConfig:
     min_ffn: int = 1  # no layer keeps fewer FFN channels
 
     def __post_init__(self) -> None:
-        for key in ("head_ratio", "ffn_ratio"):
+        for key in ("head_ratio", "ffn_ratio", "layer_ratio", "hidden_ratio"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"Prune.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.criterion not in ("taylor", "magnitude"):
