@@ -293,6 +293,28 @@ def test_greedy_with_each_draft_equals_greedy_on_each_backend(generators, which)
     assert itself.speculation["acceptance_rate"] == 1.0
 
 
+def test_the_fused_greedy_verify_tokens_are_the_argmax_of_its_logits(generators):
+    """``decode_positions_greedy`` on the fused program (its token output, no logits copied out)
+    equals ``np.argmax`` of ``decode_positions``' logits at every position of a left-padded batch
+    of 3, T = 1 and 5, and leaves the same cache (its positions; past them the memory is unused)."""
+    from gpt_compress.model.generation import pad_left
+
+    backend = generators("fused").backend
+    ids, mask = pad_left(generators("fused").encode(_texts()), 0)
+    rng = np.random.default_rng(0)
+    for t in (1, 5):
+        new = rng.integers(0, 1024, (3, t))
+        full = np.concatenate([mask, np.ones_like(new)], axis=1)
+        _, a = backend.prefill(ids, mask)
+        logits, a = backend.decode_positions(new, full, a)
+        _, b = backend.prefill(ids, mask)
+        tokens, b = backend.decode_positions_greedy(new, full, b)
+        assert tokens.shape == (3, t) and np.array_equal(tokens, np.argmax(logits, axis=-1))
+        n = a.length
+        assert n == b.length and all(np.array_equal(x.numpy()[:, :, :n], y.numpy()[:, :, :n])
+                                     for x, y in zip(a.tensors, b.tensors))
+
+
 class _Spy(Backend):
     """A fused backend proxy that keeps a copy of the cache (and the mask over it) each verify step
     starts from."""

@@ -137,6 +137,14 @@ class Backend(Scorer):
         step); by default one ``decode`` per position."""
         return decode_each(self.decode, input_ids, attention_mask, cache)
 
+    def decode_positions_greedy(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                                cache: Any) -> tuple[np.ndarray, Any]:
+        """``decode_positions``' argmax at every new position (B, T) int64 (``np.argmax``'s choice)
+        and the cache: a greedy verify step that no logits processor changes; a backend that makes
+        the argmax itself keeps the logits to itself."""
+        logits, cache = self.decode_positions(input_ids, attention_mask, cache)
+        return np.argmax(logits, axis=-1), cache
+
     # ------------------------------------------------------------------ resources and threads
     def release(self) -> None:
         """Drop what holds a copy of the weights (predictors, sessions); re-created on next use."""

@@ -217,6 +217,12 @@ class FusedBackend(Backend):
         bitwise that of feeding them one by one), the cache (updated in place)."""
         return self.on_thread(self._decode, input_ids, attention_mask, cache, False, None, True)
 
+    def decode_positions_greedy(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):
+        """``decode_positions``' argmax at every new position (B, T), from the program's token
+        output (the logits stay in the predictor), and the cache."""
+        tokens, cache = self.on_thread(self._decode, input_ids, attention_mask, cache, True, None, True)
+        return tokens.reshape(input_ids.shape), cache
+
     def truncate_cache(self, cache: FusedCache, length: int) -> FusedCache:
         """The cache cut to ``length`` positions: only its length changes (the next run overwrites
         the positions past it)."""

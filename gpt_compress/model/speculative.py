@@ -345,14 +345,20 @@ def speculative_tokens(backend, draft, prompts: Sequence[Sequence[int]], cfg: Ge
         feed = np.concatenate([ids[:, width - 1:], np.where(drafts[:, :t - 1] >= 0, drafts[:, :t - 1],
                                                             pad_token_id)], axis=1)
         vmask = np.concatenate([mask, np.repeat(active.astype(np.int64)[:, None], t - 1, axis=1)], axis=1)
-        tlogits, cache = backend.decode_positions(feed, vmask, cache)  # (B, t, V)
+        # Greedy with no processor acting on these positions: the target's tokens suffice.
+        plain = greedy and not cfg.logit_bias and (eos is None or int(steps[active].min()) >= cfg.min_new_tokens)
+        if plain:
+            targets, cache = backend.decode_positions_greedy(feed, vmask, cache)  # (B, t)
+        else:
+            tlogits, cache = backend.decode_positions(feed, vmask, cache)  # (B, t, V)
         stats.target_steps += 1
         stats.row_steps += int(active.sum())
         kept = np.zeros(batch, dtype=np.int64)
         nxt = np.full(batch, pad_token_id, dtype=np.int64)
         for b in np.nonzero(active)[0]:
-            kept[b], nxt[b] = verify_row(tlogits[b], drafts[b], None if q is None else q[b], counts[b], steps[b],
-                                         cfg, eos, rng)
+            kept[b], nxt[b] = (accept_greedy(targets[b], drafts[b], counts[b]) if plain else
+                               verify_row(tlogits[b], drafts[b], None if q is None else q[b], counts[b], steps[b],
+                                          cfg, eos, rng))
             before = len(out[b])
             emit(b, list(drafts[b, :kept[b]]) + [nxt[b]])
             stats.tokens += len(out[b]) - before
