@@ -293,6 +293,27 @@ def test_greedy_with_each_draft_equals_greedy_on_each_backend(generators, which)
     assert itself.speculation["acceptance_rate"] == 1.0
 
 
+def test_a_drafts_tokenizer_is_compared_once(dirs, monkeypatch):
+    """Serializing a tokenizer to compare it costs tens of ms at a 50k vocabulary: a Generator
+    compares a draft's once, not at every ``generate``; a draft with another tokenizer is still
+    refused."""
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.inference.runner import Generator
+
+    gen, draft = (Generator.from_dir(dirs[d], backend="paddle") for d in ("export", "pruned_export"))
+    calls = []
+    to_json = Tokenizer.to_json
+    monkeypatch.setattr(Tokenizer, "to_json", lambda self: calls.append(1) or to_json(self))
+    for _ in range(3):
+        gen.draft_for(draft)
+    assert len(calls) == 2
+    other = Generator.from_dir(dirs["pruned_export"], backend="paddle")
+    other.tokenizer = Tokenizer.train(iter(["a b c d e f g"]), vocab_size=300)
+    other.vocab_size = gen.vocab_size
+    with pytest.raises(InputError, match="another tokenizer"):
+        gen.draft_for(other)
+
+
 def test_the_fused_greedy_verify_tokens_are_the_argmax_of_its_logits(generators):
     """``decode_positions_greedy`` on the fused program (its token output, no logits copied out)
     equals ``np.argmax`` of ``decode_positions``' logits at every position of a left-padded batch

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -101,6 +102,7 @@ class Generator:
         self.recorded_draft = recorded_draft  # the draft an export's manifest names (``draft="auto"``)
         self._lock = threading.Lock()
         self._drafts: dict = {}  # draft path -> its Generator (``draft_for``)
+        self._same_tokenizer: weakref.WeakSet = weakref.WeakSet()  # drafts whose tokenizer was compared
 
     @classmethod
     def from_dir(cls, path: str, backend: str = "paddle", tokenizer=None, verify: bool = True,
@@ -204,9 +206,11 @@ class Generator:
         if draft.vocab_size != self.vocab_size:
             raise InputError(f"draft {draft.name} has a vocabulary of {draft.vocab_size} tokens, the model "
                              f"{self.vocab_size}: a draft needs the same tokenizer")
-        if (draft.tokenizer is not None and self.tokenizer is not None
-                and draft.tokenizer.to_json() != self.tokenizer.to_json()):
-            raise InputError(f"draft {draft.name} has another tokenizer than {self.name}")
+        if draft not in self._same_tokenizer:  # once per draft: serializing a 50k vocabulary takes ~40 ms
+            if (draft.tokenizer is not None and self.tokenizer is not None
+                    and draft.tokenizer.to_json() != self.tokenizer.to_json()):
+                raise InputError(f"draft {draft.name} has another tokenizer than {self.name}")
+            self._same_tokenizer.add(draft)
         return ModelDraft(draft.backend)
 
     # ------------------------------------------------------------------ generation
