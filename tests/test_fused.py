@@ -310,6 +310,32 @@ def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
     assert runs == [8, 4] and len(got[0]) >= 10 and eos not in got[0][:9], (runs, got)
 
 
+def test_greedy_steps_after_several_new_tokens_give_the_separate_runs_tokens(dirs):
+    """``decode_greedy_steps`` fed 3 uncached tokens a row (a speculative draft catching up) gives
+    the tokens and bitwise the cache of a ``decode`` of the first 2 and a run fed the last, on a
+    left-padded batch with row 1 finished, and refuses rows other than each row's last."""
+    gen = Generator.from_dir(dirs["export"], backend="paddle")
+    be = gen.backend
+    ids, mask = left_padded(gen.tokenizer, PROMPTS)
+    new = np.random.default_rng(0).integers(0, gen.vocab_size, (len(PROMPTS), 3))
+    full = np.concatenate([mask, np.ones_like(new)], axis=1)
+    finished = np.array([False, True, False])
+    _, one = be.prefill(ids, mask)
+    _, one = be.decode(new[:, :2], full[:, :-1], one)
+    want, one = be.decode_greedy_steps(new[:, 2:], full, one, 4, None, 7, finished, 0)
+    _, joint = be.prefill(ids, mask)
+    got, joint = be.decode_greedy_steps(new, full, joint, 4, None, 7, finished, 0)
+    assert got.shape == (len(PROMPTS), 4) and np.array_equal(got, want) and got[1].tolist() == [7] * 4
+    n = joint.length
+    assert n == one.length == full.shape[1] + 3
+    assert all(np.array_equal(a.numpy()[:, :, :n], b.numpy()[:, :, :n]) for a, b in zip(joint.tensors, one.tensors))
+    from gpt_compress.kernels import control
+
+    _, c = be.prefill(ids, mask)
+    with pytest.raises(Exception):  # the op's check; Paddle Inference passes on no message
+        be._run(new, full, np.arange(len(PROMPTS)), c.tensors, True, control(len(PROMPTS), 2))
+
+
 def test_interleaved_caches_rebind_the_predictor_inputs(dirs):
     """The backend binds a cache's tensors to the predictor once and keeps them bound while decode
     steps reuse them: two sequences decoded in turn (each step a different cache), one growing

@@ -125,10 +125,11 @@ class Backend(Scorer):
                             eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
                             suppress_eos: int = 0) -> tuple[np.ndarray, Any]:
         """``steps`` greedy steps in one call (only when ``greedy_steps`` > 1): feeds ``input_ids``
-        (B, 1) with ``attention_mask`` (B, S + 1), then each step's tokens. Returns the tokens
-        (B, steps) int64, ``pad_token_id`` for rows ``finished`` (B,) bool before the call or by an
-        earlier step's ``eos_token_id``, and the cache holding S + steps positions; the first
-        ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``)."""
+        (B, T) with ``attention_mask`` (B, S + T) (the step at each row's last new token), then
+        each step's tokens. Returns the tokens (B, steps) int64, ``pad_token_id`` for rows
+        ``finished`` (B,) bool before the call or by an earlier step's ``eos_token_id``, and the
+        cache holding S + T - 1 + steps positions; the first ``suppress_eos`` steps never choose
+        ``eos_token_id`` (``min_new_tokens``)."""
         raise ValueError(f"{type(self).__name__} runs one greedy step a call (greedy_steps is 1)")
 
     def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:

@@ -199,11 +199,12 @@ class FusedBackend(Backend):
                             steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
                             suppress_eos: int = 0):
         """``steps`` greedy decode steps in one program run (``greedy_steps`` says how many a
-        caller should ask for): feeds ``input_ids`` (B, 1) with ``attention_mask``
-        (B, S + 1), then each step's tokens with one more mask column of ones. Returns the tokens
-        (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
+        caller should ask for): feeds ``input_ids`` (B, T) with ``attention_mask`` (B, S + T)
+        (T > 1: tokens not cached yet, then the step at the last of them), then each step's
+        tokens with one more mask column of ones. Returns the tokens (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
         (B,) bool before the call or by an earlier step's ``eos_token_id`` (as
-        ``generation.stream_tokens`` step by step), and the cache, now holding S + steps positions.
+        ``generation.stream_tokens`` step by step), and the cache, now holding S + T - 1 + steps
+        positions.
         The first ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its
         logit taken as -inf)."""
         if not self.controlled:
@@ -233,7 +234,7 @@ class FusedBackend(Backend):
 
     def _decode(self, input_ids, attention_mask, cache, tokens: bool = False, control=None, every: bool = False):
         b, t = input_ids.shape
-        steps = int(control[0]) if control is not None else t  # positions the cache gains
+        steps = t - 1 + int(control[0]) if control is not None else t  # positions the cache gains
         if attention_mask.shape[1] != cache.length + t:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns; the cache holds "
                              f"{cache.length} positions + {t} new")

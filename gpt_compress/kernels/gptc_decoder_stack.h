@@ -66,9 +66,10 @@ std::vector<WeightView> unpack(const std::vector<paddle::Tensor>& blobs, const s
 // control (gptc_generate's Control; null: one step, Tokens (n,)): [steps, eos (-1: none), pad, suppress, finished_0,
 // ..., finished_{B-1}]: the tokens of steps j < suppress are never eos (generation's
 // min_new_tokens: the argmax with eos's logit taken as -inf, as the Python processor sets it).
-// Steps > 1 (greedy decoding, T = 1, rows = 0..B-1) runs that many decode steps
-// in this one call, each feeding the previous step's tokens with one more mask column of ones,
-// as generation.stream_tokens would: a row finished before the call or by an earlier step's eos
+// Steps > 1 (greedy decoding, rows = each row's last new position b*T + T - 1) runs that many
+// decode steps in this one call: the first feeds the T columns of ids (a draft catching up with
+// the tokens it has not cached), each later one the previous step's tokens with one more mask
+// column of ones, as generation.stream_tokens would: a row finished before the call or by an earlier step's eos
 // gets `pad` (fed and returned); the steps end early once every row is finished (the rest
 // `pad`). Tokens are then (B, steps) and the logits the last step's. Each step is the
 // one-step call's arithmetic, so the tokens are the ones step-by-step calls would give.
@@ -119,15 +120,17 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   }
   const int64_t* r = rows.data<int64_t>();
   for (int64_t i = 0; i < n; ++i) PD_CHECK(r[i] >= 0 && r[i] < M, "gptc_generate: row index out of range");
-  // Decode rows (one new token a row, every row's logits in order): the control's padding applies.
-  bool per_row = T == 1 && n == B;
-  for (int64_t i = 0; per_row && i < n; ++i) per_row = r[i] == i;
-  PD_CHECK(steps == 1 || per_row, "gptc_generate: several steps need one new token a row and rows 0..B-1 in order");
+  // Decode rows (every row's last new position, in order): the control's padding applies.
+  bool per_row = n == B;
+  for (int64_t i = 0; per_row && i < n; ++i) per_row = r[i] == i * T + T - 1;
+  PD_CHECK(steps == 1 || per_row, "gptc_generate: several steps need rows b*T + T - 1 for b = 0..B-1 in order");
+  std::vector<int64_t> one_row(steps > 1 && T > 1 ? B : 0);  // the steps after the first: row b is b
+  for (int64_t b = 0; b < int64_t(one_row.size()); ++b) one_row[b] = b;
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
   // Fewer rows asked for than computed (prefill: each sequence's last): the last block computes
   // past its attention only those (Subset), and the head reads its compact output in order.
-  const bool subset = layers > 0 && n < M;
+  bool subset = layers > 0 && n < M;
   Subset sub{};
   if (subset) {
     char* need = grow(t_stack.need, size_t(M));
@@ -148,6 +151,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   const float* ln_f_w = ws[kLnfW].f();
   const float* ln_f_b = ws[kLnfB].f();
   float* logits = out.data<float>();
+  int64_t Tj = T;  // new positions a row this step: T, then 1
   for (int64_t j = 0; j < steps; ++j) {
     const int64_t Lj = L + j;  // step j: the mask with j columns of ones, the previous tokens
     if (j > 0) {
@@ -157,8 +161,9 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
         std::fill(step_mask.data() + b * Lj + L, step_mask.data() + (b + 1) * Lj, int64_t(1));
       }
       mk = step_mask.data(), id = step_ids.data();
+      if (Tj > 1) Tj = 1, subset = false, r = one_row.data();
     }
-    const StepContext s = make_step_context(B, T, C, mk, Lj, inner, F, kmax, n, eps, activation);
+    const StepContext s = make_step_context(B, Tj, C, mk, Lj, inner, F, kmax, n, eps, activation);
     // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
     // (layer_step), head_ln, head_linear; no between_ops.
     // Block 0's input: for short inputs (decode) every thread embeds all rows itself into its own
@@ -171,10 +176,10 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       float* x0 = a[0];
       if (s.rows) {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, T, Lj, b, b + 1, x0);
+        for (int64_t b = 0; b < B; ++b) embed_rows(wte, wpe, C, id, mk, Tj, Lj, b, b + 1, x0);
       } else {
         x0 = grow(t_embed, size_t(std::max<int64_t>(M * C, 1)));
-        embed_rows(wte, wpe, C, id, mk, T, Lj, 0, B, x0);
+        embed_rows(wte, wpe, C, id, mk, Tj, Lj, 0, B, x0);
       }
       if (lead) lp.lap(kEmbed);
       for (int64_t i = 0; i < layers; ++i)

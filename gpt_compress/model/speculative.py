@@ -188,13 +188,11 @@ class ModelDraft:
         return drafts, (np.stack(probs, axis=1) if probs and probs[0] is not None else None)
 
     def _greedy_run(self, ids, mask, k, active, suppress, eos):
-        """``k`` greedy proposals from one program run (the columns before the newest fed first).
-        Rows already finished, or by a proposed EOS, are fed padding with mask ones there: those
-        columns are never kept."""
+        """``k`` greedy proposals from one program run, which first feeds the columns not cached
+        yet. Rows already finished, or by a proposed EOS, are fed padding with mask ones there:
+        those columns are never kept."""
         width = ids.shape[1]
-        if width - 1 > self.length:
-            _, self.cache = self.backend.decode(ids[:, self.length:width - 1], mask[:, :width - 1], self.cache)
-        drafts, self.cache = self.backend.decode_greedy_steps(ids[:, width - 1:], mask, self.cache, k, eos, 0,
+        drafts, self.cache = self.backend.decode_greedy_steps(ids[:, self.length:], mask, self.cache, k, eos, 0,
                                                               ~active, min(suppress, k))
         self.length = width + k - 1
         return drafts
