@@ -80,15 +80,18 @@ def _read_json(path: str):
 # --------------------------------------------------------------------------------------
 # Phase 1: the pipeline (its input, its run, its results)
 # --------------------------------------------------------------------------------------
-def corpus_jsonl(files: list[str], out: str, chunk_chars: int = 4000) -> int:
+def corpus_jsonl(files: list[str], out: str, chunk_chars: int = 4000, unwrap: bool = False) -> int:
     """Cut plain-text files into documents of >= ``chunk_chars`` characters at paragraph breaks,
     shuffle them (seed 0) and write JSONL; returns the document count. (A text file is one
-    document to the pipeline, which would leave none to hold out.)"""
+    document to the pipeline, which would leave none to hold out.) ``unwrap``: a paragraph's
+    hard-wrapped lines joined by spaces, so line breaks are not the text's most frequent token."""
     docs = []
     for path in files:
         with open(path, encoding="utf-8") as f:
             cur = ""
             for para in re.split(r"\n\s*\n", f.read()):
+                if unwrap:
+                    para = " ".join(line.strip() for line in para.splitlines() if line.strip())
                 cur += para + "\n\n"
                 if len(cur) >= chunk_chars:
                     docs.append(cur.strip())

@@ -13,7 +13,8 @@ and int4 programs, the unfused Paddle program and onnxruntime float32/int8/int4,
 transformers, CTranslate2 and llama.cpp peers (llama.cpp once ``make peers`` has built it), two
 rounds. Its exports are kept in ``output/bench_decode`` and reused by the next run (``make bench`` / ``make bench-full`` in the Makefile). The
 compression benchmark pretrains and compresses its own model on first use
-(``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards.
+(``bench/compress.py``), kept in ``output/bench_compress`` and reused afterwards; so does the
+speculative one (``bench/speculative.py``: a target and its draft, ``output/bench_speculative``).
 
 Each benchmark runs as its own subprocess, one after another (never two at once: they would
 share the cores; each after the first waits, at most 150 s, for the 1-minute load to fall back

@@ -1,21 +1,27 @@
-"""Speculative decoding benchmark: acceptance rate and batch-1 speed-up of prompt lookup
-(``ngram``) and of a pruned draft over plain greedy decoding on the fused Paddle program, a
-gpt-345M row, and the cost of a verify step of T new rows against a one-row step; prints one
-JSON object.
+"""Speculative decoding benchmark: acceptance rate and batch-1 speed-up of a draft model made by
+the pipeline and of prompt lookup (``ngram``) over plain greedy decoding on the fused Paddle
+program, float32 and int8 targets, a gpt-345M row, and the cost of a verify step of T new rows
+against a one-row step; prints one JSON object.
 
-    OMP_NUM_THREADS=2 python bench/speculative.py             # about 10 minutes on 2 cores
-    python bench/speculative.py --verify-preset "" --big-preset "" --reps 1   # the trained model only
+    OMP_NUM_THREADS=2 python bench/speculative.py        # the pipeline ~45 minutes once (2 cores), then ~10
+    python bench/speculative.py --big-preset "" --reps 1  # the trained models only
 
-The models: a gpt-tiny trained ``--train-steps`` steps on tinyshakespeare (a 1024-token BPE) and
-its structurally pruned copy (tests/_export_helpers.py's recipe) as the draft, both exported.
-Prompt sets: ``quote``, paragraphs from the end of the corpus followed by a blank line and their
-own first 8 tokens (48 + 8 tokens; the continuation can quote the context: what prompt lookup is for),
-``extract``, extraction-style prompts (the paragraph's first lines, up to 44 tokens, a request to
-repeat its second line and that line's first 4 tokens: the answer is in the context), and
-``plain``, the first 16 tokens of those paragraphs. Each prompt is generated alone (batch 1),
-with and without the draft, the two alternating, ``--reps`` times; a figure is the median, the
-speed-up the summed plain seconds over the summed speculative seconds. ``same_output`` checks
-that greedy output is unchanged.
+The models: ``gptc pipeline -c configs/pipeline_speculative_bench.yaml`` in ``--work`` (reused
+when up to date): a gpt-bench target pretrained on Jane Austen + tiny Shakespeare (GPT-2 BPE),
+its weight-only int8 (``woq8``), and the draft the pipeline makes and records in the target's
+manifest: the target pruned to gpt-tiny's size in depth and width (2 of 6 blocks, 64 of 384
+hidden channels), distilled from it, QAT int8. Both targets use that one draft.
+
+Prompt sets, from the pipeline's held-out documents (never trained on): ``heldout``, the
+first 48 tokens of a paragraph (the draft's job: continue the text as the target would);
+``quote``, the paragraph's first 48 tokens, a blank line and its own first 8 tokens (the
+continuation can quote the context: what prompt lookup is for); ``extract``, extraction-style
+prompts (the paragraph's first sentences, up to 44 tokens, a request to repeat its second
+sentence and that sentence's first 4 tokens). The corpus's paragraphs are unwrapped (their
+lines joined), so line breaks are not the text's most frequent token. Each prompt is generated alone (batch 1), with and without the
+draft, the two alternating, ``--reps`` times; a figure is the median, the speed-up the summed
+plain seconds over the summed speculative seconds. ``same_output`` checks that greedy output is
+unchanged.
 
 The ``--big-preset`` row (gpt-345M): a random-init export, in a process of its own (its peak RSS
 is the runner's: /proc VmHWM), greedy with and without prompt lookup on repetitive prompts
@@ -23,82 +29,73 @@ is the runner's: /proc VmHWM), greedy with and without prompt lookup on repetiti
 new tokens, and its verify cost.
 
 The verify cost: the median time of a ``decode_positions`` call feeding T = 1 .. k + 1 rows onto
-a 128-token cache, batch 1, on the trained model and on a random-init ``--verify-preset``
-(gpt-bench: 121 MB of float32 weights, so a step reads far more weights than activations).
+a 64-token cache, batch 1, on each target and on the draft.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the tiny-model recipe of the tests
+SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
+CONFIG = os.path.join(ROOT, "configs", "pipeline_speculative_bench.yaml")
 
 
-def data_dir() -> str:
-    shared = os.path.join(ROOT, "..", "shared", "data")
-    return shared if os.path.isdir(shared) else os.path.join(ROOT, "tests", "data")
+def prepare(work: str, overrides: list[str]) -> dict:
+    """``gptc pipeline`` of CONFIG in ``work`` (up-to-date stages skipped): {"float32", "int8",
+    "draft", "heldout"} paths and the pipeline's draft record."""
+    import glob
 
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from compress import corpus_jsonl
 
-def prepare(work: str, steps: int) -> tuple[str, str, str]:
-    """(target export, draft export, corpus text): trained once into ``work``, reused after."""
-    from _export_helpers import prune_checkpoint, train_tiny
+    from gpt_compress.pipeline.stages import gptc
+    from gpt_compress.pipeline.stamps import StampStore
 
-    from gpt_compress.data.preprocess import preprocess
-    from gpt_compress.data.tokenizer import Tokenizer
-    from gpt_compress.export import export
-
-    corpus = os.path.join(data_dir(), "corpus", "tinyshakespeare.txt")
-    text = open(corpus, encoding="utf-8").read()
-    target, draft = os.path.join(work, "target"), os.path.join(work, "draft")
-    if os.path.isfile(os.path.join(draft, "manifest.json")):
-        return target, draft, text
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    jsonl = os.path.join(work, "corpus.jsonl")
-    with open(jsonl, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": p}) + "\n" for p in paragraphs[:-40])  # the last 40: prompts
-    tok = Tokenizer.train([corpus], vocab_size=1024)
-    tok.save(os.path.join(work, "tokenizer"))
-    preprocess([jsonl], os.path.join(work, "data"), tok, progress=False)
-    from pathlib import Path
-
-    ckpt = train_tiny(os.path.join(work, "tokenizer"), os.path.join(work, "data_text_document"),
-                      Path(work) / "ckpt", steps=steps)
-    prune_checkpoint(ckpt, os.path.join(work, "pruned"))
-    export(ckpt, target, formats=("paddle",))
-    export(os.path.join(work, "pruned"), draft, formats=("paddle",))
-    return target, draft, text
+    corpus = os.path.join(work, "corpus.jsonl")
+    if not os.path.isfile(corpus):
+        corpus_jsonl(sorted(glob.glob(os.path.join(SHARED, "corpus", "*.txt"))), corpus, unwrap=True)
+    pipe = os.path.join(work, "pipeline")
+    args = [f"Global.output_dir={pipe}", f"Pipeline.corpus=[{corpus}]",
+            f"Pipeline.tokenizer_dir={os.path.join(SHARED, 'gpt2_bpe')}", *overrides]
+    t0 = time.perf_counter()
+    res = gptc(["pipeline", "-c", CONFIG, *[x for o in args for x in ("-o", o)]], "pipeline")
+    stamps = StampStore(pipe)
+    draft = stamps.read("draft").outputs
+    return {"float32": draft["export"], "int8": stamps.read("quant_woq8").outputs["export"], "draft": draft["draft"],
+            "draft_record": {k: draft.get(k) for k in ("acceptance_rate", "tokens_per_target_step", "k", "measured_on")},
+            "heldout": stamps.read("data").outputs["heldout"], "pipeline_seconds": round(time.perf_counter() - t0, 1),
+            "stages": {k: v.get("seconds") for k, v in res.get("stages", {}).items()}}
 
 
 def prompt_sets(gen, text: str, n: int) -> dict[str, list[list[int]]]:
-    """``quote`` and ``plain`` prompts from the last ``n`` long paragraphs of the corpus."""
-    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 300][-n:]
-    quote, plain = [], []
+    """``heldout``, ``quote`` and ``extract`` prompts from ``n`` long paragraphs spread over the
+    held-out ``text``."""
+    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 300]
+    paragraphs = paragraphs[::max(1, len(paragraphs) // n)][:n]
+    heldout, quote, extract = [], [], []
     for p in paragraphs:
-        ids = gen.encode(p)[0][:48]  # + 8 quoted + 64 new: within gpt-tiny's 128 positions
+        ids = gen.encode(p)[0][:48]  # + 8 quoted + 64 new: within the 128 positions trained
+        heldout.append(ids)
         quote.append(ids + gen.encode("\n\n")[0] + ids[:8])
-        plain.append(ids[:16])
-    extract = []
-    for p in paragraphs:
-        lines = [ln for ln in p.split("\n") if ln.strip()]
-        if len(lines) < 3:
-            continue
-        passage, second = gen.encode("\n".join(lines[:4]))[0][:44], gen.encode(lines[1])[0]
-        extract.append(passage + gen.encode("\n\nRepeat the second line:\n")[0] + second[:4])
-    return {"quote": quote, "extract": extract, "plain": plain}
+        sentences = [x for x in re.split(r"(?<=[.!?;:])\s+", p) if x.strip()]
+        if len(sentences) >= 3:
+            passage, second = gen.encode(" ".join(sentences[:4]))[0][:44], gen.encode(" " + sentences[1])[0]
+            extract.append(passage + gen.encode("\n\nRepeat the second sentence:\n")[0] + second[:4])
+    return {"heldout": heldout, "quote": quote, "extract": extract}
 
 
 def measure(gen, prompts, draft, k: int, new: int, reps: int) -> dict:
     """Batch-1 greedy with and without ``draft`` on each prompt."""
     plain_s, spec_s, same = [], [], True
-    proposed = accepted = steps = tokens = 0
+    proposed = accepted = steps = tokens = plain_tokens = 0
     for ids in prompts:
         tp, ts = [], []
         for _ in range(reps):
@@ -112,14 +109,15 @@ def measure(gen, prompts, draft, k: int, new: int, reps: int) -> dict:
         s = out.speculation
         proposed, accepted = proposed + s["proposed"], accepted + s["accepted"]
         steps, tokens = steps + s["target_steps"], tokens + len(out.sequences[0])
+        plain_tokens += len(ref.sequences[0])
     return {"acceptance_rate": round(accepted / max(proposed, 1), 3),
             "tokens_per_target_step": round((tokens - len(prompts)) / max(steps, 1), 2),
-            "plain_tokens_per_s": round(len(prompts) * new / sum(plain_s), 1),
+            "new_tokens": tokens, "plain_tokens_per_s": round(plain_tokens / sum(plain_s), 1),
             "speculative_tokens_per_s": round(tokens / sum(spec_s), 1),
             "speedup": round(sum(plain_s) / sum(spec_s), 2), "same_output": bool(same)}
 
 
-def verify_cost(backend, vocab: int, k: int, reps: int = 15, cached: int = 128) -> dict:
+def verify_cost(backend, vocab: int, k: int, reps: int = 15, cached: int = 64) -> dict:
     """Median ms of a batch-1 ``decode_positions`` of T = 1 .. k + 1 rows onto ``cached`` positions,
     and each over the one-row step."""
     rng = np.random.default_rng(0)
@@ -203,14 +201,14 @@ def run_big(a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gptc_bench_speculative"),
-                   help="models are built here once and reused")
-    p.add_argument("--train-steps", type=int, default=400)
+    p.add_argument("--work", default=os.path.join(ROOT, "output", "bench_speculative"),
+                   help="the pipeline runs here once; up-to-date stages are reused")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config override of the pipeline (repeatable)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("-k", type=int, default=5, help="draft tokens per step")
-    p.add_argument("--verify-preset", default="gpt-bench", help="random-init preset for the verify cost ('': skip)")
     p.add_argument("--big-preset", default="gpt-345M", help="random-init preset of the big row ('': skip)")
     p.add_argument("--big-prompts", type=int, default=3)
     p.add_argument("--big-new-tokens", type=int, default=48)
@@ -218,6 +216,7 @@ def main() -> None:
     p.add_argument("--big-worker", default="", help=argparse.SUPPRESS)  # run_big's child: measure
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
+    a.work = os.path.realpath(a.work)  # the pipeline's stamps hold its paths: the same through a link
     import gpt_compress  # noqa: F401  (before paddle: the operators' OpenMP settings)
     from gpt_compress.inference.runner import Generator
 
@@ -228,21 +227,22 @@ def main() -> None:
         print(json.dumps(big_row(a.big_worker, a.big_prompts, a.big_new_tokens, a.k, a.reps)))
         return
 
-    target, draft_dir, text = prepare(a.work, a.train_steps)
-    gen = Generator.from_dir(target, backend="paddle", fused=True)
-    draft = Generator.from_dir(draft_dir, backend="paddle", fused=True)
-    sets = prompt_sets(gen, text, a.prompts)
-    results = {}
-    for name, ids in sets.items():
-        gen.generate(ids[0], max_new_tokens=8)  # warm-up: predictor handles, caches
-        results[f"ngram/{name}"] = measure(gen, ids, "ngram", a.k, a.new_tokens, a.reps)
-        results[f"pruned_draft/{name}"] = measure(gen, ids, draft, a.k, a.new_tokens, a.reps)
+    models = prepare(a.work, a.override)
+    draft = Generator.from_dir(models["draft"], backend="paddle", fused=True)
+    with open(models["heldout"], encoding="utf-8") as f:
+        text = f.read()
+    results, costs = {}, {"draft": verify_cost(draft.backend, draft.vocab_size, a.k)}
+    for target in ("float32", "int8"):
+        gen = Generator.from_dir(models[target], backend="paddle", fused=True)
+        sets = prompt_sets(gen, text, a.prompts)
+        gen.generate(sets["heldout"][0], max_new_tokens=8, draft=draft)  # warm-up: predictor handles, caches
+        for name, ids in sets.items():
+            results[f"{target}/draft/{name}"] = measure(gen, ids, draft, a.k, a.new_tokens, a.reps)
+            results[f"{target}/ngram/{name}"] = measure(gen, ids, "ngram", a.k, a.new_tokens, a.reps)
+        costs[target] = verify_cost(gen.backend, gen.vocab_size, a.k)
     out = {"bench": "speculative", "threads": os.environ.get("OMP_NUM_THREADS", ""), "k": a.k,
-           "new_tokens": a.new_tokens, "prompts": a.prompts, "results": results,
-           "verify_cost": {"gpt-tiny (trained)": verify_cost(gen.backend, gen.vocab_size, a.k)}}
-    if a.verify_preset:
-        big = Generator.from_dir(random_export(a.work, a.verify_preset), backend="paddle", fused=True)
-        out["verify_cost"][a.verify_preset] = verify_cost(big.backend, big.vocab_size, a.k)
+           "new_tokens": a.new_tokens, "prompts": a.prompts, "models": models, "results": results,
+           "verify_cost": costs}
     if a.big_preset:
         out["results"][f"{a.big_preset}/ngram/repetitive"] = run_big(a)
     print(json.dumps(out, sort_keys=True))
