@@ -190,6 +190,39 @@ def test_logits_processors_match_transformers():
         assert np.array_equal(np.isinf(apply_top_p(scores, p)), np.isinf(ref))
 
 
+def test_top_p_without_a_full_sort_keeps_the_sorted_rules_tokens():
+    """apply_top_p sorts one bucket of each row: it keeps exactly the tokens HF's rule keeps
+    (ascending stable sort, cumulative probability <= 1 - p goes, the top token stays) computed
+    in float64, on rows of 1 to 50,304 scores: flat and peaked, rounded (ties across the cut),
+    with -inf entries (after top-k), p from 0.1 to 0.999."""
+    from gpt_compress.model.generation import NEG_INF, apply_top_p
+
+    def rule(scores, p):
+        order = np.argsort(scores, axis=-1, kind="stable")
+        z = np.take_along_axis(scores, order, axis=-1).astype(np.float64)
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        gone = np.cumsum(e / e.sum(axis=-1, keepdims=True), axis=-1) <= 1.0 - p
+        gone[:, -1] = False
+        mask = np.zeros_like(gone)
+        np.put_along_axis(mask, order, gone, axis=-1)
+        return np.where(mask, NEG_INF, scores)
+
+    rng = np.random.default_rng(0)
+    kept = set()
+    for trial in range(120):
+        vocab = int(rng.choice([1, 5, 300, 3000, 50304]))
+        x = (rng.standard_normal((2, vocab)) * float(rng.choice([0.01, 1, 3, 50]))).astype(np.float32)
+        if trial % 4 == 0:
+            x = np.round(x)
+        if trial % 5 == 0 and vocab > 3:
+            x[:, :vocab // 3] = NEG_INF
+        for p in (0.1, 0.5, 0.9, 0.999):
+            got = apply_top_p(x, p)
+            assert np.array_equal(got, rule(x, p)), (trial, vocab, p)
+            kept.add(int(np.isfinite(got).sum()))
+    assert len(kept) > 50  # cuts of many sizes, not only "all" or "one"
+
+
 def test_sampling_is_seeded_and_respects_top_k(ours):
     prompts, _, _ = _batch()
     backend = DygraphBackend(ours)
