@@ -128,7 +128,10 @@ class EvalStages:
                 continue
             s = stamp.outputs.get("summary", {})
             if stage == "prune":
-                lines.append(f"- prune ({s.get('criterion')}, heads -{s.get('head_ratio')}, FFN -{s.get('ffn_ratio')}): "
+                cut = [f"{what} -{s[key]}" for what, key in (("heads", "head_ratio"), ("FFN", "ffn_ratio"),
+                                                              ("blocks", "layer_ratio"), ("hidden", "hidden_ratio"))
+                       if s.get(key)]
+                lines.append(f"- prune ({', '.join([str(s.get('criterion'))] + cut)}): "
                              f"{s.get('params_before'):,} -> {s.get('params_after'):,} parameters; "
                              f"validation ppl {s.get('valid_ppl_before')} -> {s.get('valid_ppl_after')}")
             elif stage == "distill":
