@@ -18,10 +18,10 @@ first 48 tokens of a paragraph (the draft's job: continue the text as the target
 continuation can quote the context: what prompt lookup is for); ``extract``, extraction-style
 prompts (the paragraph's first sentences, up to 44 tokens, a request to repeat its second
 sentence and that sentence's first 4 tokens). The corpus's paragraphs are unwrapped (their
-lines joined), so line breaks are not the text's most frequent token. Each prompt is generated alone (batch 1), with and without the
-draft, the two alternating, ``--reps`` times; a figure is the median, the speed-up the summed
-plain seconds over the summed speculative seconds. ``same_output`` checks that greedy output is
-unchanged. ``heldout_sampled``: the same with sampling (temperature 0.7, top-p 0.95, a seed per
+lines joined), so line breaks are not the text's most frequent token. Each prompt is generated
+alone (batch 1), with and without the draft, the two alternating, ``--reps`` times; a figure is
+the median, the speed-up the summed plain seconds over the summed speculative seconds.
+``same_output`` checks that greedy output is unchanged. ``heldout_sampled``: the same with sampling (temperature 0.7, top-p 0.95, a seed per
 prompt; the rejection rule keeps the target's distribution), where the target's greedy loops,
 which a draft predicts well, are broken up.
 
@@ -72,7 +72,8 @@ def prepare(work: str, overrides: list[str]) -> dict:
     stamps = StampStore(pipe)
     draft = stamps.read("draft").outputs
     return {"float32": draft["export"], "int8": stamps.read("quant_woq8").outputs["export"], "draft": draft["draft"],
-            "draft_record": {k: draft.get(k) for k in ("acceptance_rate", "tokens_per_target_step", "k", "measured_on")},
+            "draft_record": {k: draft.get(k) for k in ("acceptance_rate", "tokens_per_target_step", "k",
+                                                       "measured_on")},
             "heldout": stamps.read("data").outputs["heldout"], "pipeline_seconds": round(time.perf_counter() - t0, 1),
             "stages": {k: v.get("seconds") for k, v in res.get("stages", {}).items()}}
 

@@ -34,7 +34,8 @@ def dirs(tmp_path_factory, shakespeare):
     base = tmp_path_factory.mktemp("narrow")
     model = load_model(out["ckpt"])
     keep_hidden = sorted(np.random.default_rng(0).choice(64, 40, replace=False).tolist())
-    narrow = prune_model(model, [[0, 1, 2, 3], [1, 3]], [list(range(256))] * 2, keep_layers=[1], keep_hidden=keep_hidden)
+    narrow = prune_model(model, [[0, 1, 2, 3], [1, 3]], [list(range(256))] * 2, keep_layers=[1],
+                         keep_hidden=keep_hidden)
     out["narrow_ckpt"] = save_model(narrow, str(base / "ckpt"), tokenizer=Tokenizer.load(out["ckpt"]))
     out["narrow_export"] = export(out["narrow_ckpt"], str(base / "export"), formats=("paddle",))
     return out

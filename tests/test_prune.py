@@ -214,8 +214,9 @@ def half_pruned_losses(teacher, data):
             out[f"{criterion}_{name}"] = evaluate(prune_model(model, heads, ffn), causal_lm_loss, valid)
         plan = plan_pruning(model, PruneConfig(layer_ratio=0.5, hidden_ratio=0.5, criterion=criterion), calib)
         other_hidden = [c for c in range(64) if c not in plan.keep_hidden]
-        for name, layers, hidden in (("layers_best", plan.keep_layers, None), ("layers_worst", [1 - plan.keep_layers[0]], None),
-                                     ("hidden_best", None, plan.keep_hidden), ("hidden_worst", None, other_hidden)):
+        cases = (("layers_best", plan.keep_layers, None), ("layers_worst", [1 - plan.keep_layers[0]], None),
+                 ("hidden_best", None, plan.keep_hidden), ("hidden_worst", None, other_hidden))
+        for name, layers, hidden in cases:
             pruned = prune_model(model, full_heads, full_ffn, keep_layers=layers, keep_hidden=hidden)
             out[f"{criterion}_{name}"] = evaluate(pruned, causal_lm_loss, valid)
     print({k: round(v, 4) for k, v in out.items()})

@@ -54,7 +54,8 @@ def run(args) -> int:
                              "kept_heads": plan.summary()["kept_heads"]}, overwrite=args.overwrite)
     n_before, n_after = model.config.num_parameters(), pruned.config.num_parameters()
     print_json({"output": path, "criterion": pc.criterion, "scope": pc.scope, "head_ratio": pc.head_ratio,
-                "ffn_ratio": pc.ffn_ratio, "layer_ratio": pc.layer_ratio, "hidden_ratio": pc.hidden_ratio, **plan.summary(), "params_before": n_before, "params_after": n_after,
+                "ffn_ratio": pc.ffn_ratio, "layer_ratio": pc.layer_ratio, "hidden_ratio": pc.hidden_ratio,
+                **plan.summary(), "params_before": n_before, "params_after": n_after,
                 "params_kept": round(n_after / n_before, 4), "seconds": round(seconds, 2),
                 "valid_loss_before": None if before is None else round(before, 5), "valid_ppl_before": _ppl(before),
                 "valid_loss_after": None if after is None else round(after, 5), "valid_ppl_after": _ppl(after),

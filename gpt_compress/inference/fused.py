@@ -201,12 +201,12 @@ class FusedBackend(Backend):
         """``steps`` greedy decode steps in one program run (``greedy_steps`` says how many a
         caller should ask for): feeds ``input_ids`` (B, T) with ``attention_mask`` (B, S + T)
         (T > 1: tokens not cached yet, then the step at the last of them), then each step's
-        tokens with one more mask column of ones. Returns the tokens (B, steps) int64, each ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished``
-        (B,) bool before the call or by an earlier step's ``eos_token_id`` (as
-        ``generation.stream_tokens`` step by step), and the cache, now holding S + T - 1 + steps
-        positions.
-        The first ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its
-        logit taken as -inf)."""
+        tokens with one more mask column of ones. Returns the tokens (B, steps) int64, each
+        ``np.argmax`` of its logits, ``pad_token_id`` for rows ``finished`` (B,) bool before the
+        call or by an earlier step's ``eos_token_id`` (as ``generation.stream_tokens`` step by
+        step), and the cache, now holding S + T - 1 + steps positions. The first
+        ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its logit taken
+        as -inf)."""
         if not self.controlled:
             raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (greedy_steps is 1)")
         control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)

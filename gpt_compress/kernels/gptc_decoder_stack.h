@@ -69,9 +69,9 @@ std::vector<WeightView> unpack(const std::vector<paddle::Tensor>& blobs, const s
 // Steps > 1 (greedy decoding, rows = each row's last new position b*T + T - 1) runs that many
 // decode steps in this one call: the first feeds the T columns of ids (a draft catching up with
 // the tokens it has not cached), each later one the previous step's tokens with one more mask
-// column of ones, as generation.stream_tokens would: a row finished before the call or by an earlier step's eos
-// gets `pad` (fed and returned); the steps end early once every row is finished (the rest
-// `pad`). Tokens are then (B, steps) and the logits the last step's. Each step is the
+// column of ones, as generation.stream_tokens would: a row finished before the call or by an
+// earlier step's eos gets `pad` (fed and returned); the steps end early once every row is
+// finished (the rest `pad`). Tokens are then (B, steps) and the logits the last step's. Each step is the
 // one-step call's arithmetic, so the tokens are the ones step-by-step calls would give.
 std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddle::Tensor& mask,
                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,

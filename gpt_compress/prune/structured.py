@@ -111,14 +111,6 @@ class PrunePlan:
     keep_hidden: list[int]
     scores: Scores
 
-    @property
-    def head_scores(self) -> list[np.ndarray]:
-        return self.scores.heads
-
-    @property
-    def ffn_scores(self) -> list[np.ndarray]:
-        return self.scores.ffn
-
     def summary(self) -> dict:
         """JSON-friendly: kept blocks and heads, and the resulting sizes."""
         return {"kept_layers": self.keep_layers, "kept_heads": [self.keep_heads[i] for i in self.keep_layers],
