@@ -353,6 +353,24 @@ BAD = [  # (raw body or JSON, status, words the message must contain)
 ]
 
 
+def test_the_servers_connections_send_without_nagle():
+    """``gptc serve``'s socket: a connection it accepts has TCP_NODELAY, so a response's segments
+    leave at once. (A protocol-0 socket's connections kept Nagle's algorithm: every response on a
+    kept-alive connection then waited about 40 ms for the client's delayed ACK.)"""
+    import socket
+
+    from gpt_compress.commands.serve import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as sock:
+        sock.listen(1)
+        with socket.create_connection(sock.getsockname()) as client:
+            conn, _ = sock.accept()
+            with conn:
+                assert conn.proto == socket.IPPROTO_TCP
+                assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # not a property of the host
+
+
 def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_goes_on(server):
     assert len(BAD) >= 12
     for body, status, words in BAD:
