@@ -71,8 +71,8 @@ std::vector<WeightView> unpack(const std::vector<paddle::Tensor>& blobs, const s
 // the tokens it has not cached), each later one the previous step's tokens with one more mask
 // column of ones, as generation.stream_tokens would: a row finished before the call or by an
 // earlier step's eos gets `pad` (fed and returned); the steps end early once every row is
-// finished (the rest `pad`). Tokens are then (B, steps) and the logits the last step's. Each step is the
-// one-step call's arithmetic, so the tokens are the ones step-by-step calls would give.
+// finished (the rest `pad`). Tokens are then (B, steps) and the logits the last step's. Each step
+// is the one-step call's arithmetic, so the tokens are the ones step-by-step calls would give.
 std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddle::Tensor& mask,
                                           const paddle::Tensor& rows, std::vector<paddle::Tensor>& caches,
                                           const std::vector<paddle::Tensor>& blobs, const std::vector<int64_t>& layout,
@@ -124,8 +124,6 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   bool per_row = n == B;
   for (int64_t i = 0; per_row && i < n; ++i) per_row = r[i] == i * T + T - 1;
   PD_CHECK(steps == 1 || per_row, "gptc_generate: several steps need rows b*T + T - 1 for b = 0..B-1 in order");
-  std::vector<int64_t> one_row(steps > 1 && T > 1 ? B : 0);  // the steps after the first: row b is b
-  for (int64_t b = 0; b < int64_t(one_row.size()); ++b) one_row[b] = b;
   float* a[2] = {grow(t_stack.act[0], size_t(std::max<int64_t>(M * C, 1))),
                  grow(t_stack.act[1], size_t(std::max<int64_t>(M * C, 1)))};
   // Fewer rows asked for than computed (prefill: each sequence's last): the last block computes
@@ -161,7 +159,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
         std::fill(step_mask.data() + b * Lj + L, step_mask.data() + (b + 1) * Lj, int64_t(1));
       }
       mk = step_mask.data(), id = step_ids.data();
-      if (Tj > 1) Tj = 1, subset = false, r = one_row.data();
+      if (Tj > 1) Tj = 1, subset = false, r = nullptr;  // one new position a row: the head reads rows 0..B-1
     }
     const StepContext s = make_step_context(B, Tj, C, mk, Lj, inner, F, kmax, n, eps, activation);
     // Profile laps (thread 0): embed (+ the checks above and the fork), each block's sections
