@@ -161,7 +161,7 @@ def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # Greedy / sampling
 # --------------------------------------------------------------------------------------
-def _no_processor(cfg: GenerationConfig, step: int, eos) -> bool:
+def no_processor(cfg: GenerationConfig, step: int, eos) -> bool:
     """No logits processor changes the scores at ``step`` (no penalty nor bias, past ``min_new_tokens``)."""
     return not uses_history(cfg) and not cfg.logit_bias and (step >= cfg.min_new_tokens or eos is None)
 
@@ -170,7 +170,7 @@ def _processed(logits, seen, step, cfg, eos, counts=None):
     """The scores after the processors: a new float32 array, or ``logits`` itself when no processor
     applies (greedy with no penalty after ``min_new_tokens``: the per-step copy is skipped).
     ``counts`` (N, V): tokens generated so far per row (needed by OpenAI's penalties)."""
-    if _no_processor(cfg, step, eos) and logits.dtype == np.float32:
+    if no_processor(cfg, step, eos) and logits.dtype == np.float32:
         return logits
     scores = logits.astype(np.float32, copy=True)
     scores = apply_repetition_penalty(scores, seen, cfg.repetition_penalty)
@@ -184,7 +184,7 @@ def _processed(logits, seen, step, cfg, eos, counts=None):
 
 def _plain_greedy(cfg: GenerationConfig, step: int, eos) -> bool:
     """Greedy with no processor at ``step``: the token is the argmax of the raw logits."""
-    return cfg.decode_strategy == "greedy" and _no_processor(cfg, step, eos)
+    return cfg.decode_strategy == "greedy" and no_processor(cfg, step, eos)
 
 
 def next_tokens(logits: np.ndarray, seen: np.ndarray, step: int, cfg: GenerationConfig,

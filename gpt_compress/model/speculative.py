@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import GenerationConfig
 from ..errors import InputError
-from .generation import (NEG_INF, GenerationOutput, _no_processor, apply_logit_bias, collect_sequences, pad_left,
+from .generation import (NEG_INF, GenerationOutput, no_processor, apply_logit_bias, collect_sequences, pad_left,
                          sample_rows, sampling_probs)
 
 DRAFT_TOKENS = 5  # k: draft tokens proposed per verify step (at most; ``AdaptiveK`` lowers it)
@@ -344,7 +344,7 @@ def speculative_tokens(backend, draft, prompts: Sequence[Sequence[int]], cfg: Ge
                                                             pad_token_id)], axis=1)
         vmask = np.concatenate([mask, np.repeat(active.astype(np.int64)[:, None], t - 1, axis=1)], axis=1)
         # Greedy with no processor acting on these positions: the target's tokens suffice.
-        plain = greedy and _no_processor(cfg, int(steps[active].min()), eos)
+        plain = greedy and no_processor(cfg, int(steps[active].min()), eos)
         if plain:
             targets, cache = backend.decode_positions_greedy(feed, vmask, cache)  # (B, t)
         else:
