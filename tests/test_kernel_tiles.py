@@ -27,7 +27,7 @@ HEADS, EPS, GELU_NEW = 2, 1e-5, 2
 # rows of the batch (left-padded to 17): M = 85, and 17, 11, 8, 7, 2 alone; 11 and 23 leave 11 rows
 # after the AVX-512 float kernel's 12-row tiles (its widest remainder: 6 pairs, the last half empty)
 LENGTHS = (17, 11, 8, 7, 2)
-HEAD_ROWS = 64           # a head's rows at once (then 23, 17, 13, 11, 8, 7, 6, 2 of them, and each alone)
+HEAD_ROWS = 64           # a head's rows at once (then 23, 17, 13, 11, 8, 7, 6, 5, 3, 2 of them, and each alone)
 
 # name -> (bits, hidden c, head dim d, FFN width f, act)
 LAYERS = {
@@ -147,7 +147,7 @@ def assert_layer_case(ops, name: str) -> np.ndarray:
 def assert_head_case(ops, name: str) -> np.ndarray:
     """The head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
     one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
-    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 13, 11, 8, 7, 6 and 2 of the rows and each row alone give bitwise
+    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 13, 11, 8, 7, 6, 5, 3 and 2 of the rows and each row alone give bitwise
     the same logits, and that they are near the float64 product of the dequantized weights."""
 
     grouped = not name.endswith(ROWS)
@@ -174,7 +174,8 @@ def assert_head_case(ops, name: str) -> np.ndarray:
 
     with threads(2):
         many = head(range(HEAD_ROWS))
-        for m in (23, 17, 13, 11, 8, 7, 6, 2):  # 13, 6: panels of 5 and 6 rows (grouped int8)
+        for m in (23, 17, 13, 11, 8, 7, 6, 5, 3, 2):  # 13, 6: panels of 5 and 6 rows (grouped int8); 8..2: the
+            # float GEMV's groups of 4 (AVX-512) or 2 input rows and their tails of 1 to 3
             rows = list(range(HEAD_ROWS - m, HEAD_ROWS))  # the last m rows: other offsets than the batch's
             assert np.array_equal(head(rows), many[rows]), f"{name}: {m} rows vs {HEAD_ROWS}"
         for i in range(HEAD_ROWS):

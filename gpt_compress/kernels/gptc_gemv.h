@@ -27,9 +27,22 @@ namespace {
 // prefetchers never lock on, and software prefetches make up only part of it.
 // AVX2 only; other layers (float-input int weights, K or blocks not in steps of 32) take the
 // blocks (linear_block, gptc_linear.h) even at M = 1.
+//
+// Float weights take this path for a few input rows too (M <= GEMV_M_F: batched decode steps,
+// speculative verification): each pass's weight rows are read from memory once, by the first
+// group of GEMV_MR_F input rows, and from L1 by the others. The block kernels' adjacent rows
+// stream the weights at about half the GEMV's rate, which at these M is the step's cost.
 constexpr int64_t GEMV_ROWS = 64;  // a grab of gemv_for is a multiple of this many rows
-constexpr int GEMV_NR_F = 8;       // float weight rows per pass (streams)
+constexpr int GEMV_NR_F = 8;       // float weight rows per pass (streams), one input row
 constexpr int GEMV_NR_I = 4;       // int weight rows per pass (int_gemv_tile: 4 or 1)
+constexpr int64_t GEMV_M_F = 8;    // float weights: input rows up to which the GEMV serves
+// Float weights, several input rows: NR weight rows x MR input rows a tile (accumulators: their
+// product, within the vector registers of the build: 32 with AVX-512 VL, else 16).
+#if defined(GPTC_F512)
+constexpr int GEMV_NR_FM = 4, GEMV_MR_F = 4;
+#else
+constexpr int GEMV_NR_FM = 4, GEMV_MR_F = 2;
+#endif
 
 // int8 rows (not int4, not float) also prefetch their codes this many bytes ahead: on hosts where
 // the int8 dots run about as fast as the memory, the hardware prefetchers alone leave the loads
@@ -37,11 +50,13 @@ constexpr int GEMV_NR_I = 4;       // int weight rows per pass (int_gemv_tile: 4
 // nothing from it.
 constexpr int64_t GEMV_AHEAD_I8 = 256;
 
-inline bool gemv_ok(const LinearWeights& L, const LinearInputs& in) {
+inline bool gemv_ok(const LinearWeights& L, const LinearInputs& in, int64_t M) {
 #if defined(__AVX2__)
   if (L.grouped) return false;  // the grouped kernels serve M = 1 too (gptc_grouped.h)
-  return L.bits == 32 || (in.xq != nullptr && L.k % 32 == 0 && L.blk % 32 == 0);
+  if (L.bits == 32) return M <= GEMV_M_F;
+  return M == 1 && in.xq != nullptr && L.k % 32 == 0 && L.blk % 32 == 0;
 #else
+  (void)L, (void)in, (void)M;
   return false;
 #endif
 }
@@ -56,21 +71,54 @@ inline void gemv_streams(int64_t nr, Tile tile, One one) {
 }
 
 #if defined(__AVX2__)
-// NR float weight rows (ldw apart) against x: y[n * ldy] = x . w_n + bias[n * ldy].
-template <int NR>
+// NR float weight rows (ldw apart) against MR input rows (K apart):
+// y[m * ldm + n * ldy] = x_m . w_n + bias[n * ldy].
+template <int NR, int MR = 1>
 inline void float_gemv_tile(const float* x, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-                            const float* bias) {
-  __m256 acc[NR];
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
+                            const float* bias, int64_t ldm = 0) {
+  __m256 acc[MR][NR];
+  GPTC_UNROLL for (int m = 0; m < MR; ++m)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + k);
-    GPTC_UNROLL for (int n = 0; n < NR; ++n) acc[n] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + n * ldw + k), acc[n]);
+    if constexpr (MR == 1) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      GPTC_UNROLL for (int n = 0; n < NR; ++n)
+        acc[0][n] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + n * ldw + k), acc[0][n]);
+    } else {  // each weight vector loaded once for the MR rows (pinned: not a memory operand per fma)
+      __m256 xv[MR];
+      GPTC_UNROLL for (int m = 0; m < MR; ++m) {
+        xv[m] = _mm256_loadu_ps(x + m * K + k);
+        GPTC_PIN(xv[m]);
+      }
+      GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+        __m256 wv = _mm256_loadu_ps(w + n * ldw + k);
+        GPTC_PIN(wv);
+        GPTC_UNROLL for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+      }
+    }
   }
-  GPTC_UNROLL for (int n = 0; n < NR; ++n) {
-    float s = hsum(acc[n]);
-    for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[kk], w[n * ldw + kk], s);
-    y[n * ldy] = s + (bias ? bias[n * ldy] : 0.f);
+  GPTC_UNROLL for (int m = 0; m < MR; ++m)
+    GPTC_UNROLL for (int n = 0; n < NR; ++n) {
+      float s = hsum(acc[m][n]);
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * K + kk], w[n * ldw + kk], s);
+      y[m * ldm + n * ldy] = s + (bias ? bias[n * ldy] : 0.f);
+    }
+}
+
+// NR float weight rows (ldw apart) against all M input rows (K apart), GEMV_MR_F at a time; the
+// outputs as float_gemv_tile's (row m's at y + m * ldm).
+template <int NR>
+inline void float_gemv_rows(const float* x, int64_t M, const float* w, int64_t ldw, int64_t K, float* y,
+                            int64_t ldy, const float* bias, int64_t ldm) {
+  int64_t m = 0;
+  for (; m + GEMV_MR_F <= M; m += GEMV_MR_F)
+    float_gemv_tile<NR, GEMV_MR_F>(x + m * K, w, ldw, K, y + m * ldm, ldy, bias, ldm);
+  switch (M - m) {
+    case 3: float_gemv_tile<NR, 3>(x + m * K, w, ldw, K, y + m * ldm, ldy, bias, ldm); break;
+    case 2: float_gemv_tile<NR, 2>(x + m * K, w, ldw, K, y + m * ldm, ldy, bias, ldm); break;
+    case 1: float_gemv_tile<NR, 1>(x + m * K, w, ldw, K, y + m * ldm, ldy, bias, ldm); break;
+    default: break;
   }
 }
 
@@ -200,10 +248,11 @@ void int_gemv(const LinearWeights& L, const LinearInputs& in, const int8_t* ax, 
 }
 #endif
 
-// Rows [r0, r1) of y (one input row) = epilogue(x @ W^T + bias): linear_block's epilogue (`act`,
-// + res, res may be y), the range's rows in NR streams. Only where gemv_ok.
-void gemv_rows(const LinearWeights& L, const LinearInputs& in, int64_t r0, int64_t r1, float* y, const float* res,
-               int act, Scratch& sc) {
+// Rows [r0, r1) of y (M input rows, ldy apart) = epilogue(x @ W^T + bias): linear_block's
+// epilogue (`act`, + res in y's layout, res may be y), the range's rows in NR streams. Only where
+// gemv_ok.
+void gemv_rows(const LinearWeights& L, const LinearInputs& in, int64_t M, int64_t r0, int64_t r1, float* y,
+               int64_t ldy, const float* res, int act, Scratch& sc) {
 #if defined(__AVX2__)
   const int64_t K = L.k, nr = r1 - r0;
   if (nr <= 0) return;
@@ -225,22 +274,34 @@ void gemv_rows(const LinearWeights& L, const LinearInputs& in, int64_t r0, int64
     }
     ax = a;
   }
-  float* t = grow(sc.gemv, size_t(nr));  // the range's x @ W^T + bias, in row order
+  float* t = grow(sc.gemv, size_t(M * nr));  // the range's x @ W^T + bias: M rows of nr, in row order
   if (L.bits == 32) {
-    constexpr int NR = GEMV_NR_F;
     const float* w = L.wf + r0 * K;
     const float* bias = L.bias ? L.bias + r0 : nullptr;
     auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
-    gemv_streams<NR>(
-        nr, [&](int64_t i, int64_t R) { float_gemv_tile<NR>(in.x, w + i * K, R * K, K, t + i, R, at(i)); },
-        [&](int64_t n) { float_gemv_tile<1>(in.x, w + n * K, K, K, t + n, 1, at(n)); });
+    if (M == 1) {
+      constexpr int NR = GEMV_NR_F;
+      gemv_streams<NR>(
+          nr, [&](int64_t i, int64_t R) { float_gemv_tile<NR>(in.x, w + i * K, R * K, K, t + i, R, at(i)); },
+          [&](int64_t n) { float_gemv_tile<1>(in.x, w + n * K, K, K, t + n, 1, at(n)); });
+    } else {
+      constexpr int NR = GEMV_NR_FM;
+      gemv_streams<NR>(
+          nr, [&](int64_t i, int64_t R) { float_gemv_rows<NR>(in.x, M, w + i * K, R * K, K, t + i, R, at(i), nr); },
+          [&](int64_t n) { float_gemv_rows<1>(in.x, M, w + n * K, K, K, t + n, 1, at(n), nr); });
+    }
   } else if (L.bits == 4) {
     int_gemv<true>(L, in, ax, corr, r0, nr, t, sc);
   } else {
     int_gemv<false>(L, in, ax, nullptr, r0, nr, t, sc);
   }
-  if (act >= 0) activate(t, nr, act);
-  for (int64_t n = 0; n < nr; ++n) y[r0 + n] = res != nullptr ? res[r0 + n] + t[n] : t[n];
+  if (act >= 0) activate(t, M * nr, act);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* tm = t + m * nr;
+    float* ym = y + m * ldy + r0;
+    const float* rm = res != nullptr ? res + m * ldy + r0 : nullptr;
+    for (int64_t n = 0; n < nr; ++n) ym[n] = rm != nullptr ? rm[n] + tm[n] : tm[n];
+  }
 #endif
 }
 
@@ -252,7 +313,7 @@ void gemv_rows(const LinearWeights& L, const LinearInputs& in, int64_t r0, int64
 // few lines of to lock on: streams of a few KB (64 rows of int8 codes at K = 384) are too short,
 // hence the least grab of GEMV_GRAB_BYTES. Which thread computes an output never changes its value.
 constexpr int64_t GEMV_GRAB_BYTES = 64 << 10;
-void gemv_for(const LinearWeights& L, const LinearInputs& in, float* y, const float* res, int act) {
+void gemv_for(const LinearWeights& L, const LinearInputs& in, int64_t M, float* y, const float* res, int act) {
   const int64_t chunks = (L.n + GEMV_ROWS - 1) / GEMV_ROWS;
   const int64_t row_bytes = L.bits == 32 ? 4 * L.k : L.k * L.bits / 8 + 4 * (L.k / L.blk);
   const int64_t least = (GEMV_GRAB_BYTES + GEMV_ROWS * row_bytes - 1) / (GEMV_ROWS * row_bytes);
@@ -260,7 +321,8 @@ void gemv_for(const LinearWeights& L, const LinearInputs& in, float* y, const fl
   const int64_t grabs = (L.n + rows - 1) / rows;
   Scratch& sc = t_scratch;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t g = 0; g < grabs; ++g) gemv_rows(L, in, g * rows, std::min(L.n, (g + 1) * rows), y, res, act, sc);
+  for (int64_t g = 0; g < grabs; ++g)
+    gemv_rows(L, in, M, g * rows, std::min(L.n, (g + 1) * rows), y, L.n, res, act, sc);
 }
 
 }  // namespace

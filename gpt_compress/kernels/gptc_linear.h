@@ -261,13 +261,13 @@ inline PackedInputs rows_of(const LinearWeights& L, const PackedInputs& p, int64
 // The inputs as linear_rows reads them (none to pack for a GEMV): packed once for all the row
 // ranges a thread computes of one Linear (pack_inputs' buffers are the thread's own).
 inline PackedInputs rows_inputs(const LinearWeights& L, const LinearInputs& in, int64_t M, Scratch& sc) {
-  return M == 1 && gemv_ok(L, in) ? PackedInputs{} : pack_inputs(L, in, M, sc);
+  return gemv_ok(L, in, M) ? PackedInputs{} : pack_inputs(L, in, M, sc);
 }
 
 // Rows [r0, r1) of the output in blocks of NBLK from r0, on the calling thread; pk: rows_inputs.
 void linear_rows(const LinearWeights& L, const LinearInputs& in, const PackedInputs& pk, int64_t M, int64_t r0,
                  int64_t r1, float* y, int64_t ldy, const float* res, int act, Scratch& sc) {
-  if (M == 1 && gemv_ok(L, in)) return gemv_rows(L, in, r0, r1, y, res, act, sc);
+  if (gemv_ok(L, in, M)) return gemv_rows(L, in, M, r0, r1, y, ldy, res, act, sc);
   const int64_t P = panel_rows(L, in, M);
   for (int64_t m0 = 0; m0 < M; m0 += P) {
     const LinearInputs ip = rows_of(L, in, m0);
@@ -285,7 +285,7 @@ void linear_rows(const LinearWeights& L, const LinearInputs& in, const PackedInp
 // a delayed thread's share goes to the others, as in gemv_for; the next-block prefetch misses
 // only at a grab's end), or all on the calling thread outside one.
 void linear_for(const LinearWeights& L, const LinearInputs& in, int64_t M, float* y, const float* res, int act) {
-  if (M == 1 && gemv_ok(L, in)) return gemv_for(L, in, y, res, act);
+  if (gemv_ok(L, in, M)) return gemv_for(L, in, M, y, res, act);
   const int64_t W = block_rows(L), nblocks = (L.n + W - 1) / W;
   const int64_t grain = std::max<int64_t>(1, nblocks / (8 * omp_get_num_threads()));
   Scratch& sc = t_scratch;
