@@ -247,3 +247,48 @@ def test_distill_records_the_student_as_the_teacher_exports_draft(tmp_path_facto
     prompts = gen.encode(PROMPTS)
     got = gen.generate(prompts, max_new_tokens=12, draft="auto")
     assert got.sequences == gen.generate(prompts, max_new_tokens=12).sequences
+
+
+def test_distill_trains_on_the_teachers_continuations(pipeline, shakespeare, tmp_path):
+    """``Distill.generated_windows``: `gptc distill` writes windows of the training split continued
+    by the teacher export's greedy tokens (each document: a training window, then exactly what the
+    teacher generates for it), trains on them, validates on the real text (the same figures as a
+    plain run), and a second run with the same settings reuses the written windows."""
+    from gpt_compress.data.indexed import open_dataset
+    from gpt_compress.export import export
+    from gpt_compress.inference.runner import Generator
+
+    teacher = pipeline["teacher"]
+    base = export(teacher, str(tmp_path / "teacher_export"), formats=("paddle",))
+    windows, prompt, new = 12, 9, 7
+    args = ["-o", f"Distill.teacher={teacher}", "-o", f"Distill.student={pipeline['pruned']['output']}",
+            "-o", f"Distill.teacher_export={base}", "-o", f"Distill.generated_windows={windows}",
+            "-o", f"Distill.generated_prompt_tokens={prompt}", "-o", f"Distill.generated_new_tokens={new}"]
+    out = gptc("distill", "--no-progress", "-c", TINY_YAML, *args,
+               *data_overrides(shakespeare, tmp_path / "run", max_steps=2))
+    got = out["teacher_data"]
+    assert got["windows"] == windows and not got["reused"] and got["generator"] == base
+    docs = open_dataset(got["data_prefix"])
+    assert len(docs) == windows
+    train = open_dataset(shakespeare[1])
+    text = np.concatenate([train[i] for i in range(len(train))])
+    gen = Generator.from_dir(base, backend="paddle")
+    for i in range(windows):
+        doc = [int(t) for t in docs[i]]
+        head, cont = doc[:prompt], doc[prompt:]
+        starts = np.flatnonzero(text[:len(text) - prompt + 1] == head[0])
+        assert any(list(text[s:s + prompt]) == head for s in starts), f"window {i} is not training text"
+        assert 1 <= len(cont) <= new
+        assert cont == gen.generate([head], max_new_tokens=new).sequences[0], f"window {i}"
+    # Validation reads the real text: the teacher's and the student's starting figures are the plain run's.
+    plain = pipeline["distilled"]
+    assert out["teacher_valid_ppl"] == plain["teacher_valid_ppl"]
+    assert out["student_valid_ppl_before"] == plain["student_valid_ppl_before"]
+    again = gptc("distill", "--no-progress", "-c", TINY_YAML, *args,
+                 *data_overrides(shakespeare, tmp_path / "run2", max_steps=1, resume="auto"))["teacher_data"]
+    assert not again["reused"]  # another run directory: written again, the same documents
+    assert [list(open_dataset(again["data_prefix"])[i]) for i in range(windows)] == \
+        [list(docs[i]) for i in range(windows)]
+    rerun = gptc("distill", "--no-progress", "-c", TINY_YAML, *args,
+                 *data_overrides(shakespeare, tmp_path / "run2", max_steps=2, resume="auto"))["teacher_data"]
+    assert rerun["reused"] and rerun["tokens"] == again["tokens"]

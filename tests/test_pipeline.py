@@ -165,3 +165,21 @@ def test_quant_variants_add_stages_and_the_bench_config_reads(tmp_path):
     variants = ("ptq-w8a8", "qat-w8a8", "woq8", "woq4")
     assert set(stages) == ALL | {f"quant_{v}" for v in variants} | {f"eval_{v}" for v in variants}
     assert stages[-1] == "report" and all(stages.index(f"quant_{v}") < stages.index(f"eval_{v}") for v in variants)
+
+
+def test_a_distill_on_teacher_continuations_follows_the_base_export(tmp_path):
+    """``Distill.generated_windows`` (configs/pipeline_speculative_bench.yaml): the base export
+    writes the distillation windows, so export_base runs before distill and distill depends on
+    it; without generated windows distill does not wait for it."""
+    from gpt_compress.config import load_config
+    from gpt_compress.pipeline.stages import Pipeline
+
+    conf = os.path.join(ROOT, "configs", "pipeline_speculative_bench.yaml")
+    for windows in (4096, 0):
+        cfg = load_config(conf, [f"Global.output_dir={tmp_path}",
+                                 f"Pipeline.distill_overrides=[Distill.generated_windows={windows}]"])
+        stages = Pipeline(cfg).stages()
+        names = [s.name for s in stages]
+        distill = stages[names.index("distill")]
+        assert names.index("export_base") < names.index("distill")
+        assert ("export_base" in distill.deps) == bool(windows), (windows, distill.deps)

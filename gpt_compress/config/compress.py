@@ -51,6 +51,13 @@ class DistillConfig:
     hidden_layers: list[int] = field(default_factory=list)  # student blocks matched by the MSE; []: all
     layer_map: list[int] = field(default_factory=list)  # teacher block per hidden_layers entry; []: by depth
     projection_batches: int = 4  # widths differ: micro-batches whose teacher-state PCA maps to the student width
+    # Sequence-level distillation (distill_data.py): windows of real text continued by the teacher's
+    # greedy tokens, written once into the run directory and trained on beside the real text.
+    generated_windows: int = 0  # windows the teacher continues; 0: real text only
+    generated_prompt_tokens: int = 0  # real tokens a window starts with; 0: half of Data.seq_length
+    generated_new_tokens: int = 0  # the teacher's tokens after them; 0: the rest of Data.seq_length
+    generated_weight: float = 1.0  # share of the training samples drawn from the generated windows
+    teacher_export: str = ""  # an export of the teacher that generates them; "": the teacher checkpoint (slower)
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -64,6 +71,12 @@ class DistillConfig:
                               f"{len(self.hidden_layers)}; give one teacher block per student block")
         if self.projection_batches < 1:
             raise ConfigError(f"Distill.projection_batches must be >= 1, got {self.projection_batches}")
+        if min(self.generated_windows, self.generated_prompt_tokens, self.generated_new_tokens) < 0:
+            raise ConfigError("Distill.generated_windows, generated_prompt_tokens and generated_new_tokens must be "
+                              f">= 0, got {self.generated_windows}, {self.generated_prompt_tokens}, "
+                              f"{self.generated_new_tokens}")
+        if not 0.0 < self.generated_weight <= 1.0:
+            raise ConfigError(f"Distill.generated_weight must be in (0, 1], got {self.generated_weight}")
 
 
 @dataclass

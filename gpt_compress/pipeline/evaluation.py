@@ -135,7 +135,10 @@ class EvalStages:
                              f"{s.get('params_before'):,} -> {s.get('params_after'):,} parameters; "
                              f"validation ppl {s.get('valid_ppl_before')} -> {s.get('valid_ppl_after')}")
             elif stage == "distill":
-                lines.append(f"- distill: {s.get('steps')} steps; student validation ppl "
+                gen = s.get("teacher_data")
+                on = (f" (on {gen['windows']:,} windows continued by the teacher, {gen['generated_tokens']:,} "
+                      "generated tokens)" if gen else "")
+                lines.append(f"- distill: {s.get('steps')} steps{on}; student validation ppl "
                              f"{s.get('student_valid_ppl_before')} -> {s.get('student_valid_ppl_after')} "
                              f"(teacher {s.get('teacher_valid_ppl')})")
             else:

@@ -97,12 +97,17 @@ class Pipeline(EvalStages, StageRunner):
                                  "vocab_size": self.cfg.model.vocab_size},
                     self._run_data, self._check_data, self.path("data")),
               Stage("pretrain", ("data",), self._pretrain_settings(), self._run_pretrain,
-                    lambda o: verify_checkpoint(o["checkpoint"]), self.path("pretrain"), resumable=True)]
+                    lambda o: verify_checkpoint(o["checkpoint"]), self.path("pretrain"), resumable=True),
+              Stage("export_base", ("pretrain",), {"formats": p.formats},
+                    lambda: self._run_export("pretrain", "base"), lambda o: verify_export(o["export"]),
+                    self.path("export", "base"))]
         if p.prune:
             st.append(Stage("prune", ("pretrain", "data"), self._stage_raw("prune", p.prune_overrides, PRUNE_SECTIONS),
                             self._run_prune, lambda o: verify_checkpoint(o["checkpoint"]), self.path("prune")))
         if p.distill:
-            st.append(Stage("distill", ("pretrain", "prune", "data"),
+            # Sequence-level distillation (Distill.generated_windows): the base export writes the windows.
+            generated = ("export_base",) if self._distill_generates() else ()
+            st.append(Stage("distill", ("pretrain", "prune", "data") + generated,
                             self._stage_raw("distill", p.distill_overrides, DISTILL_SECTIONS),
                             self._run_distill, lambda o: verify_checkpoint(o["checkpoint"]), self.path("distill"),
                             resumable=True))
@@ -111,9 +116,6 @@ class Pipeline(EvalStages, StageRunner):
             st.append(Stage("qat", (last_float, "data"), {**self._stage_raw("qat", p.qat_overrides, QAT_SECTIONS),
                                                           "formats": p.formats},
                             self._run_qat, lambda o: verify_export(o["export"]), self.path("qat"), resumable=True))
-        st.append(Stage("export_base", ("pretrain",), {"formats": p.formats},
-                        lambda: self._run_export("pretrain", "base"), lambda o: verify_export(o["export"]),
-                        self.path("export", "base")))
         artifacts = [("base", "export_base")]
         if p.prune:
             st.append(Stage("export_compressed", (last_float,), {"formats": p.formats},
@@ -249,13 +251,20 @@ class Pipeline(EvalStages, StageRunner):
                     "--output", os.path.join(d, "model"), "--overwrite"], "prune")
         return {"checkpoint": res["output"], "summary": res}
 
+    def _distill_generates(self) -> bool:
+        """Whether the distill stage trains on the teacher's continuations (Distill.generated_windows)."""
+        raw = self._stage_raw("distill", self.p.distill_overrides, DISTILL_SECTIONS)["config"]
+        return bool(raw["Distill"]["generated_windows"])
+
     def _run_distill(self) -> dict:
         d = self.path("distill")
         conf = os.path.join(d, "config.yaml")
+        teacher_export = ({"Distill.teacher_export": self.outputs("export_base")["export"]}
+                          if self._distill_generates() and "paddle" in self.p.formats else {})
         write_stage_config(self.cfg, self.p.distill_overrides,
                            {**self._data_overrides(), "Global.output_dir": d, "Engine.resume": "auto",
                             "Engine.init_from": "", "Distill.teacher": self.outputs("pretrain")["checkpoint"],
-                            "Distill.student": self.outputs("prune")["checkpoint"]}, conf)
+                            "Distill.student": self.outputs("prune")["checkpoint"], **teacher_export}, conf)
         res = gptc(["distill", "-c", conf, *self._progress_flag()], "distill")
         return {"checkpoint": res["checkpoint"], "train_log": os.path.join(d, "train_log.jsonl"), "summary": res}
 
