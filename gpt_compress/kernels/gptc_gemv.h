@@ -279,17 +279,16 @@ void gemv_rows(const LinearWeights& L, const LinearInputs& in, int64_t M, int64_
     const float* w = L.wf + r0 * K;
     const float* bias = L.bias ? L.bias + r0 : nullptr;
     auto at = [&](int64_t n) { return bias ? bias + n : nullptr; };
-    if (M == 1) {
-      constexpr int NR = GEMV_NR_F;
-      gemv_streams<NR>(
-          nr, [&](int64_t i, int64_t R) { float_gemv_tile<NR>(in.x, w + i * K, R * K, K, t + i, R, at(i)); },
-          [&](int64_t n) { float_gemv_tile<1>(in.x, w + n * K, K, K, t + n, 1, at(n)); });
-    } else {
-      constexpr int NR = GEMV_NR_FM;
+    auto streams = [&](auto streams_c) {  // NR streams of the range's rows, every input row a pass
+      constexpr int NR = decltype(streams_c)::value;
       gemv_streams<NR>(
           nr, [&](int64_t i, int64_t R) { float_gemv_rows<NR>(in.x, M, w + i * K, R * K, K, t + i, R, at(i), nr); },
           [&](int64_t n) { float_gemv_rows<1>(in.x, M, w + n * K, K, K, t + n, 1, at(n), nr); });
-    }
+    };
+    if (M == 1)
+      streams(std::integral_constant<int, GEMV_NR_F>());
+    else
+      streams(std::integral_constant<int, GEMV_NR_FM>());
   } else if (L.bits == 4) {
     int_gemv<true>(L, in, ax, corr, r0, nr, t, sc);
   } else {
