@@ -10,7 +10,8 @@ The models: ``gptc pipeline -c configs/pipeline_speculative_bench.yaml`` in ``--
 when up to date): a gpt-bench target pretrained on Jane Austen + tiny Shakespeare (GPT-2 BPE),
 its weight-only int8 (``woq8``), and the draft the pipeline makes and records in the target's
 manifest: the target pruned to gpt-tiny's size in depth and width (2 of 6 blocks, 64 of 384
-hidden channels), distilled from it, QAT int8. Both targets use that one draft.
+hidden channels), distilled from it (most samples training windows the target itself continued:
+``Distill.generated_windows``), QAT int8. Both targets use that one draft.
 
 Prompt sets, from the pipeline's held-out documents (never trained on): ``heldout``, the
 first 48 tokens of a paragraph (the draft's job: continue the text as the target would);
@@ -21,7 +22,9 @@ sentence and that sentence's first 4 tokens). The corpus's paragraphs are unwrap
 lines joined), so line breaks are not the text's most frequent token. Each prompt is generated
 alone (batch 1), with and without the draft, the two alternating, ``--reps`` times; a figure is
 the median, the speed-up the summed plain seconds over the summed speculative seconds.
-``same_output`` checks that greedy output is unchanged. ``heldout_sampled``: the same with sampling (temperature 0.7, top-p 0.95, a seed per
+``same_output`` checks that greedy output is unchanged. ``heldout/kN`` (``--also-k``): the held-out
+rows with at most N draft tokens a step (a verify step of T = N + 1 rows; its cost against one
+row is the ``verify_cost`` table). ``heldout_sampled``: the same with sampling (temperature 0.7, top-p 0.95, a seed per
 prompt; the rejection rule keeps the target's distribution), where the target's greedy loops,
 which a draft predicts well, are broken up.
 
@@ -218,6 +221,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("-k", type=int, default=5, help="draft tokens per step")
+    p.add_argument("--also-k", type=lambda v: [int(x) for x in v.split(",") if x], default=[3],
+                   help="more draft lengths for the held-out rows (comma-separated; '' for none)")
     p.add_argument("--big-preset", default="gpt-345M", help="random-init preset of the big row ('': skip)")
     p.add_argument("--big-prompts", type=int, default=3)
     p.add_argument("--big-new-tokens", type=int, default=48)
@@ -248,6 +253,8 @@ def main() -> None:
         for name, ids in sets.items():
             results[f"{target}/draft/{name}"] = measure(gen, ids, draft, a.k, a.new_tokens, a.reps)
             results[f"{target}/ngram/{name}"] = measure(gen, ids, "ngram", a.k, a.new_tokens, a.reps)
+        for k in a.also_k:  # the held-out rows at other draft lengths (a verify step's cost depends on T = k + 1)
+            results[f"{target}/draft/heldout/k{k}"] = measure(gen, sets["heldout"], draft, k, a.new_tokens, a.reps)
         results[f"{target}/draft/heldout_sampled"] = measure(gen, sets["heldout"], draft, a.k, a.new_tokens, a.reps,
                                                              sampling=True)
         costs[target] = verify_cost(gen.backend, gen.vocab_size, a.k)
