@@ -45,20 +45,10 @@ def run(args) -> int:
     student = load_model(dc.student) if dc.student else build_model(cfg.model, "lm")
     cfg.model = student.config
     tokenizer = find_tokenizer(cfg.data.tokenizer_dir, dc.student, dc.teacher)
-    teacher_data = None
-    if dc.generated_windows:
-        teacher_data = _teacher_data(cfg, teacher.config.vocab_size)
-        blend = [str(dc.generated_weight), teacher_data["data_prefix"]]
-        if dc.generated_weight < 1.0:
-            blend += [str(1.0 - dc.generated_weight), *cfg.data.data_prefix]
-        train_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_prefix=blend),
-                                        engine=dataclasses.replace(eng, eval_iters=0))  # validation: real text
-        train_batches = lm_batches(train_cfg, eng.max_steps * eng.global_batch_size,
-                                   [student.config, teacher.config])[0]
-        eval_batches = lm_batches(cfg, 0, [student.config, teacher.config])[1]
-    else:
-        train_batches, eval_batches = lm_batches(cfg, eng.max_steps * eng.global_batch_size,
-                                                 [student.config, teacher.config])
+    teacher_data = _teacher_data(cfg, teacher.config.vocab_size) if dc.generated_windows else None
+    models = [student.config, teacher.config]
+    train_batches = lm_batches(_training_data(cfg, teacher_data), eng.max_steps * eng.global_batch_size, models)[0]
+    eval_batches = lm_batches(cfg, 0, models)[1]  # validation on Data.data_prefix alone
     needs_projection = dc.hidden_mse_weight > 0 and student.config.hidden_size != teacher.config.hidden_size
     try:
         loss_fn = DistillLoss.from_config(
@@ -124,6 +114,19 @@ def _teacher_data(cfg, vocab_size: int) -> dict:
                                 os.path.join(cfg.global_.output_dir, "teacher_data", "teacher"), dc.generated_windows,
                                 prompt, new, cfg.global_.seed)
     return {**out, "generator": source, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _training_data(cfg, teacher_data):
+    """``cfg`` as the training samples read it: Data.data_prefix, or with ``teacher_data`` a blend
+    of its windows (Distill.generated_weight of the samples) and Data.data_prefix; no validation."""
+    data = cfg.data
+    if teacher_data is not None:
+        weight = cfg.distill.generated_weight
+        blend = [str(weight), teacher_data["data_prefix"]]
+        if weight < 1.0:
+            blend += [str(1.0 - weight), *data.data_prefix]
+        data = dataclasses.replace(data, data_prefix=blend)
+    return dataclasses.replace(cfg, data=data, engine=dataclasses.replace(cfg.engine, eval_iters=0))
 
 
 def _record_draft(base: str, checkpoint: str, cfg, batches) -> dict:
