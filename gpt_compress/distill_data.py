@@ -10,11 +10,11 @@ teacher's soft targets are then taken on the contexts the target produces at inf
                           windows=4096, prompt_tokens=64, new_tokens=64, seed=1234)
 
 writes the indexed dataset ``run/teacher_data/teacher_text_document.{bin,idx}``: one document per
-window, its prompt (``prompt_tokens`` consecutive tokens of a training-split document, drawn with
-probability proportional to the document's length) followed by the teacher's greedy tokens (fewer
-than ``new_tokens`` when it ends the text). The draws depend on ``seed`` alone, and greedy
-decoding is deterministic, so a rerun writes the same documents; a finished dataset whose recorded
-settings match is reused (``settings.json`` beside it, written last).
+window, its prompt (``prompt_tokens`` consecutive tokens of a training-split document, each window
+of the split equally likely) followed by the teacher's greedy tokens (fewer than ``new_tokens``
+when it ends the text). The draws depend on ``seed`` alone, and greedy decoding is deterministic,
+so a rerun writes the same documents; a finished dataset whose recorded settings match is reused
+(``teacher_text_document.settings.json`` beside it, written last).
 """
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ BATCH = 8  # prompts generated at once
 
 
 def teacher_continuations(generator, data_prefix: str, split: Sequence[float], out_prefix: str, windows: int,
-                          prompt_tokens: int, new_tokens: int, seed: int, progress=None) -> dict[str, Any]:
+                          prompt_tokens: int, new_tokens: int, seed: int) -> dict[str, Any]:
     """Write (or reuse) the dataset ``out_prefix + SUFFIX``; returns {"data_prefix", "windows",
-    "tokens", "generated_tokens", "reused"}. ``generator``: a ``Generator`` of the teacher.
-    ``progress(done, total)`` is called after each batch."""
+    "tokens", "generated_tokens", "reused"}. ``generator``: a ``Generator`` of the teacher."""
     settings = {"data_prefix": os.path.abspath(data_prefix), "split": [float(s) for s in split],
                 "windows": int(windows), "prompt_tokens": int(prompt_tokens), "new_tokens": int(new_tokens),
                 "seed": int(seed)}
@@ -58,8 +57,6 @@ def teacher_continuations(generator, data_prefix: str, split: Sequence[float], o
                 out.add_document(list(prompt) + list(cont))
                 tokens += len(prompt) + len(cont)
                 generated += len(cont)
-            if progress is not None:
-                progress(min(start + BATCH, len(prompts)), len(prompts))
         out.finalize()
     result = {"data_prefix": prefix, "windows": len(prompts), "tokens": tokens, "generated_tokens": generated}
     with atomic_file(record) as f:
