@@ -24,9 +24,9 @@ alone (batch 1), with and without the draft, the two alternating, ``--reps`` tim
 the median, the speed-up the summed plain seconds over the summed speculative seconds.
 ``same_output`` checks that greedy output is unchanged. ``heldout/kN`` (``--also-k``): the held-out
 rows with at most N draft tokens a step (a verify step of T = N + 1 rows; its cost against one
-row is the ``verify_cost`` table). ``heldout_sampled``: the same with sampling (temperature 0.7, top-p 0.95, a seed per
-prompt; the rejection rule keeps the target's distribution), where the target's greedy loops,
-which a draft predicts well, are broken up.
+row is the ``verify_cost`` table). ``heldout_sampled``: the same with sampling (temperature 0.7,
+top-p 0.95, a seed per prompt; the rejection rule keeps the target's distribution), where the
+target's greedy loops, which a draft predicts well, are broken up.
 
 The ``--big-preset`` row (gpt-345M): a random-init export, in a process of its own (its peak RSS
 is the runner's: /proc VmHWM), greedy with and without prompt lookup on repetitive prompts

@@ -18,7 +18,6 @@ so a rerun writes the same documents; a finished dataset whose recorded settings
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Sequence
 
@@ -27,7 +26,7 @@ import numpy as np
 from .data.dataset import split_documents
 from .data.errors import DataError
 from .data.indexed import IndexedDatasetBuilder, best_dtype, open_dataset
-from .fileio import atomic_file
+from .fileio import read_json, write_json_atomic
 
 SUFFIX = "_text_document"
 BATCH = 8  # prompts generated at once
@@ -42,10 +41,9 @@ def teacher_continuations(generator, data_prefix: str, split: Sequence[float], o
                 "seed": int(seed)}
     prefix = out_prefix + SUFFIX
     record = prefix + ".settings.json"
-    if os.path.isfile(record):
-        with open(record, encoding="utf-8") as f:
-            done = json.load(f)
-        if done.get("settings") == settings and os.path.isfile(prefix + ".idx"):
+    if os.path.isfile(record) and os.path.isfile(prefix + ".idx"):
+        done = read_json(record)
+        if done.get("settings") == settings:
             return {**done["result"], "reused": True}
     prompts = sample_windows(data_prefix, split, windows, prompt_tokens, seed)
     tokens = generated = 0
@@ -59,8 +57,7 @@ def teacher_continuations(generator, data_prefix: str, split: Sequence[float], o
                 generated += len(cont)
         out.finalize()
     result = {"data_prefix": prefix, "windows": len(prompts), "tokens": tokens, "generated_tokens": generated}
-    with atomic_file(record) as f:
-        json.dump({"settings": settings, "result": result}, f, indent=1)
+    write_json_atomic(record, {"settings": settings, "result": result}, sort_keys=False)
     return {**result, "reused": False}
 
 

@@ -147,8 +147,9 @@ def assert_layer_case(ops, name: str) -> np.ndarray:
 def assert_head_case(ops, name: str) -> np.ndarray:
     """The head's logits of 64 rows at once (V = 101: no multiple of any column tile, and the
     one-row GEMV's passes of 4 rows leave one alone; K = 96: int4 reads two 32-code steps a load,
-    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that 23, 17, 13, 11, 8, 7, 6, 5, 3 and 2 of the rows and each row alone give bitwise
-    the same logits, and that they are near the float64 product of the dequantized weights."""
+    then one; K = 640: the AVX-512 int tiles run the blocks in two chunks), after asserting that
+    23, 17, 13, 11, 8, 7, 6, 5, 3 and 2 of the rows and each row alone give bitwise the same
+    logits, and that they are near the float64 product of the dequantized weights."""
 
     grouped = not name.endswith(ROWS)
     name = name.removesuffix(ROWS)

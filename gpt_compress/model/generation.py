@@ -120,8 +120,7 @@ def apply_top_p(scores: np.ndarray, p: float) -> np.ndarray:
     out = np.full_like(scores, NEG_INF)
     for row, s in zip(out, scores):
         top = float(np.max(s))
-        e = np.exp(s.astype(np.float64) - top)
-        probs = e / e.sum()
+        probs = _softmax(s.astype(np.float64))
         live = np.isfinite(s)
         low = float(np.min(s[live]))
         span = top - low
