@@ -210,7 +210,7 @@ inline void pack_block512(const int8_t* const* q, const float* const* sw, int nr
 // macro, not a function, because an accumulator passed by reference lives in memory.
 #define GPTC_DPBUSD512(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
 
-// The int tiles of three registers (int_tile512; grouped_tile512_8x3, gptc_grouped.h): one input row's three
+// The int tiles of three registers (int_tile512; grouped_tile512_rx3, gptc_grouped.h): one input row's three
 // accumulators a0..a2 += vpdpbusd(u_j, s_j) (unsigned operand first), and a block's end, its three
 // float sums s_j += float(a_j) * (xs * w_j) with the block's weight scales w0..w2 in scope.
 #define GPTC_DOT3(a0, a1, a2, u0, u1, u2, s0, s1, s2) \

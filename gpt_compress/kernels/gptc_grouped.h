@@ -111,19 +111,23 @@ inline void grouped_tile512(const GroupedInputs& in, const int64_t* rows, int64_
   }
 }
 
-// 8 input rows x a group's three registers, in one pass over its codes (each load feeding 8
-// rows), prefetching as grouped_tile512: the 24 accumulators named and pinned to registers
-// (zmm4-27: an array of them is kept in memory, or copied around each vpdpbusd); the float sums
-// wait in yr (48 floats a row, an exact store and load per block), + bias after the last block.
+// R = 5 to 8 input rows x a group's three registers, in one pass over its codes (each load
+// feeding R rows), prefetching as grouped_tile512: the 3 R accumulators named and pinned to
+// registers (zmm4-27: an array of them is kept in memory, or copied around each vpdpbusd); the
+// float sums wait in yr (48 floats a row, an exact store and load per block), + bias after the
+// last block. R is exact (no padded rows): at few rows the vpdpbusd issue is the cost, so a
+// verify step of 6 rows pays for 6, not 8.
 #define GPTC_ACCS3(r, z0, z1, z2)                                                              \
   register __m512i d##r##0 asm(z0) = _mm512_set1_epi32(in.st[rows[r] * nb + b]), d##r##1 asm(z1) = d##r##0; \
   register __m512i d##r##2 asm(z2) = d##r##0;
-inline void grouped_tile512_8x3(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
+template <int R>
+inline void grouped_tile512_rx3(const GroupedInputs& in, const int64_t* rows, int64_t K, int64_t nb, int64_t blk,
                                 const int8_t* codes, const float* sw, float* const* yr, const float* bias) {
+  static_assert(R >= 5 && R <= 8, "grouped_tile512_rx3: 5 to 8 rows (fewer: grouped_tile512)");
   const int64_t steps = blk / 4, ahead = GROUPED_AHEAD_GROUPS * GROUP_ROWS * K;
   const int8_t *x0 = in.xq + rows[0] * K, *x1 = in.xq + rows[1] * K, *x2 = in.xq + rows[2] * K, *x3 = in.xq + rows[3] * K;
   const int8_t *x4 = in.xq + rows[4] * K, *x5 = in.xq + rows[5] * K, *x6 = in.xq + rows[6] * K, *x7 = in.xq + rows[7] * K;
-  for (int r = 0; r < 8; ++r) std::memset(yr[r], 0, GROUP_ROWS * sizeof(float));
+  for (int r = 0; r < R; ++r) std::memset(yr[r], 0, GROUP_ROWS * sizeof(float));
   for (int64_t b = 0; b < nb; ++b) {
     GPTC_ACCS3(0, "zmm4", "zmm5", "zmm6")
     GPTC_ACCS3(1, "zmm7", "zmm8", "zmm9")
@@ -152,9 +156,9 @@ inline void grouped_tile512_8x3(const GroupedInputs& in, const int64_t* rows, in
       GPTC_GROUP_ROW(x2, d20, d21, d22)
       GPTC_GROUP_ROW(x3, d30, d31, d32)
       GPTC_GROUP_ROW(x4, d40, d41, d42)
-      GPTC_GROUP_ROW(x5, d50, d51, d52)
-      GPTC_GROUP_ROW(x6, d60, d61, d62)
-      GPTC_GROUP_ROW(x7, d70, d71, d72)
+      if constexpr (R > 5) GPTC_GROUP_ROW(x5, d50, d51, d52)
+      if constexpr (R > 6) GPTC_GROUP_ROW(x6, d60, d61, d62)
+      if constexpr (R > 7) GPTC_GROUP_ROW(x7, d70, d71, d72)
 #undef GPTC_GROUP_ROW
     }
     const __m512 w0 = _mm512_loadu_ps(sw + b * GROUP_ROWS), w1 = _mm512_loadu_ps(sw + b * GROUP_ROWS + 16);
@@ -165,33 +169,37 @@ inline void grouped_tile512_8x3(const GroupedInputs& in, const int64_t* rows, in
     GPTC_FMA3(_mm512_set1_ps(in.sx[rows[r] * nb + b]), d##r##0, d##r##1, d##r##2, f0, f1, f2)              \
     _mm512_storeu_ps(yr[r], f0), _mm512_storeu_ps(yr[r] + 16, f1), _mm512_storeu_ps(yr[r] + 32, f2);         \
   }
-    GPTC_GROUP_SUMS(0) GPTC_GROUP_SUMS(1) GPTC_GROUP_SUMS(2) GPTC_GROUP_SUMS(3)
-    GPTC_GROUP_SUMS(4) GPTC_GROUP_SUMS(5) GPTC_GROUP_SUMS(6) GPTC_GROUP_SUMS(7)
+    GPTC_GROUP_SUMS(0) GPTC_GROUP_SUMS(1) GPTC_GROUP_SUMS(2) GPTC_GROUP_SUMS(3) GPTC_GROUP_SUMS(4)
+    if constexpr (R > 5) GPTC_GROUP_SUMS(5)
+    if constexpr (R > 6) GPTC_GROUP_SUMS(6)
+    if constexpr (R > 7) GPTC_GROUP_SUMS(7)
 #undef GPTC_GROUP_SUMS
   }
-  GPTC_UNROLL for (int r = 0; r < 8; ++r)
+  GPTC_UNROLL for (int r = 0; r < R; ++r)
     GPTC_UNROLL for (int c = 0; c < GROUP_REGS; ++c)
       _mm512_storeu_ps(yr[r] + 16 * c, _mm512_add_ps(_mm512_loadu_ps(yr[r] + 16 * c), _mm512_loadu_ps(bias + 16 * c)));
 }
 #undef GPTC_ACCS3
 
-// One group's 48 rows against the M <= 8 input rows: y[m][0..48). 5 to 8 rows take the 8 x 3
-// kernel (the group's codes read once, each load feeding 8 rows); fewer take the R x 3 tiles.
+// One group's 48 rows against the M <= 8 input rows: y[m][0..48). 5 to 8 rows take the R x 3
+// kernel (the group's codes read once, each load feeding every row); fewer take the R x 3 tiles.
 inline void grouped_group(const GroupedInputs& in, int64_t M, int64_t K, int64_t nb, int64_t blk, const int8_t* codes,
                           const float* sw, const float* bias, float (*y)[GROUP_ROWS], int64_t m0) {
   int64_t rows[8];
   float* yr[8];
-  alignas(64) float spare[3][GROUP_ROWS];  // past M (5 to 7 rows): the last row again, its sums here
-  for (int r = 0; r < 8; ++r) {
+  for (int r = 0; r < 8; ++r) {  // past M: the last row again (read by no kernel of M rows)
     rows[r] = m0 + std::min<int64_t>(r, M - 1);
-    yr[r] = r < M ? y[r] : r >= 5 ? spare[r - 5] : y[M - 1];
+    yr[r] = y[std::min<int64_t>(r, M - 1)];
   }
   switch (M) {
+    case 8: grouped_tile512_rx3<8>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    case 7: grouped_tile512_rx3<7>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    case 6: grouped_tile512_rx3<6>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    case 5: grouped_tile512_rx3<5>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
     case 4: grouped_tile512<4>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
     case 3: grouped_tile512<3>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
     case 2: grouped_tile512<2>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
-    case 1: grouped_tile512<1>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
-    default: grouped_tile512_8x3(in, rows, K, nb, blk, codes, sw, yr, bias); break;
+    default: grouped_tile512<1>(in, rows, K, nb, blk, codes, sw, yr, bias); break;
   }
 }
 #elif defined(__AVX2__)
