@@ -494,3 +494,88 @@ def test_the_fused_models_logits_are_bitwise_the_same_in_the_avx2_and_native_bui
         print(f"\nfused model, builds {this} vs {other}: " + ", ".join(
             f"{k} max rel diff {v['max_rel_diff']:.3g} bitwise {v['bitwise']}" for k, v in figures.items()))
     assert all(f["bitwise"] for f in figures.values()), figures
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4", "w8a8"])
+def test_a_draft_vocabulary_gives_the_argmax_over_its_tokens(dirs, shakespeare, tmp_path, mode):
+    """A fused program with a draft vocabulary (the 200 tokens most frequent in the training data,
+    EOS among them; ``export/draft_vocab.py``): with the control's flag, 5 greedy steps in one run
+    on a left-padded batch give, step by step, the argmax over those tokens of the full logits of
+    the program without it (a row finished before the call padded, an EOS finishing a row inside
+    the run, the first 2 steps never EOS); the run's logits are those tokens' values bitwise and
+    -inf elsewhere. Without the flag, its tokens and cache are bitwise the other program's."""
+    import paddle
+
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.export.draft_vocab import draft_vocab
+    from gpt_compress.export.fused import FusedLM, fused_weights, save_fused
+    from gpt_compress.inference.fused import FusedBackend
+    from gpt_compress.inference.manifest import Manifest
+    from gpt_compress.kernels import control
+
+    model = load_model(dirs["ckpt"]) if mode == "fp32" else _quantized(dirs["ckpt"], shakespeare, mode)
+    model.eval()
+    cfg = model.config
+    tok = Tokenizer.load(dirs["ckpt"])
+    vocab = draft_vocab([shakespeare[1]], 200, cfg.vocab_size, cfg.vocab_size - 1)
+    assert len(vocab) == 200 and vocab[-1] == cfg.vocab_size - 1 and np.all(np.diff(vocab) > 0)
+
+    def backend(sub: str, ids_kept):
+        (tmp_path / sub).mkdir()
+        info = save_fused(model, str(tmp_path / sub), ids_kept)
+        manifest = Manifest(str(tmp_path / sub), {"fused": info, "max_position_embeddings": cfg.max_position_embeddings,
+                                                  "cache": {"layers": [{"heads": cfg.heads(i), "head_dim": cfg.dim_head}
+                                                                       for i in range(cfg.num_layers)]}})
+        return FusedBackend(manifest, verify=False)
+
+    full, drafting = backend("full", None), backend("vocab", vocab)
+    assert drafting.draft_vocab == 200 and full.draft_vocab == 0
+    with pytest.raises(ValueError, match="no draft vocabulary"):
+        full.decode_greedy_steps(np.zeros((1, 1), np.int64), np.ones((1, 1), np.int64), None, 2, None, 0,
+                                 np.zeros(1, bool), draft_vocab=True)
+    ids, mask = left_padded(tok, PROMPTS)
+    logits, ref_cache = full.prefill(ids, mask)
+    _, cache = drafting.prefill(ids, mask)
+    _, same_cache = drafting.prefill(ids, mask)
+    nxt = np.argmax(logits, axis=-1)[:, None]
+    mask = np.concatenate([mask, np.ones_like(nxt)], axis=1)
+    finished = np.zeros(len(PROMPTS), bool)
+    finished[1] = True
+    # EOS: row 0's first draft token, which the run suppresses (steps 0-1) and which may end a
+    # row later; the reference, step by step over the full logits.
+    _, first = full.prefill(ids, mask[:, :-1])
+    eos = int(vocab[np.argmax(full.decode(nxt, mask, first)[0][0, vocab])])
+    want, feed, m, done, steps = [], nxt.copy(), mask, finished.copy(), 5
+    for j in range(steps):
+        lg, ref_cache = full.decode(feed, m, ref_cache)
+        sub = lg[:, vocab].copy()
+        if j < 2:
+            sub[:, np.searchsorted(vocab, eos)] = -np.inf
+        t = vocab[np.argmax(sub, axis=-1)]
+        t = np.where(done, 7, t)
+        done = done | (t == eos)
+        want.append(t)
+        feed, m = t[:, None], np.concatenate([m, np.ones_like(feed)], axis=1)
+    want = np.stack(want, axis=1)
+    got, cache = drafting.decode_greedy_steps(nxt, mask, cache, steps, eos, 7, finished, 2, draft_vocab=True)
+    assert np.array_equal(got, want), (got, want)
+    assert np.isin(got[~finished], vocab).all()
+    plain, same_cache = drafting.decode_greedy_steps(nxt, mask, same_cache, steps, None, 7, finished, 0)
+    _, again = full.prefill(ids, mask[:, :-1])
+    ref, again = full.decode_greedy_steps(nxt, mask, again, steps, None, 7, finished, 0)
+    assert np.array_equal(plain, ref)
+    n = same_cache.length
+    assert n == again.length and all(np.array_equal(a.numpy()[:, :, :n], b.numpy()[:, :, :n])
+                                      for a, b in zip(same_cache.tensors, again.tensors))
+    # The logits of a flagged run (eager): the vocabulary's values, bitwise, and -inf elsewhere.
+    layer = FusedLM(fused_weights(model), tokens=True, draft_vocab=vocab)
+    b, t = ids.shape
+    caches = [paddle.zeros([b, cfg.heads(i), t, cfg.dim_head]) for i in range(cfg.num_layers) for _ in "kv"]
+    rows = paddle.to_tensor(np.arange(b) * t + t - 1)
+    flagged, _ = layer(paddle.to_tensor(ids), paddle.to_tensor(mask[:, :-1]), rows, caches,
+                       paddle.to_tensor(control(b, 1, draft_vocab=True)))
+    whole, _ = layer(paddle.to_tensor(ids), paddle.to_tensor(mask[:, :-1]), rows, caches)
+    flagged, whole = flagged.numpy(), whole.numpy()
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), vocab)
+    assert np.array_equal(flagged[:, vocab], whole[:, vocab]) and np.all(flagged[:, outside] == -np.inf)

@@ -117,6 +117,15 @@ def test_pipeline_runs_skips_and_reruns_what_follows(tiny_config):
     third, _ = _run(config)
     assert {s for s, r in third["stages"].items() if r["ran"]} == {"export_compressed", "eval_compressed", "report"}
 
+    # A draft vocabulary: only the draft stage (and the report) reruns; it exports the QAT
+    # checkpoint again as export/draft, with the 64 most frequent tokens, and records that.
+    fourth, _ = _run(config, "-o", "Pipeline.draft_vocab=64")
+    assert {s for s, r in fourth["stages"].items() if r["ran"]} == {"draft", "report"}
+    draft = json.loads((out / "export" / "base" / "manifest.json").read_text())["draft"]
+    assert (out / "export" / "base" / draft["path"]).resolve() == (out / "export" / "draft").resolve(), draft
+    assert json.loads((out / "export" / "draft" / "manifest.json").read_text())["fused"]["draft_vocab"] == 64
+    assert 0 <= draft["acceptance_rate"] <= 1
+
 
 def test_pipeline_config_errors_are_named(tmp_path):
     res = subprocess.run([sys.executable, "-m", "gpt_compress", "pipeline", "-o", "Pipeline.distill=true",

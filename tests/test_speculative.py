@@ -424,6 +424,80 @@ def test_cli_infer_and_generate_report_the_speculation(dirs):
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
 
 
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_with_eos(shakespeare):
+    """``most_frequent``: the highest counts, ties by the lower id, the kept ids (EOS) among them
+    even when rare, ascending; ``token_counts`` counts every document of a real indexed dataset."""
+    from gpt_compress.data.indexed import open_dataset
+    from gpt_compress.errors import DataError, ExportError
+    from gpt_compress.export.draft_vocab import most_frequent, token_counts
+
+    counts = np.array([5, 9, 0, 9, 1, 7, 2])
+    assert most_frequent(counts, 3).tolist() == [1, 3, 5]
+    assert most_frequent(counts, 3, keep=[2]).tolist() == [1, 2, 3]
+    assert most_frequent(counts, 7).tolist() == list(range(7))
+    for size in (0, 8):
+        with pytest.raises(ExportError, match=f"{size} tokens asked"):
+            most_frequent(counts, size, keep=[2])
+    ds = open_dataset(shakespeare[1])
+    got = token_counts([shakespeare[1]], 1024)
+    assert got.sum() == ds.num_tokens
+    assert np.array_equal(got, np.bincount(np.concatenate([ds.get(i) for i in range(len(ds))]), minlength=1024))
+    with pytest.raises(DataError, match="outside 0..9"):
+        token_counts([shakespeare[1]], 10)
+
+
+def test_a_draft_exported_with_a_draft_vocabulary_proposes_from_it_and_greedy_stays_exact(dirs, shakespeare,
+                                                                                         tmp_path):
+    """``gptc export --draft-vocab 128 --draft-vocab-data PREFIX`` of the pruned checkpoint (the 128
+    tokens most frequent in the training data): the manifest records it; as the fused target's
+    draft, greedy output (3 left-padded prompts, an EOS inside a run) is greedy without a draft,
+    every greedy proposal is one of the 128, and sampling still proposes from the whole vocabulary
+    (the logits path). Bad requests are one-line errors that write nothing."""
+    import json
+
+    from gpt_compress.export.draft_vocab import draft_vocab
+    from gpt_compress.inference.runner import Generator
+
+    out = tmp_path / "draft"
+    proc = _gptc("export", "--model", dirs["pruned_ckpt"], "--output", str(out), "--format", "paddle",
+                 "--draft-vocab", "128", "--draft-vocab-data", shakespeare[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["fused"]["draft_vocab"] == 128
+    target = Generator.from_dir(dirs["export"], backend="paddle")
+    draft = Generator.from_dir(str(out), backend="paddle")
+    vocab = draft_vocab([shakespeare[1]], 128, target.vocab_size, draft.eos_token_id)
+    proposals = []
+    steps = draft.backend.decode_greedy_steps
+
+    def spy(*args, **kw):
+        tokens, cache = steps(*args, **kw)
+        proposals.append(tokens[~args[6]])  # the rows not finished before the run
+        return tokens, cache
+
+    draft.backend.decode_greedy_steps = spy
+    prompts = target.encode(_texts())
+    ref = target.generate(prompts, max_new_tokens=20).sequences
+    eos = next(t for j, t in enumerate(ref[0]) if j >= 5 and t not in ref[0][:j])
+    for kw in ({}, {"eos_token_id": eos}):
+        got = target.generate(prompts, max_new_tokens=20, draft=draft, draft_tokens=4, **kw)
+        assert got.sequences == target.generate(prompts, max_new_tokens=20, **kw).sequences
+        assert got.speculation["accepted"] > 0
+    assert proposals and all(np.isin(p[p != 0], vocab).all() for p in proposals)
+    sampled = target.generate(prompts, max_new_tokens=12, draft=draft, decode_strategy="sampling", seed=1)
+    assert sampled.speculation["proposed"] > 0
+    for bad, rc, message in [(["--draft-vocab", "64"], 2, "--draft-vocab needs --draft-vocab-data"),
+                             (["--draft-vocab", "100000", "--draft-vocab-data", shakespeare[1]], 1,
+                              "100000 tokens asked"),
+                             (["--draft-vocab", "64", "--draft-vocab-data", str(tmp_path / "none")], 1,
+                              "no dataset at prefix"),
+                             (["--draft-vocab", "64", "--draft-vocab-data", shakespeare[1], "--format", "onnx"], 1,
+                              "a draft vocabulary lives in the fused program")]:
+        proc = _gptc("export", "--model", dirs["pruned_ckpt"], "--output", str(tmp_path / "bad"), *bad)
+        assert proc.returncode == rc and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not (tmp_path / "bad").exists()
+
+
 def test_auto_uses_the_draft_the_manifest_records(dirs, tmp_path):
     import json
     import os

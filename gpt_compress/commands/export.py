@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..errors import ConfigError
 from ._common import add_overwrite_argument, check_output_arg, print_json
 
 
@@ -20,6 +21,11 @@ def add_arguments(parser) -> None:
                         help="paddle: skip the fused CPU program (fused.json, our C++ operators built at first use)")
     parser.add_argument("--no-validate", action="store_true",
                         help="skip running the exported programs against dygraph on a small batch")
+    parser.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                        help="for a speculative draft: its fused program also proposes from the N tokens most "
+                             "frequent in --draft-vocab-data, reading only their head rows a step")
+    parser.add_argument("--draft-vocab-data", nargs="+", default=[], metavar="PREFIX",
+                        help="training data to count tokens in (Data.data_prefix's form)")
 
 
 def run(args) -> int:
@@ -31,10 +37,13 @@ def run(args) -> int:
         fused = not args.no_fused and args.format != "onnx"
         check_fits("export" if fused else "export_unfused", model, what=args.model)
     formats = ("paddle", "onnx") if args.format == "all" else (args.format,)
+    if args.draft_vocab and not args.draft_vocab_data:
+        raise ConfigError("--draft-vocab needs --draft-vocab-data: the data to count tokens in")
     check_output_arg(args, args.model)
     t0 = time.perf_counter()
     path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset,
-                  overwrite=args.overwrite, fused=not args.no_fused)
+                  overwrite=args.overwrite, fused=not args.no_fused, draft_vocab=args.draft_vocab,
+                  draft_vocab_data=args.draft_vocab_data)
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
     print_json({"output": path, "formats": list(formats), "seconds": round(time.perf_counter() - t0, 1),
                 "files": sizes, "total_bytes": sum(sizes.values())})

@@ -131,6 +131,7 @@ class PipelineConfig:
     speed_new_tokens: int = 32  # decode speed: generated tokens per run
     speed_reps: int = 3  # decode speed: timed runs (median)
     draft: bool = True  # with prune: the compressed export (int8 with qat) becomes the base export's draft
+    draft_vocab: int = 0  # > 0: the draft is exported again proposing from the N most frequent training tokens
 
     def __post_init__(self) -> None:
         if not self.corpus and not self.init_from:
@@ -148,6 +149,8 @@ class PipelineConfig:
         if self.eval_input_format not in ("raw", "raw-hf-rows", "tokens"):
             raise ConfigError(f"Pipeline.eval_input_format must be raw, raw-hf-rows or tokens, "
                               f"got {self.eval_input_format!r}")
+        if self.draft_vocab < 0:
+            raise ConfigError(f"Pipeline.draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         for key in ("speed_prompt_tokens", "speed_new_tokens", "speed_reps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"Pipeline.{key} must be >= 1, got {getattr(self, key)}")

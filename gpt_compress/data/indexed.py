@@ -166,6 +166,28 @@ class _TokenSequences:
         """Total number of tokens."""
         return int(self.sizes.sum(dtype=np.int64))
 
+    def token_counts(self, vocab_size: int, chunk: int = 1 << 22) -> np.ndarray:
+        """How often each id occurs over every sequence: (vocab_size,) int64, ``chunk`` tokens
+        counted at a time. An id outside [0, vocab_size) raises ``DataError``."""
+        counts = np.zeros(vocab_size, np.int64)
+        parts, held = [], 0
+
+        def flush():
+            ids = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise DataError(f"{self.path} holds token ids outside 0..{vocab_size - 1} (another tokenizer's?)")
+            counts[:] += np.bincount(ids, minlength=vocab_size)
+            parts.clear()
+
+        for i in range(len(self)):
+            parts.append(self.get(i))
+            held += int(self.sizes[i])
+            if held >= chunk:
+                flush()
+                held = 0
+        flush()
+        return counts
+
     def _check(self, idx: int) -> int:
         n = len(self)
         if not -n <= idx < n:

@@ -34,6 +34,7 @@ from ..inference.manifest import build_manifest, io_spec, write_manifest
 from ..memory import return_freed_memory
 from ..qat.deploy import quant_table
 from ..qat.quantize import load_quantized, read_quant_state
+from .draft_vocab import draft_vocab as vocabulary_of
 from .fused import try_save_fused
 from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
@@ -56,22 +57,27 @@ def _formats(formats: Sequence[str]) -> list[str]:
 
 def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
            opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, overwrite: bool = False,
-           fused: bool = True) -> str:
+           fused: bool = True, draft_vocab: int = 0, draft_vocab_data: Sequence[str] = ()) -> str:
     """Export checkpoint directory ``checkpoint`` to directory ``output`` (written atomically);
     returns ``output``. A quantized checkpoint (``gptc qat/ptq``) exports int8, any other float;
     ``mp_degree > 1`` writes tensor-parallel rank directories (Paddle only). ``formats``:
     "paddle" and/or "onnx"; ``validate``: run every program against dygraph first; ``fused``: with
     "paddle" (single card), also the fused CPU program (``fused.py``). An existing
     ``output`` is replaced only if it is an earlier export and ``overwrite`` is set
-    (``fileio.check_output``): checked before any work."""
+    (``fileio.check_output``): checked before any work. ``draft_vocab``: the fused program also
+    holds a speculative draft's vocabulary, the ``draft_vocab`` tokens most frequent in the
+    documents of ``draft_vocab_data`` (``Data.data_prefix``'s form; ``draft_vocab.py``)."""
     formats = _formats(formats)
     if os.path.abspath(output) == os.path.abspath(checkpoint):
         raise ExportError("the output directory must differ from the checkpoint directory")
     check_output(output, overwrite)
-    _, meta = read_config(checkpoint)
+    cfg, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
         raise ExportError(f"{checkpoint} holds a {meta.get('head')!r} model; only language models "
                           "(head 'lm') export for generation")
+    if draft_vocab and (mp_degree > 1 or not fused or "paddle" not in formats):
+        raise ExportError("a draft vocabulary lives in the fused program: export the paddle format with it, "
+                          "on one card")
     if mp_degree > 1:
         if formats != ["paddle"]:
             raise ExportError("a tensor-parallel export (mp_degree > 1) is Paddle Inference only")
@@ -79,8 +85,10 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
                          fused=fused)
     return_freed_memory()  # before the model is loaded, so that freeing its weights later returns them
     # load_* verify checksums, parameter names and shapes vs the config.
+    ids = (vocabulary_of(draft_vocab_data, draft_vocab, cfg.vocab_size, cfg.eos_token_id) if draft_vocab
+           else None)  # counted before the model is loaded: a bad data path costs nothing
     model = load_quantized(checkpoint) if read_quant_state(checkpoint) is not None else load_model(checkpoint)
-    return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint),
+    return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint), draft_vocab=ids,
                         source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
                         free_weights=True, fused=fused, prompt_tokens=read_prompt_tokens(checkpoint),
                         prompt_template=read_prompt_template(checkpoint))
@@ -89,7 +97,7 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
                  overwrite: bool = False, free_weights: bool = False, fused: bool = True,
-                 prompt_tokens: int = 0, prompt_template: str = "") -> str:
+                 prompt_tokens: int = 0, prompt_template: str = "", draft_vocab=None) -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
@@ -100,7 +108,8 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     dygraph copy too; int8, once the deploy model is built or as the ONNX float copy takes them
     over (``int8.save_int8_programs``), so that one float copy is resident at a time. ``prompt_tokens``: the
     checkpoint's fixed prompt length (``checkpoint.read_prompt_tokens``) and ``prompt_template`` its
-    prompt template (``checkpoint.read_prompt_template``), kept in the manifest."""
+    prompt template (``checkpoint.read_prompt_template``), kept in the manifest. ``draft_vocab``:
+    ascending token ids the fused program also holds as a draft vocabulary (``draft_vocab.py``)."""
     formats = _formats(formats)
     check_output(output, overwrite)
     return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
@@ -113,7 +122,7 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
 
     def write(tmp: str) -> None:
         # The fused CPU program (kernels/), from the model before the float path mutates it.
-        fused_info = try_save_fused(model, tmp) if fused and "paddle" in formats else None
+        fused_info = try_save_fused(model, tmp, draft_vocab) if fused and "paddle" in formats else None
         gc.collect()  # the fused layer (its own copy of the weights) is only freed with its cycles
         if table:
             files, ops = save_int8_programs(model, tmp, formats, table, opset, free_weights)

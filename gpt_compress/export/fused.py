@@ -10,9 +10,11 @@ It is one ``gptc_generate`` op (kernel version 4, ``kernels.KERNEL_VERSION``: th
 ops run; an export of an older version is refused with the command that writes it again): embed,
 every block and the LM head in one call (Paddle's executor cost per op, paid once a call; the
 op's threads stay in one parallel region). A last input, ``control`` (int64 ``[steps, eos, pad,
-suppress, finished_0, ...]``), lets one call run several greedy decode steps, each feeding the
-previous step's tokens (``FusedBackend.decode_greedy_steps``): a generated token then costs no
-Python and no predictor run of its own. Each block writes its new keys/values **in place** into
+suppress, flags, finished_0, ...]``), lets one call run several greedy decode steps, each feeding
+the previous step's tokens (``FusedBackend.decode_greedy_steps``): a generated token then costs no
+Python and no predictor run of its own. A speculative draft's program may also hold a **draft
+vocabulary** (``FusedLM``'s ``draft_vocab``, ``export/draft_vocab.py``): its greedy steps, when the
+control's flags ask, compute only the head rows of those tokens. Each block writes its new keys/values **in place** into
 the caller's preallocated caches ``(B, H_i, capacity, D)`` at positions ``S..S+T-1`` (``S`` =
 mask columns - T): the op declares the caches as an inplace vector output, and Paddle Inference
 shares the fed tensors' memory, so nothing is concatenated or copied per step (checked by
@@ -146,6 +148,19 @@ def embedding_spec(layer, name: str) -> dict:
     return {"name": name, "w": layer.weight.numpy().astype(np.float32, copy=False), "s": None, "bits": 32}
 
 
+def check_draft_vocab(ids, vocab_size: int) -> np.ndarray:
+    """A draft vocabulary as the op takes it: int64 ids, ascending, unique, within the vocabulary
+    (and below 2^24, stored exactly as float32)."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ExportError("draft vocabulary: a non-empty list of token ids is needed")
+    if ids[0] < 0 or ids[-1] >= vocab_size or np.any(np.diff(ids) <= 0):
+        raise ExportError(f"draft vocabulary: ids must ascend, unique, within the vocabulary (0..{vocab_size - 1})")
+    if vocab_size > 1 << 24:
+        raise ExportError(f"draft vocabulary: a vocabulary of {vocab_size} tokens is past float32's exact ids")
+    return ids.astype(np.int64)
+
+
 def fused_weights(model) -> dict:
     """Everything the fused program stores, read (not mutated) from a float ``GPTForCausalLM``
     or its fake-quant form (``qat.quantize``). The arrays are built lazily, one tensor's worth
@@ -179,7 +194,7 @@ def fused_weights(model) -> dict:
         return {"tied": False, **spec}
 
     return {"wte": lambda: embedding_spec(g.wte, "gpt.wte"), "wpe": lambda: embedding_spec(g.wpe, "gpt.wpe"),
-            "layers": layers(), "head": head, "tied_head_act": head_act if tied else -1.0,
+            "layers": layers(), "head": head, "tied": tied, "tied_head_act": head_act if tied else -1.0,
             "ln_f": (g.ln_f.weight.numpy(), g.ln_f.bias.numpy()), "eps": float(cfg.layer_norm_epsilon),
             "activation": ACTIVATIONS[cfg.hidden_act], "config": cfg}
 
@@ -249,9 +264,12 @@ class FusedLM(nn.Layer):
     ``tokens=True`` (the saved program): ``forward`` returns the logits and each row's argmax
     int64 ((n, steps)), so greedy decoding fetches the tokens, not the (n, V) logits.
     ``group_int8=False`` stores int8 weights row-major instead of in row groups (the same values:
-    the kernels' other int8 paths, which tests compare)."""
+    the kernels' other int8 paths, which tests compare). ``draft_vocab`` (ascending token ids):
+    the head's rows of those tokens are stored again, so that a speculative draft's greedy steps
+    compute only them (``kernels.control(draft_vocab=True)``; ``draft_vocab.py``)."""
 
-    def __init__(self, weights: dict, ops=None, tokens: bool = False, group_int8: bool = True):
+    def __init__(self, weights: dict, ops=None, tokens: bool = False, group_int8: bool = True,
+                 draft_vocab: Optional[np.ndarray] = None):
         super().__init__()
         from ..kernels import load_ops
 
@@ -263,8 +281,13 @@ class FusedLM(nn.Layer):
         self._none = self._packer.add(np.zeros([1], np.float32))
         # Each spec's arrays are dropped once copied into their pieces (``fused_weights``).
         # A tied head's table is stored as the head reads it (grouped when its inputs are int8).
-        self.wte, self.wte_s, self.wte_bits, self.wte_code = self._table(weights["wte"](),
-                                                                         weights.get("tied_head_act", -1.0))
+        wte = weights["wte"]()
+        ids = None if draft_vocab is None else check_draft_vocab(draft_vocab, wte["w"].shape[0])
+        draft_rows = None  # a tied head's draft rows, taken before the table's array is dropped
+        if ids is not None and weights["tied"]:
+            draft_rows = (wte["w"][ids], None if wte["s"] is None else wte["s"][ids])
+        self.wte, self.wte_s, self.wte_bits, self.wte_code = self._table(wte, weights.get("tied_head_act", -1.0))
+        del wte
         self.wpe, self.wpe_s, self.wpe_bits, _ = self._table(weights["wpe"](), -1.0)
         self.layer_args, self.layer_attrs = [], []
         for lay in weights["layers"]:
@@ -286,10 +309,21 @@ class FusedLM(nn.Layer):
         else:
             self.head_w, self.head_s, self.head_code = self._packer.add_weight(
                 head["w"], head["s"], head["bits"], float(head["act"]), self._none, self._group)
+            if ids is not None:
+                draft_rows = (head["w"][ids], None if head["s"] is None else head["s"][ids])
         self.head_bits, self.head_act = head["bits"], float(head["act"])
-        # The op's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16.
+        # The op's pieces (gptc_decoder_stack.h): the fixed eight, then each block's 16, then the
+        # draft vocabulary's three (its head rows as the head stores them, its ids).
         pieces = [self.wte, self.wte_s, self.wpe, self.wpe_s, *self.ln_f, self.head_w, self.head_s]
-        self.layout = self._packer.layout_of(pieces + [w for args in self.layer_args for w in args])
+        pieces += [w for args in self.layer_args for w in args]
+        self.draft_vocab = 0 if ids is None else len(ids)
+        if ids is not None:
+            dw, ds, code = self._packer.add_weight(draft_rows[0], draft_rows[1], self.head_bits, self.head_act,
+                                                   self._none, self._group)
+            if code != self.head_code:
+                raise ExportError("the draft vocabulary's head rows are stored unlike the head's")
+            pieces += [dw, ds, self._packer.add(ids.astype(np.float32))]
+        self.layout = self._packer.layout_of(pieces)
         self._packer.close()
         self.blobs = []
         for i, blob in enumerate(self._packer.blobs):
@@ -368,15 +402,15 @@ def save_program(layer, spec: list, out_dir: str) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def save_fused(model, out_dir: str) -> dict:
+def save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None) -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
-    (``model`` is not mutated) in the current kernel version. Returns the manifest's ``fused`` entry.
-    Raises ``KernelError`` when the operators cannot be built, ``ExportError`` for a model with no
-    fused form."""
+    (``model`` is not mutated) in the current kernel version, with ``draft_vocab`` (``FusedLM``)
+    if given. Returns the manifest's ``fused`` entry. Raises ``KernelError`` when the operators
+    cannot be built, ``ExportError`` for a model with no fused form."""
     from ..kernels import kernel_info
 
     cfg = model.config
-    layer = FusedLM(fused_weights(model), tokens=True)
+    layer = FusedLM(fused_weights(model), tokens=True, draft_vocab=draft_vocab)
     layer.eval()
     save_program(layer, input_spec(cfg), out_dir)
     return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel_info(),
@@ -386,14 +420,15 @@ def save_fused(model, out_dir: str) -> dict:
             "outputs": ["logits", "tokens"],
             "inputs": ["input_ids", "attention_mask", "rows"]
                       + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")] + ["control"],
-            "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place"}
+            "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place",
+            **({"draft_vocab": layer.draft_vocab} if layer.draft_vocab else {})}
 
 
-def try_save_fused(model, out_dir: str) -> Optional[dict]:
+def try_save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None) -> Optional[dict]:
     """``save_fused``, or None with a warning when the operators cannot be built here (the
     unfused programs are exported regardless and run everywhere)."""
     try:
-        return save_fused(model, out_dir)
+        return save_fused(model, out_dir, draft_vocab)
     except KernelError as e:
         warnings.warn(f"no fused program exported: {e}", stacklevel=2)
         return None

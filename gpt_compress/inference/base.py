@@ -90,6 +90,9 @@ class Backend(Scorer):
     # Greedy steps one ``decode_greedy_steps`` call runs (1: the backend runs one a call, and
     # ``decode_greedy_steps`` is not offered).
     greedy_steps: int = 1
+    # Tokens of the draft vocabulary ``decode_greedy_steps(draft_vocab=True)`` proposes from (0:
+    # none; ``export/draft_vocab.py``).
+    draft_vocab: int = 0
     # The server's decoder for this backend (``serve/decoder.py``'s ``make_decoder``): "batch" merges
     # caches through numpy (``serve/batch.py``); "slots" keeps one in-place cache of ``FusedCache``
     # rows (``serve/slots.py``: needs ``manifest`` and ``on_thread``).
@@ -123,13 +126,14 @@ class Backend(Scorer):
 
     def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: Any, steps: int,
                             eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
-                            suppress_eos: int = 0) -> tuple[np.ndarray, Any]:
+                            suppress_eos: int = 0, draft_vocab: bool = False) -> tuple[np.ndarray, Any]:
         """``steps`` greedy steps in one call (only when ``greedy_steps`` > 1): feeds ``input_ids``
         (B, T) with ``attention_mask`` (B, S + T) (the step at each row's last new token), then
         each step's tokens. Returns the tokens (B, steps) int64, ``pad_token_id`` for rows
         ``finished`` (B,) bool before the call or by an earlier step's ``eos_token_id``, and the
         cache holding S + T - 1 + steps positions; the first ``suppress_eos`` steps never choose
-        ``eos_token_id`` (``min_new_tokens``)."""
+        ``eos_token_id`` (``min_new_tokens``). ``draft_vocab`` (when the backend has one): each
+        token is the argmax over the draft vocabulary's tokens only (a draft's proposals)."""
         raise ValueError(f"{type(self).__name__} runs one greedy step a call (greedy_steps is 1)")
 
     def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: Any) -> tuple[np.ndarray, Any]:

@@ -92,6 +92,7 @@ class FusedBackend(Backend):
         # (``export/fused_tp.py``: collectives between its ops) has no ``control`` input and runs one.
         self.controlled = "control" in info.get("inputs", ("control",))
         self.greedy_steps = max(1, greedy_steps) if self.controlled else 1
+        self.draft_vocab = int(info.get("draft_vocab", 0)) if self.controlled else 0
         if self.threads > 1 and not openmp_spin():
             asked = f"{self.threads} threads as asked" if threads else "1 thread"
             if not threads:
@@ -197,7 +198,7 @@ class FusedBackend(Backend):
 
     def decode_greedy_steps(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache,
                             steps: int, eos_token_id: Optional[int], pad_token_id: int, finished: np.ndarray,
-                            suppress_eos: int = 0):
+                            suppress_eos: int = 0, draft_vocab: bool = False):
         """``steps`` greedy decode steps in one program run (``greedy_steps`` says how many a
         caller should ask for): feeds ``input_ids`` (B, T) with ``attention_mask`` (B, S + T)
         (T > 1: tokens not cached yet, then the step at the last of them), then each step's
@@ -206,10 +207,14 @@ class FusedBackend(Backend):
         call or by an earlier step's ``eos_token_id`` (as ``generation.stream_tokens`` step by
         step), and the cache, now holding S + T - 1 + steps positions. The first
         ``suppress_eos`` steps never choose ``eos_token_id`` (``min_new_tokens``: its logit taken
-        as -inf)."""
+        as -inf). ``draft_vocab``: the tokens are the argmax over the program's draft vocabulary
+        (``self.draft_vocab`` tokens; only their head rows are computed), the logits kept are -inf
+        outside it."""
         if not self.controlled:
             raise ValueError(f"{self.manifest.path}: its fused program runs one step a call (greedy_steps is 1)")
-        control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished)
+        if draft_vocab and not self.draft_vocab:
+            raise ValueError(f"{self.manifest.path}: its fused program has no draft vocabulary")
+        control = make_control(len(finished), steps, eos_token_id, pad_token_id, suppress_eos, finished, draft_vocab)
         return self.on_thread(self._decode, input_ids, attention_mask, cache, True, control)
 
     def decode_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: FusedCache):

@@ -278,12 +278,18 @@ def load_ops():
         return _module
 
 
+CONTROL_DRAFT_VOCAB = 1  # control flags: greedy tokens from the program's draft vocabulary
+
+
 def control(batch: int, steps: int = 1, eos: Optional[int] = None, pad: int = 0, suppress: int = 0,
-            finished=None) -> np.ndarray:
+            finished=None, draft_vocab: bool = False) -> np.ndarray:
     """gptc_generate's ``control`` input (``gptc_decoder_stack.h``): int64 [steps, eos (-1: none),
-    pad, steps whose token is never eos, finished flag per row]; the defaults: one plain step."""
-    flags = [0] * batch if finished is None else [int(f) for f in finished]
-    return np.array([steps, -1 if eos is None else eos, pad, suppress] + flags, np.int64)
+    pad, steps whose token is never eos, flags, finished flag per row]; the defaults: one plain
+    step. ``draft_vocab``: each step's token is the argmax over the program's draft vocabulary
+    (``export/fused.py``), whose head rows alone are computed."""
+    done = [0] * batch if finished is None else [int(f) for f in finished]
+    flags = CONTROL_DRAFT_VOCAB if draft_vocab else 0
+    return np.array([steps, -1 if eos is None else eos, pad, suppress, flags] + done, np.int64)
 
 
 def kernel_info() -> dict:

@@ -27,9 +27,14 @@ thread_local StackBuffers t_stack;
 // stack_forward).
 thread_local std::vector<float> t_embed;
 
-// gptc_generate's weights: entries of the layout, kStackFixed first, then kPerLayer per block.
+// gptc_generate's weights: entries of the layout, kStackFixed first, then kPerLayer per block,
+// then (a draft's program, optionally) the kDraftPieces of its draft vocabulary: the head's rows
+// of those tokens (as the head stores them) and their ids (float32, ascending; exact below 2^24).
 enum { kWte, kWteS, kWpe, kWpeS, kLnfW, kLnfB, kHeadW, kHeadS, kStackFixed };
 constexpr int kPerLayer = 16;
+enum { kDraftW, kDraftS, kDraftIds, kDraftPieces };
+constexpr int64_t kControlHeader = 5;  // control: steps, eos, pad, suppress, flags; then a flag per row
+constexpr int64_t kFlagDraftVocab = 1;  // control flags: greedy tokens from the draft vocabulary
 
 // The weights packed in blobs (pairs of a float32 and an int8 tensor, one pair per group of
 // weights: a few inputs instead of one per weight; Paddle's executor costs about as much per
@@ -61,11 +66,16 @@ std::vector<WeightView> unpack(const std::vector<paddle::Tensor>& blobs, const s
 // ids (B, T), mask (B, S+T), rows (n,), caches [k_0, v_0, k_1, ...] (B, H_i, cap, D) written in
 // place, weights [float32 blob, int8 blob, ...] with `layout` (unpack): the pieces wte, wte_s, wpe,
 // wpe_s, ln_f_w, ln_f_b, head_w, head_s, then per block its 16 weights in make_layer_weights'
-// order (an unused scale: any float piece) -> logits (n, V) of the flat rows of the B*T new
+// order (an unused scale: any float piece), then optionally the draft vocabulary's three (kDraftW,
+// kDraftS, kDraftIds) -> logits (n, V) of the flat rows of the B*T new
 // positions. heads: per block; bits, act: 4 per block (qkv, out, fc, proj).
-// control (gptc_generate's Control; null: one step, Tokens (n,)): [steps, eos (-1: none), pad, suppress, finished_0,
-// ..., finished_{B-1}]: the tokens of steps j < suppress are never eos (generation's
+// control (gptc_generate's Control; null: one step, Tokens (n,)): [steps, eos (-1: none), pad, suppress, flags,
+// finished_0, ..., finished_{B-1}]: the tokens of steps j < suppress are never eos (generation's
 // min_new_tokens: the argmax with eos's logit taken as -inf, as the Python processor sets it).
+// flags & kFlagDraftVocab (a program with a draft vocabulary; decode rows): every step's head
+// computes only the draft vocabulary's rows, and its token is the argmax over them (a speculative
+// draft's proposals: a fraction of the head's weights read a step); the logits out are those
+// rows' values, -inf elsewhere, so the tokens are still the argmax of the logits returned.
 // Steps > 1 (greedy decoding, rows = each row's last new position b*T + T - 1) runs that many
 // decode steps in this one call: the first feeds the T columns of ids (a draft catching up with
 // the tokens it has not cached), each later one the previous step's tokens with one more mask
@@ -88,14 +98,16 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   const int64_t* ctl = nullptr;
   int64_t steps = 1;
   if (control != nullptr) {
-    PD_CHECK(control->dtype() == paddle::DataType::INT64 && control->numel() == 4 + B,
-             "gptc_generate: control must be int64 [steps, eos, pad, suppress] and one finished flag per row");
+    PD_CHECK(control->dtype() == paddle::DataType::INT64 && control->numel() == kControlHeader + B,
+             "gptc_generate: control must be int64 [steps, eos, pad, suppress, flags] and one finished flag per row");
     ctl = control->data<int64_t>();
     steps = ctl[0];
     PD_CHECK(steps >= 1, "gptc_generate: steps must be at least 1");
   }
   const std::vector<WeightView> ws = unpack(blobs, layout);
-  PD_CHECK(int64_t(ws.size()) == kStackFixed + kPerLayer * layers && int64_t(caches.size()) == 2 * layers &&
+  const int64_t fixed = kStackFixed + kPerLayer * layers;
+  const bool has_draft = int64_t(ws.size()) == fixed + kDraftPieces;
+  PD_CHECK((int64_t(ws.size()) == fixed || has_draft) && int64_t(caches.size()) == 2 * layers &&
                int64_t(bits.size()) == 4 * layers && int64_t(act.size()) == 4 * layers,
            "gptc_generate: ", layers, " blocks need ", 2 * layers, " caches, ", kStackFixed + kPerLayer * layers,
            " weights and ", 4 * layers, " bits/act entries");
@@ -106,6 +118,19 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
            "gptc_generate: final layer norm must be float32 of the hidden size");
   const LinearWeights head = make_linear_weights(ws[kHeadW], ws[kHeadS], nullptr, head_bits, head_act);
   PD_CHECK(head.k == C, "gptc_generate: head weight has ", head.k, " inputs, hidden size is ", C);
+  LinearWeights draft;  // the draft vocabulary's head rows, and their ids
+  const float* draft_ids = nullptr;
+  if (has_draft) {
+    draft = make_linear_weights(ws[fixed + kDraftW], ws[fixed + kDraftS], nullptr, head_bits, head_act);
+    const WeightView& iv = ws[fixed + kDraftIds];
+    PD_CHECK(draft.k == C && draft.blk == head.blk && !iv.i8 && iv.d0 * iv.d1 == draft.n && draft.n > 0,
+             "gptc_generate: the draft vocabulary's head rows must be the head's format, one id each");
+    draft_ids = iv.f();
+    for (int64_t i = 0; i < draft.n; ++i)
+      PD_CHECK(draft_ids[i] >= 0.f && draft_ids[i] < float(head.n) && draft_ids[i] == std::floor(draft_ids[i]) &&
+                   (i == 0 || draft_ids[i] > draft_ids[i - 1]),
+               "gptc_generate: draft vocabulary ids must ascend within the vocabulary");
+  }
   std::vector<LayerWeights> lw(layers);
   std::vector<float*> kv(2 * layers);  // each block's key and value cache
   std::vector<int64_t> cap(layers);
@@ -142,8 +167,20 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   std::vector<int64_t> step_tok(ctl ? n : 0), step_ids, step_mask;
   int64_t* tok = ctl ? step_tok.data() : tokens.data<int64_t>();
   std::vector<char> fin(ctl ? B : 0);
-  for (int64_t b = 0; ctl && b < B; ++b) fin[b] = ctl[4 + b] != 0;
+  for (int64_t b = 0; ctl && b < B; ++b) fin[b] = ctl[kControlHeader + b] != 0;
   const int64_t eos = ctl ? ctl[1] : -1, pad = ctl ? ctl[2] : 0, suppress = ctl ? ctl[3] : 0;
+  const bool use_draft = ctl != nullptr && (ctl[4] & kFlagDraftVocab) != 0;
+  PD_CHECK(!use_draft || (has_draft && per_row),
+           "gptc_generate: control asks for the draft vocabulary, which needs one (export it with draft_vocab) "
+           "and decode rows");
+  // The head of each step: the draft vocabulary's rows into dlog (n, draft.n), or all into logits.
+  const LinearWeights& hw = use_draft ? draft : head;
+  int64_t eos_at = eos;  // eos's row in hw (-1: not there)
+  if (use_draft) {
+    const float* hit = std::lower_bound(draft_ids, draft_ids + draft.n, float(eos));
+    eos_at = eos >= 0 && hit != draft_ids + draft.n && *hit == float(eos) ? hit - draft_ids : -1;
+  }
+  std::vector<float> dlog(use_draft ? size_t(n * draft.n) : 0);
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
   const float* ln_f_w = ws[kLnfW].f();
@@ -186,15 +223,17 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       const LinearInputs hin = head_inputs(head, s, layers ? a[layers % 2] : x0, subset ? nullptr : r, n, ln_f_w,
                                            ln_f_b);
       if (lead) lp.lap(kHeadLn);
-      if (n) linear_for(head, hin, n, logits, nullptr, -1);
-      const bool no_eos = j < suppress && eos >= 0 && eos < head.n;
+      float* hl = use_draft ? dlog.data() : logits;
+      if (n) linear_for(hw, hin, n, hl, nullptr, -1);
+      const bool no_eos = j < suppress && eos_at >= 0 && eos_at < hw.n;
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n; ++i) {  // greedy's token
-        float* row = logits + i * head.n;
-        const float keep = no_eos ? row[eos] : 0.f;
-        if (no_eos) row[eos] = -INFINITY;
-        tok[i] = row_argmax(row, head.n);
-        if (no_eos) row[eos] = keep;
+        float* row = hl + i * hw.n;
+        const float keep = no_eos ? row[eos_at] : 0.f;
+        if (no_eos) row[eos_at] = -INFINITY;
+        const int64_t at = row_argmax(row, hw.n);
+        tok[i] = use_draft ? int64_t(draft_ids[at]) : at;
+        if (no_eos) row[eos_at] = keep;
       }
       if (lead) lp.lap(kHead);
       trim(t_scratch), trim(t_embed);
@@ -218,6 +257,11 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       for (int64_t b = 0; b < B; ++b) std::fill(all + b * steps + j + 1, all + (b + 1) * steps, pad);
       break;
     }
+  }
+  for (int64_t i = 0; use_draft && i < n; ++i) {  // the last step's draft rows, -inf elsewhere
+    float* row = logits + i * head.n;
+    std::fill(row, row + head.n, -INFINITY);
+    for (int64_t t = 0; t < draft.n; ++t) row[int64_t(draft_ids[t])] = dlog[i * draft.n + t];
   }
   trim(t_shared);
   trim(t_stack.act[0]), trim(t_stack.act[1]), trim(t_stack.sub_ctx), trim(t_stack.sub_x);

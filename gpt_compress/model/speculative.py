@@ -189,11 +189,13 @@ class ModelDraft:
 
     def _greedy_run(self, ids, mask, k, active, suppress, eos):
         """``k`` greedy proposals from one program run, which first feeds the columns not cached
-        yet. Rows already finished, or by a proposed EOS, are fed padding with mask ones there:
-        those columns are never kept."""
+        yet, from the backend's draft vocabulary where it has one (``export/draft_vocab.py``).
+        Rows already finished, or by a proposed EOS, are fed padding with mask ones there: those
+        columns are never kept."""
         width = ids.shape[1]
         drafts, self.cache = self.backend.decode_greedy_steps(ids[:, self.length:], mask, self.cache, k, eos, 0,
-                                                              ~active, min(suppress, k))
+                                                              ~active, min(suppress, k),
+                                                              draft_vocab=self.backend.draft_vocab > 0)
         self.length = width + k - 1
         return drafts
 

@@ -10,7 +10,8 @@ Each stage writes into its own directory under ``Global.output_dir`` (OUT):
     quant_NAME/ each ``Pipeline.quant_variants`` entry: a `gptc ptq` or `gptc qat` run and its export
     export/     base/ and compressed/ (`gptc export`); the draft stage records the compressed
                 export (qat/int8 with QAT) in base/manifest.json as its speculative draft, with
-                the acceptance rate measured on the held-out text
+                the acceptance rate measured on the held-out text; with Pipeline.draft_vocab it
+                exports that checkpoint again as draft/, with a draft vocabulary
     eval/       one JSON per artifact: WikiText-style PPL, LAMBADA, decode speed per backend
     report/     report.md, results.json, loss_curves.png, size_vs_quality.png, speed_vs_quality.png
 
@@ -135,8 +136,10 @@ class Pipeline(EvalStages, StageRunner):
         if p.prune and p.draft:
             src = "qat" if p.qat else "export_compressed"
             st.append(Stage("draft", ("export_base", src, "data"), {"k": DRAFT_K, "prompts": DRAFT_PROMPTS,
-                                                                     "new_tokens": DRAFT_NEW_TOKENS},
-                            (lambda src=src: self._run_draft(src)), lambda o: verify_export(o["export"])))
+                                                                     "new_tokens": DRAFT_NEW_TOKENS,
+                                                                     "draft_vocab": p.draft_vocab},
+                            (lambda src=src: self._run_draft(src)),
+                            lambda o: [verify_export(o[k]) for k in ("export", "draft")]))
         eval_settings = {k: getattr(p, k) for k in ("eval_wikitext", "eval_input_format", "eval_max_chars",
                                                     "eval_heldout",
                                                     "eval_lambada", "lambada_limit", "eval_seq_len", "formats",
@@ -301,6 +304,12 @@ class Pipeline(EvalStages, StageRunner):
         from ..inference.runner import measure_draft
 
         base, draft = self.outputs("export_base")["export"], self.outputs(src_stage)["export"]
+        if self.p.draft_vocab:  # the source checkpoint again, its fused program with the draft vocabulary
+            draft = self.path("export", "draft")
+            res = gptc(["export", "--model", self.outputs(src_stage)["checkpoint"], "--output", draft, "--format",
+                        "paddle", "--overwrite", "--draft-vocab", str(self.p.draft_vocab), "--draft-vocab-data",
+                        self.outputs("data")["data_prefix"]], "draft")
+            draft = res["output"]
         text_path = self.outputs("data").get("heldout") or self._ppl_text
         if not text_path:
             raise PipelineError("the draft stage needs held-out text: set Pipeline.heldout_fraction > 0 "
