@@ -11,7 +11,8 @@ when up to date): a gpt-bench target pretrained on Jane Austen + tiny Shakespear
 its weight-only int8 (``woq8``), and the draft the pipeline makes and records in the target's
 manifest: the target pruned to gpt-tiny's size in depth and width (2 of 6 blocks, 64 of 384
 hidden channels), distilled from it (most samples training windows the target itself continued:
-``Distill.generated_windows``), QAT int8. Both targets use that one draft.
+``Distill.generated_windows``), QAT int8, its greedy proposals from the 8192 most frequent
+training tokens (``Pipeline.draft_vocab``). Both targets use that one draft.
 
 Prompt sets, from the pipeline's held-out documents (never trained on): ``heldout``, the
 first 48 tokens of a paragraph (the draft's job: continue the text as the target would);
@@ -220,8 +221,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("-k", type=int, default=5, help="draft tokens per step")
-    p.add_argument("--also-k", type=lambda v: [int(x) for x in v.split(",") if x], default=[3],
+    p.add_argument("-k", type=int, default=6, help="draft tokens per step")
+    p.add_argument("--also-k", type=lambda v: [int(x) for x in v.split(",") if x], default=[3, 5],
                    help="more draft lengths for the held-out rows (comma-separated; '' for none)")
     p.add_argument("--big-preset", default="gpt-345M", help="random-init preset of the big row ('': skip)")
     p.add_argument("--big-prompts", type=int, default=3)
