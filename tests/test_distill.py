@@ -227,26 +227,36 @@ def test_pruned_distilled_model_exports_with_backend_parity(pipeline, tmp_path):
     assert_step_parity(gens, LOGIT_ATOL)
 
 
-def test_distill_records_the_student_as_the_teacher_exports_draft(tmp_path_factory, shakespeare, tmp_path):
-    """`gptc distill --draft-for EXPORT` (the teacher as its own student, 2 steps): the student is
-    exported beside the run and recorded in the teacher export's manifest with its measured
-    acceptance rate; `draft="auto"` then runs it."""
+def test_distill_records_the_student_as_the_teacher_exports_draft(tmp_path_factory, shakespeare, tmp_path, capsys):
+    """`gptc distill --draft-for EXPORT --draft-vocab 64` (the teacher as its own student, 2 steps):
+    the student is exported beside the run, with the 64 most frequent training tokens as its draft
+    vocabulary, and recorded in the teacher export's manifest with its measured acceptance rate;
+    `draft="auto"` then runs it. ``--draft-vocab`` without ``--draft-for`` is refused."""
     from gpt_compress.export import export
     from gpt_compress.inference.runner import Generator
 
     teacher = teacher_ckpt(tmp_path_factory, shakespeare)
     base = export(teacher, str(tmp_path / "teacher_export"), formats=("paddle",))
     out = gptc("distill", "--no-progress", "-c", TINY_YAML, "-o", f"Distill.teacher={teacher}",
-               "-o", f"Distill.student={teacher}", "--draft-for", base,
+               "-o", f"Distill.student={teacher}", "--draft-for", base, "--draft-vocab", "64",
                *data_overrides(shakespeare, tmp_path / "run", max_steps=2, eval_freq=0, save_steps=0))
     draft = out["draft"]
     assert os.path.isfile(os.path.join(draft["export"], "manifest.json")) and 0 <= draft["acceptance_rate"] <= 1
+    assert json.loads(open(os.path.join(draft["export"], "manifest.json")).read())["fused"]["draft_vocab"] == 64
     recorded = json.loads(open(os.path.join(base, "manifest.json")).read())["draft"]
     assert os.path.normpath(os.path.join(base, recorded["path"])) == os.path.normpath(draft["export"])
     gen = Generator.from_dir(base, backend="paddle")
     prompts = gen.encode(PROMPTS)
     got = gen.generate(prompts, max_new_tokens=12, draft="auto")
     assert got.sequences == gen.generate(prompts, max_new_tokens=12).sequences
+    from gpt_compress.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(["distill", "-c", TINY_YAML, "-o", f"Distill.teacher={teacher}", "--draft-vocab", "64",
+              "-o", f"Global.output_dir={tmp_path / 'refused'}"])
+    assert stop.value.code == 2 and "--draft-vocab needs --draft-for" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_distill_trains_on_the_teachers_continuations(pipeline, shakespeare, tmp_path):

@@ -20,6 +20,9 @@ def add_arguments(parser) -> None:
                         help="export the distilled student (Global.output_dir/draft_export) and record it in "
                              "EXPORT's manifest as its speculative draft, with the acceptance rate measured on "
                              "validation windows (gptc infer --draft auto)")
+    parser.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                        help="with --draft-for: the draft export proposes from the N tokens most frequent in "
+                             "Data.data_prefix (gptc export --draft-vocab)")
 
 
 def _ppl(loss: float) -> float:
@@ -37,6 +40,8 @@ def run(args) -> int:
     dc, eng = cfg.distill, cfg.engine
     if not dc.teacher:
         raise ConfigError("Distill.teacher is empty: pass the teacher checkpoint, -o Distill.teacher=DIR")
+    if args.draft_vocab < 0 or (args.draft_vocab and not args.draft_for):
+        raise ConfigError("--draft-vocab needs --draft-for (it shapes the draft export) and a size >= 1")
     if args.draft_for:
         from ..inference.manifest import read_manifest
 
@@ -81,7 +86,8 @@ def run(args) -> int:
                        ppl_gap_recovered=round((summary["student_valid_ppl_before"] - _ppl(after)) / gap, 4)
                        if gap > 0 else None)
     if args.draft_for:
-        summary["draft"] = _record_draft(args.draft_for, result.checkpoint, cfg, eval_batches or train_batches)
+        summary["draft"] = _record_draft(args.draft_for, result.checkpoint, cfg, eval_batches or train_batches,
+                                         args.draft_vocab)
     print_json(summary)
     return 0
 
@@ -128,14 +134,15 @@ def _training_data(cfg, teacher_data):
     return dataclasses.replace(cfg, data=data, engine=dataclasses.replace(cfg.engine, eval_iters=0))
 
 
-def _record_draft(base: str, checkpoint: str, cfg, batches) -> dict:
-    """Export ``checkpoint`` beside the run and record it as ``base``'s draft (``measure_draft`` over
-    8 windows of the first 32 tokens of ``batches``' sequences)."""
+def _record_draft(base: str, checkpoint: str, cfg, batches, draft_vocab: int = 0) -> dict:
+    """Export ``checkpoint`` beside the run (with a draft vocabulary of ``draft_vocab`` tokens of
+    ``Data.data_prefix``, if given) and record it as ``base``'s draft (``measure_draft`` over 8
+    windows of the first 32 tokens of ``batches``' sequences)."""
     from ..export import export
     from ..inference.manifest import record_draft
     from ..inference.runner import measure_draft
 
     out = export(checkpoint, os.path.join(cfg.global_.output_dir, "draft_export"), formats=("paddle",),
-                 overwrite=True)
+                 overwrite=True, draft_vocab=draft_vocab, draft_vocab_data=cfg.data.data_prefix)
     rows = [list(map(int, r[:32])) for batch in itertools.islice(batches(), 8) for r in batch["input_ids"]][:8]
     return {"export": out, **record_draft(base, out, measure_draft(base, out, rows))}
