@@ -99,3 +99,15 @@ def test_the_weight_formats_are_the_same_numbers_in_cpp_and_python():
     low, high = packed & 0xF, packed >> 4
     assert (low - WEIGHT_FORMAT["kInt4Offset"] == codes[:, :16]).all()
     assert (high - WEIGHT_FORMAT["kInt4Offset"] == codes[:, WEIGHT_FORMAT["kInt4HighInput"]:]).all()
+
+
+def test_the_control_layout_is_the_same_in_cpp_and_python():
+    """gptc_generate's control input: the header the op reads (kControlHeader words before the
+    per-row flags) and its draft-vocabulary flag are what ``kernels.control`` writes."""
+    text = kernels.read_sources()["gptc_decoder_stack.h"].decode()
+    header = int(re.search(r"constexpr int64_t kControlHeader = (\d+);", text).group(1))
+    flag = int(re.search(r"constexpr int64_t kFlagDraftVocab = (\d+);", text).group(1))
+    plain, flagged = kernels.control(3, 4, eos=9, pad=7, suppress=2, finished=[0, 1, 0]), \
+        kernels.control(3, 4, finished=[0, 1, 0], draft_vocab=True)
+    assert len(plain) == header + 3 and list(plain[header:]) == [0, 1, 0]
+    assert list(plain[:header]) == [4, 9, 7, 2, 0] and flagged[header - 1] == flag == kernels.CONTROL_DRAFT_VOCAB

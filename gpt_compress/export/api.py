@@ -97,7 +97,8 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
                  overwrite: bool = False, free_weights: bool = False, fused: bool = True,
-                 prompt_tokens: int = 0, prompt_template: str = "", draft_vocab=None) -> str:
+                 prompt_tokens: int = 0, prompt_template: str = "",
+                 draft_vocab: Optional[Sequence[int]] = None) -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see

@@ -126,10 +126,11 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     PD_CHECK(draft.k == C && draft.blk == head.blk && !iv.i8 && iv.d0 * iv.d1 == draft.n && draft.n > 0,
              "gptc_generate: the draft vocabulary's head rows must be the head's format, one id each");
     draft_ids = iv.f();
+    bool ok = true;  // whole ids, ascending, within the vocabulary (one check: this runs every call)
     for (int64_t i = 0; i < draft.n; ++i)
-      PD_CHECK(draft_ids[i] >= 0.f && draft_ids[i] < float(head.n) && draft_ids[i] == std::floor(draft_ids[i]) &&
-                   (i == 0 || draft_ids[i] > draft_ids[i - 1]),
-               "gptc_generate: draft vocabulary ids must ascend within the vocabulary");
+      ok &= draft_ids[i] >= 0.f && draft_ids[i] < float(head.n) && draft_ids[i] == std::floor(draft_ids[i]) &&
+            (i == 0 || draft_ids[i] > draft_ids[i - 1]);
+    PD_CHECK(ok, "gptc_generate: draft vocabulary ids must ascend within the vocabulary");
   }
   std::vector<LayerWeights> lw(layers);
   std::vector<float*> kv(2 * layers);  // each block's key and value cache
