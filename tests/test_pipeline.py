@@ -125,6 +125,8 @@ def test_pipeline_runs_skips_and_reruns_what_follows(tiny_config):
     assert (out / "export" / "base" / draft["path"]).resolve() == (out / "export" / "draft").resolve(), draft
     assert json.loads((out / "export" / "draft" / "manifest.json").read_text())["fused"]["draft_vocab"] == 64
     assert 0 <= draft["acceptance_rate"] <= 1
+    md = (out / "report" / "report.md").read_text()
+    assert f"proposing from the 64 most frequent training tokens): acceptance rate {draft['acceptance_rate']}" in md
 
 
 def test_pipeline_config_errors_are_named(tmp_path):

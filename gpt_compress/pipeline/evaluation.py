@@ -146,7 +146,9 @@ class EvalStages:
         draft = self.stamps.read("draft") if self.p.prune and self.p.draft else None
         if draft is not None:
             d = draft.outputs
-            lines.append(f"- speculative draft of the base export: {d.get('draft')} (greedy, k = {d.get('k')}): "
+            vocab = (f", proposing from the {d['draft_vocab']} most frequent training tokens"
+                     if d.get("draft_vocab") else "")
+            lines.append(f"- speculative draft of the base export: {d.get('draft')} (greedy, k = {d.get('k')}{vocab}): "
                          f"acceptance rate {d.get('acceptance_rate')}, {d.get('tokens_per_target_step')} tokens "
                          f"per target step on {d.get('measured_on')}")
         text = self._ppl_text

@@ -323,7 +323,8 @@ class Pipeline(EvalStages, StageRunner):
             raise PipelineError(f"{text_path} is too short for the draft measurement ({len(ids)} tokens)")
         starts = np.linspace(0, len(ids) - width, DRAFT_PROMPTS).astype(int)
         figures = measure_draft(base, draft, [ids[s:s + width] for s in starts], DRAFT_K, DRAFT_NEW_TOKENS)
-        return {"export": base, "draft": draft, "source": src_stage, **record_draft(base, draft, figures)}
+        return {"export": base, "draft": draft, "source": src_stage, "draft_vocab": self.p.draft_vocab,
+                **record_draft(base, draft, figures)}
 
     def _run_export(self, src_stage: str, name: str) -> dict:
         out = self.path("export", name)
