@@ -20,6 +20,7 @@ namespace {
 struct StackBuffers {
   std::vector<float> act[2];
   std::vector<float> sub_ctx, sub_x;  // the last block's gathered rows (Subset)
+  std::vector<float> draft_logits;    // a draft-vocabulary run's head outputs (n, its rows)
   std::vector<char> need;
 };
 thread_local StackBuffers t_stack;
@@ -126,11 +127,6 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     PD_CHECK(draft.k == C && draft.blk == head.blk && !iv.i8 && iv.d0 * iv.d1 == draft.n && draft.n > 0,
              "gptc_generate: the draft vocabulary's head rows must be the head's format, one id each");
     draft_ids = iv.f();
-    bool ok = true;  // whole ids, ascending, within the vocabulary (one check: this runs every call)
-    for (int64_t i = 0; i < draft.n; ++i)
-      ok &= draft_ids[i] >= 0.f && draft_ids[i] < float(head.n) && draft_ids[i] == std::floor(draft_ids[i]) &&
-            (i == 0 || draft_ids[i] > draft_ids[i - 1]);
-    PD_CHECK(ok, "gptc_generate: draft vocabulary ids must ascend within the vocabulary");
   }
   std::vector<LayerWeights> lw(layers);
   std::vector<float*> kv(2 * layers);  // each block's key and value cache
@@ -177,11 +173,17 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   // The head of each step: the draft vocabulary's rows into dlog (n, draft.n), or all into logits.
   const LinearWeights& hw = use_draft ? draft : head;
   int64_t eos_at = eos;  // eos's row in hw (-1: not there)
+  float* dlog = nullptr;
   if (use_draft) {
+    bool ok = true;  // whole ids, ascending, within the vocabulary (checked when they are read)
+    for (int64_t i = 0; i < draft.n; ++i)
+      ok &= draft_ids[i] >= 0.f && draft_ids[i] < float(head.n) && draft_ids[i] == std::floor(draft_ids[i]) &&
+            (i == 0 || draft_ids[i] > draft_ids[i - 1]);
+    PD_CHECK(ok, "gptc_generate: draft vocabulary ids must ascend within the vocabulary");
+    dlog = grow(t_stack.draft_logits, size_t(std::max<int64_t>(n * draft.n, 1)));
     const float* hit = std::lower_bound(draft_ids, draft_ids + draft.n, float(eos));
     eos_at = eos >= 0 && hit != draft_ids + draft.n && *hit == float(eos) ? hit - draft_ids : -1;
   }
-  std::vector<float> dlog(use_draft ? size_t(n * draft.n) : 0);
   const int64_t* id = ids.data<int64_t>();
   const int64_t* mk = mask.data<int64_t>();
   const float* ln_f_w = ws[kLnfW].f();
@@ -224,7 +226,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       const LinearInputs hin = head_inputs(head, s, layers ? a[layers % 2] : x0, subset ? nullptr : r, n, ln_f_w,
                                            ln_f_b);
       if (lead) lp.lap(kHeadLn);
-      float* hl = use_draft ? dlog.data() : logits;
+      float* hl = use_draft ? dlog : logits;
       if (n) linear_for(hw, hin, n, hl, nullptr, -1);
       const bool no_eos = j < suppress && eos_at >= 0 && eos_at < hw.n;
 #pragma omp for schedule(static)
@@ -265,7 +267,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     for (int64_t t = 0; t < draft.n; ++t) row[int64_t(draft_ids[t])] = dlog[i * draft.n + t];
   }
   trim(t_shared);
-  trim(t_stack.act[0]), trim(t_stack.act[1]), trim(t_stack.sub_ctx), trim(t_stack.sub_x);
+  trim(t_stack.act[0]), trim(t_stack.act[1]), trim(t_stack.sub_ctx), trim(t_stack.sub_x), trim(t_stack.draft_logits);
   op_exit(true);
   return {out, tokens};
 }
