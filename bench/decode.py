@@ -60,6 +60,7 @@ CONTENDERS = {
     "paddle_unfused": ("paddle", "fp32", {"fused": False}),
     "onnx": ("onnx", "fp32", {}),
     "paddle_int8": ("paddle", "int8", {}),
+    "paddle_int8_kvbf16": ("paddle", "int8_kvbf16", {}),  # the same program, its KV cache bfloat16
     "paddle_int8_unfused": ("paddle", "int8", {"fused": False}),
     "onnx_int8": ("onnx", "int8", {}),
     "paddle_int4": ("paddle", "int4", {}),
@@ -252,22 +253,23 @@ def prepare_int(workdir: str, preset: str, ckpt: str, bits: int, formats=("paddl
     return out
 
 
-def prepare_fused_int(workdir: str, preset: str, ckpt: str, bits: int, base: str) -> str:
+def prepare_fused_int(workdir: str, preset: str, ckpt: str, bits: int, base: str, cache_dtype: str = "float32") -> str:
     """The weight-only int``bits`` model as the fused program alone, with ``base``'s (the float
     export's) manifest: for presets whose full int export (unfused programs + ONNX) needs more
-    memory than the bench may use (gpt-345M: > 6 GB). Only the fused Paddle backend runs it."""
+    memory than the bench may use (gpt-345M: > 6 GB), and for a program with another KV cache
+    dtype (``cache_dtype``). Only the fused Paddle backend runs it."""
     from gpt_compress.checkpoint import load_model
     from gpt_compress.config import QuantConfig
     from gpt_compress.export.fused import save_fused
     from gpt_compress.inference.manifest import MANIFEST
     from gpt_compress.qat.quantize import quantize_model
 
-    out = os.path.join(workdir, f"{preset}-int{bits}-fused")
+    out = os.path.join(workdir, f"{preset}-int{bits}-fused" + ("" if cache_dtype == "float32" else f"-kv{cache_dtype}"))
     if not _reusable(out):
         qmodel = quantize_model(load_model(ckpt), QuantConfig(targets=[], weight_only=["*"], weight_bits=bits))
         qmodel.eval()
         os.makedirs(out, exist_ok=True)
-        info = save_fused(qmodel, out)
+        info = save_fused(qmodel, out, cache_dtype=cache_dtype)
         with open(os.path.join(base, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
         manifest.update(fused=info, formats=["paddle"])
@@ -361,7 +363,8 @@ RATIOS = [("paddle_int8", "onnx_int8", "decode_tokens_per_s"), ("paddle_int8", "
           ("paddle_int4", "paddle_int8", "decode_tokens_per_s"), ("paddle_int8", "onnx_int8", "BATCH"),
           ("onnx", "paddle", "prefill_ms"), ("onnx_int8", "paddle_int8", "prefill_ms"),
           ("paddle_int8", "llamacpp_q8_0", "decode_tokens_per_s"), ("paddle_int4", "llamacpp_q4_0", "decode_tokens_per_s"),
-          ("paddle", "llamacpp_f32", "decode_tokens_per_s")]
+          ("paddle", "llamacpp_f32", "decode_tokens_per_s"), ("paddle_int8_kvbf16", "paddle_int8", "BATCH"),
+          ("paddle_int8_kvbf16", "onnx_int8", "BATCH")]
 
 
 def ratios(results: dict, key_b: str) -> dict:
@@ -427,6 +430,8 @@ def main() -> None:
         paths[f"int{bits}"] = prepare_fused_int(workdir, a.preset, ckpt, bits, out)
         if "onnx" in int_formats and "onnx" in users:
             paths[f"int{bits}_onnx"] = prepare_int(workdir, a.preset, ckpt, bits, ("onnx",))
+    if any(CONTENDERS[b][1] == "int8_kvbf16" for b in backends):
+        paths["int8_kvbf16"] = prepare_fused_int(workdir, a.preset, ckpt, 8, out, cache_dtype="bfloat16")
     export_s = time.perf_counter() - t0
 
     peers = [] if a.no_peer else [x for x in a.peers.split(",") if x]
@@ -490,6 +495,8 @@ def main() -> None:
         med["fraction_of_bandwidth_limit"] = round(med["decode_tokens_per_s"] / limit, 3)
         if key_b in med:
             med[f"batch{a.batch}_fraction_of_limit"] = round(med[key_b] / (a.batch * limit), 3)
+            # batch-N tokens/s over batch 1's: N when a step of N rows costs what a step of one does
+            med[f"batch{a.batch}_over_batch1"] = round(med[key_b] / med["decode_tokens_per_s"], 2)
         med["rounds"] = [x.get("decode_tokens_per_s") for x in ok]
         results[name] = med
     peer = results.get("hf_peer", {})

@@ -44,7 +44,7 @@ DECODE_345M = ["--preset", "gpt-345M", "--workdir", "output/bench_decode_345M", 
 BENCHES = {  # name -> script and arguments
     "train": ["bench/train.py"],
     "decode": ["bench/decode.py", "--workdir", "output/bench_decode", "--rounds", "2", "--reps", "2", "--backends",
-               "paddle,paddle_unfused,onnx,paddle_int8,onnx_int8,paddle_int4,onnx_int4"],
+               "paddle,paddle_unfused,onnx,paddle_int8,paddle_int8_kvbf16,onnx_int8,paddle_int4,onnx_int4"],
     "compress": ["bench/compress.py", "--rounds", "1"],
     "parallel": ["bench/parallel.py"],
     "speculative": ["bench/speculative.py"],
@@ -56,6 +56,8 @@ BENCHES = {  # name -> script and arguments
     "serve": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir", "output/bench_serve"],
     "serve_int8": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir", "output/bench_serve",
                    "--format", "int8"],
+    "serve_int8_kvbf16": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir",
+                          "output/bench_serve", "--format", "int8", "--kv-cache-dtype", "bfloat16"],
 }
 DEFAULT = ("decode",)  # `make bench`; `--only all` (`make bench-full`) runs every one of BENCHES
 

@@ -225,6 +225,8 @@ def main() -> None:
     p.add_argument("--backend", default="paddle", choices=("paddle", "onnx"))
     p.add_argument("--format", default="fp32", choices=("fp32", "int8", "int4"),
                    help="the float32 export, or its weight-only int8/int4 fused program (paddle only)")
+    p.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="with --format int8/int4: the fused program's KV cache (gptc export --kv-cache-dtype)")
     p.add_argument("--max-batch", type=int, default=32, help="the batched server's --max-batch")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent clients per level")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per level and server")
@@ -245,10 +247,13 @@ def main() -> None:
     if a.format != "fp32":
         if a.backend != "paddle":
             p.error("--format int8/int4 runs the fused Paddle program: --backend paddle")
-        model_dir = prepare_fused_int(workdir, a.preset, ckpt, int(a.format[3:]), model_dir)
+        model_dir = prepare_fused_int(workdir, a.preset, ckpt, int(a.format[3:]), model_dir, a.kv_cache_dtype)
+    elif a.kv_cache_dtype != "float32":
+        p.error("--kv-cache-dtype bfloat16 goes with --format int8/int4 (the fused program alone)")
         a.serve_arg.append("--no-verify")  # the fused program alone: no checksums file (bench/decode.py)
     levels = [int(x) for x in a.levels.split(",")]
-    results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "format": a.format, "mix": MIX,
+    results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "format": a.format,
+               "kv_cache_dtype": a.kv_cache_dtype, "mix": MIX,
                "duration_s": a.duration,
                "threads": os.environ.get("OMP_NUM_THREADS", ""), "serve_args": a.serve_arg, "levels": [{"clients": c} for c in levels]}
     results["generator"] = generator_rate(model_dir, a.backend, a.duration, vocab, verify=a.format == "fp32")

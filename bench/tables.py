@@ -27,7 +27,8 @@ PAGES = {"README.md": ("headline", "decode-summary"), os.path.join("docs", "perf
 # Decode rows: the bench's contender name -> the name a reader knows.
 DECODE_ROWS = {
     "paddle": "fused Paddle float32", "paddle_unfused": "unfused Paddle float32", "onnx": "onnxruntime float32",
-    "paddle_int8": "**fused Paddle int8**", "onnx_int8": "onnxruntime int8", "paddle_int4": "fused Paddle int4",
+    "paddle_int8": "**fused Paddle int8**", "paddle_int8_kvbf16": "fused Paddle int8, bfloat16 KV cache",
+    "onnx_int8": "onnxruntime int8", "paddle_int4": "fused Paddle int4",
     "onnx_int4": "onnxruntime int4", "dygraph": "Paddle dygraph float32",
     "ct2_int8": "CTranslate2 int8 (peer)", "ct2_float32": "CTranslate2 float32 (peer)",
     "hf_peer": "transformers float32 (peer)",
@@ -240,6 +241,8 @@ def block_performance(results: list[Result]) -> list[str]:
                                 ("decode_345M_512", "Decode, gpt-345M, 512-token prompt", decode_table),
                                 ("serve", "Serving (`gptc serve`, continuous batching)", serve_table),
                                 ("serve_int8", "Serving the int8 fused program", serve_table),
+                                ("serve_int8_kvbf16", "Serving the int8 fused program, bfloat16 KV cache",
+                                 serve_table),
                                 ("train", "Training (gpt-bench, batch 8 x 256, float32 AdamW step)", train_table)):
         r = newest(results, bench)
         if r is None:

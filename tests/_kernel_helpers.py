@@ -90,10 +90,12 @@ def compare_builds(ours: dict, theirs: dict, float_cases) -> dict:
     return figures
 
 
-def assert_batch_invariant_logits(ckpt: str, mode: str, group_int8: bool = True) -> np.ndarray:
+def assert_batch_invariant_logits(ckpt: str, mode: str, group_int8: bool = True,
+                                  cache_dtype: str = "float32") -> np.ndarray:
     """The logits (B, positions, V) of PROMPTS (left-padded) + 3 steps on the fused model of ``ckpt``
-    (``mode``: fp32, or weight-only int8 / int4; ``group_int8``: ``FusedLM``'s) on 2 threads, after
-    asserting each row's are bitwise the same run alone (1 thread) and, for one row, fed token by token."""
+    (``mode``: fp32, or weight-only int8 / int4; ``group_int8``: ``FusedLM``'s; KV caches of
+    ``cache_dtype``) on 2 threads, after asserting each row's are bitwise the same run alone (1
+    thread) and, for one row, fed token by token."""
     import paddle
 
     from gpt_compress.checkpoint import load_model
@@ -114,8 +116,8 @@ def assert_batch_invariant_logits(ckpt: str, mode: str, group_int8: bool = True)
         """Feed ids (B, T) + new (B, 3) in chunks of ``chunks`` columns: logits (B, positions, V)."""
         b, t = ids.shape
         ids, mask = np.concatenate([ids, new], 1), np.concatenate([mask, np.ones_like(new)], 1)
-        caches = [paddle.zeros([b, cfg.heads(i), ids.shape[1], cfg.dim_head]) for i in range(cfg.num_layers)
-                  for _ in "kv"]
+        caches = [paddle.zeros([b, cfg.heads(i), ids.shape[1], cfg.dim_head], dtype=cache_dtype)
+                  for i in range(cfg.num_layers) for _ in "kv"]
         out, s = [], 0
         for n in chunks:
             with paddle.no_grad():

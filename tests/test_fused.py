@@ -469,6 +469,101 @@ def test_int8_weights_in_row_groups_give_the_row_major_weights_logits(dirs):
     assert np.array_equal(grouped, rows)
 
 
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bits, rounded to nearest even (finite values)."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_a_bfloat16_cache_holds_each_key_and_value_rounded_to_nearest_even(dirs):
+    """The first block's keys and values do not depend on the cache (its inputs are the
+    embeddings), so with a bfloat16 cache they are bitwise the float32 cache's rounded to nearest
+    even: at every real position of a left-padded prefill and of a decode step after it. Many of
+    them needed rounding, up as well as down (truncating would fail)."""
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.export.fused import FusedLM, fused_weights
+
+    model = load_model(dirs["ckpt"])
+    model.eval()
+    fused, cfg = FusedLM(fused_weights(model)), model.config
+    ids, mask = left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
+    new = np.random.default_rng(0).integers(0, cfg.vocab_size, (len(PROMPTS), 1))
+    b, t = ids.shape
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        caches = [paddle.zeros([b, cfg.heads(i), t + 1, cfg.dim_head], dtype=dtype) for i in range(cfg.num_layers)
+                  for _ in "kv"]
+        with paddle.no_grad():
+            fused(paddle.to_tensor(ids), paddle.to_tensor(mask), paddle.to_tensor(np.arange(b) * t + t - 1), caches)
+            fused(paddle.to_tensor(new), paddle.to_tensor(np.concatenate([mask, np.ones_like(new)], 1)),
+                  paddle.to_tensor(np.arange(b)), caches)
+        got[dtype] = [c.numpy() for c in caches[:2]]  # block 0's keys and values
+    real = np.concatenate([mask, np.ones_like(new)], 1) > 0  # (B, T + 1)
+    for f32, bf in zip(got["float32"], got["bfloat16"]):
+        assert bf.dtype == np.uint16
+        want, have = _bf16_bits(f32.transpose(0, 2, 1, 3)[real]), bf.transpose(0, 2, 1, 3)[real]
+        assert np.array_equal(have, want)
+        up = want > (f32.transpose(0, 2, 1, 3)[real].view(np.uint32) >> 16)  # magnitude rounded up
+        assert 0.2 < float(np.mean(up)) < 0.8
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_a_bfloat16_cache_keeps_batch_invariance_within_its_rounding(dirs, mode):
+    """A bfloat16 KV cache (``gptc export --kv-cache-dtype bfloat16``): every query reads the keys
+    and values back rounded, its own included, so a row's logits stay bitwise the same alone, in
+    a left-padded batch and token by token. They differ from the float32 cache's (the cache is
+    really bfloat16), at every real position, by at most the export validation's bound
+    (``BF16_CACHE_ATOL``: 4 u of the logits' magnitude, u = 2^-9 the rounding's relative error;
+    measured 0.14 u), plus for int8 the flips of input codes the moved activations may cause
+    (``INT8_FLIPS`` of ``lm_head_flip_bound``, as ``int8_logit_atol``; measured 1.8 u in all)."""
+    from _parity_helpers import INT8_FLIPS, lm_head_flip_bound
+
+    from gpt_compress.checkpoint import load_model
+    from gpt_compress.config import QuantConfig
+    from gpt_compress.data.tokenizer import Tokenizer
+    from gpt_compress.export.validate import BF16_CACHE_ATOL
+    from gpt_compress.qat.quantize import quantize_model
+
+    bf = assert_batch_invariant_logits(dirs["ckpt"], mode, cache_dtype="bfloat16")
+    f32 = assert_batch_invariant_logits(dirs["ckpt"], mode)
+    _, mask = left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
+    real = np.concatenate([mask, np.ones((len(PROMPTS), 3), np.int64)], 1) > 0
+    diff = float(np.max(np.abs(bf[real] - f32[real])))
+    atol = BF16_CACHE_ATOL * max(1.0, float(np.max(np.abs(f32[real]))))
+    if mode == "int8":
+        qmodel = quantize_model(load_model(dirs["ckpt"]), QuantConfig(targets=[], weight_only=["*"], weight_bits=8))
+        atol += INT8_FLIPS * lm_head_flip_bound(qmodel)
+    assert 0 < diff <= atol, (diff, atol)
+
+
+def test_gptc_export_kv_cache_dtype_bfloat16(dirs, tmp_path):
+    """``gptc export --kv-cache-dtype bfloat16`` (validated against dygraph at ``BF16_CACHE_ATOL``
+    as it exports): the manifest records the cache dtype, the backend allocates bfloat16 caches,
+    and a left-padded batch generates each prompt's greedy tokens alone (a cache grown on the way).
+    Without the fused Paddle program there is no such cache: a one-line error, nothing written."""
+    out = tmp_path / "bf16"
+    proc = subprocess.run([sys.executable, "-m", "gpt_compress", "export", "--model", dirs["pruned_ckpt"], "--output",
+                           str(out), "--format", "paddle", "--kv-cache-dtype", "bfloat16"], env=ENV,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["fused"]["cache_dtype"] == "bfloat16"
+    gen = Generator.from_dir(str(out), backend="paddle")
+    gen.backend.reserve = 8  # the cache grows (a copy of its bfloat16 rows) within the generation
+    _, cache = gen.backend.prefill(np.array([[1, 2, 3]]), np.ones((1, 3), np.int64))
+    assert cache.tensors[0].dtype == paddle.bfloat16
+    batch = gen.generate(PROMPTS, max_new_tokens=20).sequences
+    assert batch == [gen.generate([p], max_new_tokens=20).sequences[0] for p in PROMPTS]
+    for bad, rc, message in [(["--format", "onnx"], 1, "a bfloat16 KV cache is the fused program's"),
+                             (["--no-fused"], 1, "a bfloat16 KV cache is the fused program's"),
+                             (["--kv-cache-dtype", "float16"], 2, "invalid choice")]:
+        args = ["--kv-cache-dtype", "bfloat16", *bad] if bad[0] != "--kv-cache-dtype" else bad
+        proc = subprocess.run([sys.executable, "-m", "gpt_compress", "export", "--model", dirs["pruned_ckpt"],
+                               "--output", str(tmp_path / "bad"), *args], env=ENV, capture_output=True, text=True)
+        assert proc.returncode == rc and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "bad").exists()
+
+
 OTHER_BUILD = r"""
 import sys
 import numpy as np
@@ -476,7 +571,8 @@ from gpt_compress import runtime
 runtime.prefer_mkl_avx2()  # as conftest.py does for the test session
 sys.path.insert(0, sys.argv[2])
 import _kernel_helpers as t
-np.savez(sys.argv[1], **{m: t.assert_batch_invariant_logits(sys.argv[3], m) for m in ("fp32", "int8", "int4")})
+np.savez(sys.argv[1], **{m: t.assert_batch_invariant_logits(sys.argv[3], m) for m in ("fp32", "int8", "int4")},
+         int8_kvbf16=t.assert_batch_invariant_logits(sys.argv[3], "int8", cache_dtype="bfloat16"))
 print("{}")
 """
 
@@ -484,9 +580,11 @@ print("{}")
 def test_the_fused_models_logits_are_bitwise_the_same_in_the_avx2_and_native_builds(dirs, tmp_path, capsys):
     """The batch-invariance test above under the other instruction-set build too (a subprocess,
     ``GPTC_KERNEL_ISA``), on a host whose native build has AVX-512 or VNNI paths: each build
-    asserts its own invariance, and the two give bitwise the same logits (float32, int8, int4)."""
+    asserts its own invariance, and the two give bitwise the same logits (float32, int8, int4, and
+    int8 with a bfloat16 KV cache)."""
     this, other, _ = build_pair()
     ours = {m: assert_batch_invariant_logits(dirs["ckpt"], m) for m in ("fp32", "int8", "int4")}
+    ours["int8_kvbf16"] = assert_batch_invariant_logits(dirs["ckpt"], "int8", cache_dtype="bfloat16")
     script = OTHER_BUILD.replace("sys.argv[3]", repr(dirs["ckpt"]))
     theirs, _ = other_build_outputs(tmp_path, other, script)
     figures = compare_builds(ours, theirs, ("fp32",))

@@ -62,6 +62,18 @@ def gen(export_dir):
     return Generator.from_dir(export_dir, backend="paddle", **_paddle_serving_options(None))
 
 
+@pytest.fixture(scope="module")
+def gen_bf16(tmp_path_factory, shakespeare):
+    """``gen`` over the same checkpoint exported with a bfloat16 KV cache (fused program only)."""
+    from gpt_compress.commands.serve import _paddle_serving_options
+    from gpt_compress.export import export
+    from gpt_compress.inference.runner import Generator
+
+    out = export(model_dirs(tmp_path_factory, shakespeare)["ckpt"], str(tmp_path_factory.mktemp("bf16") / "export"),
+                 formats=("paddle",), kv_cache_dtype="bfloat16")
+    return Generator.from_dir(out, backend="paddle", **_paddle_serving_options(None))
+
+
 def _complete(url, headers=None, **body):
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
 
@@ -159,8 +171,10 @@ def test_concurrent_greedy_requests_equal_each_alone(server, gen):
     assert server.metric("gptc_running_batch_size", AUTH) == 0
 
 
-def test_slot_decoder_rows_equal_each_alone(gen, monkeypatch):
-    """In-process, the fused backend: every third step the waiting sequences join as the free
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_slot_decoder_rows_equal_each_alone(request, cache, monkeypatch):
+    """In-process, the fused backend (its KV cache float32, or bfloat16: the slots' row copies
+    move its bits): every third step the waiting sequences join as the free
     slots allow, several at once, prefilled together in one left-padded batch (prompts of
     1..100 tokens; a long one arriving moves the write column, leaving gaps in the other rows),
     leave at different steps (the last row moves into the freed slot), and the cache, 24 columns
@@ -168,6 +182,8 @@ def test_slot_decoder_rows_equal_each_alone(gen, monkeypatch):
     running it alone."""
     from gpt_compress.serve import slots
 
+    gen = request.getfixturevalue("gen" if cache == "float32" else "gen_bf16")
+    assert gen.backend.cache_dtype == cache
     assert slots.prefill_groups([90, 3, 40, 2, 38], 1.25) == [[3, 1], [4, 2], [0]]
     assert slots.prefill_groups([5, 5, 5], 1.25) == [[0, 1, 2]] and slots.prefill_groups([], 1.25) == []
     assert type(gen.backend).__name__ == "FusedBackend"

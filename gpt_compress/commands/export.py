@@ -26,6 +26,9 @@ def add_arguments(parser) -> None:
                              "frequent in --draft-vocab-data, reading only their head rows a step")
     parser.add_argument("--draft-vocab-data", nargs="+", default=[], metavar="PREFIX",
                         help="training data to count tokens in (Data.data_prefix's form)")
+    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the fused program's KV cache: bfloat16 halves its memory and what a decode step "
+                             "reads from it (values rounded to nearest even; default float32)")
 
 
 def run(args) -> int:
@@ -43,7 +46,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     path = export(args.model, args.output, formats=formats, validate=not args.no_validate, opset=args.opset,
                   overwrite=args.overwrite, fused=not args.no_fused, draft_vocab=args.draft_vocab,
-                  draft_vocab_data=args.draft_vocab_data)
+                  draft_vocab_data=args.draft_vocab_data, kv_cache_dtype=args.kv_cache_dtype)
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
     print_json({"output": path, "formats": list(formats), "seconds": round(time.perf_counter() - t0, 1),
                 "files": sizes, "total_bytes": sum(sizes.values())})

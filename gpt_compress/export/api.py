@@ -35,7 +35,7 @@ from ..memory import return_freed_memory
 from ..qat.deploy import quant_table
 from ..qat.quantize import load_quantized, read_quant_state
 from .draft_vocab import draft_vocab as vocabulary_of
-from .fused import try_save_fused
+from .fused import check_cache_dtype, try_save_fused
 from .int8 import VALIDATION_HINT, W8A8_ATOL, quant_info, save_int8_programs
 from .onnx import convert_programs
 from .onnx_scoring import scoring_transform
@@ -57,7 +57,8 @@ def _formats(formats: Sequence[str]) -> list[str]:
 
 def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), validate: bool = True,
            opset: int = 17, mp_degree: int = 1, log_dir: Optional[str] = None, overwrite: bool = False,
-           fused: bool = True, draft_vocab: int = 0, draft_vocab_data: Sequence[str] = ()) -> str:
+           fused: bool = True, draft_vocab: int = 0, draft_vocab_data: Sequence[str] = (),
+           kv_cache_dtype: str = "float32") -> str:
     """Export checkpoint directory ``checkpoint`` to directory ``output`` (written atomically);
     returns ``output``. A quantized checkpoint (``gptc qat/ptq``) exports int8, any other float;
     ``mp_degree > 1`` writes tensor-parallel rank directories (Paddle only). ``formats``:
@@ -66,8 +67,10 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     ``output`` is replaced only if it is an earlier export and ``overwrite`` is set
     (``fileio.check_output``): checked before any work. ``draft_vocab``: the fused program also
     holds a speculative draft's vocabulary, the ``draft_vocab`` tokens most frequent in the
-    documents of ``draft_vocab_data`` (``Data.data_prefix``'s form; ``draft_vocab.py``)."""
+    documents of ``draft_vocab_data`` (``Data.data_prefix``'s form; ``draft_vocab.py``).
+    ``kv_cache_dtype``: the fused program's KV cache elements (``fused.CACHE_DTYPES``)."""
     formats = _formats(formats)
+    check_cache_dtype(kv_cache_dtype)
     if os.path.abspath(output) == os.path.abspath(checkpoint):
         raise ExportError("the output directory must differ from the checkpoint directory")
     check_output(output, overwrite)
@@ -77,6 +80,9 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
                           "(head 'lm') export for generation")
     if draft_vocab and (mp_degree > 1 or not fused or "paddle" not in formats):
         raise ExportError("a draft vocabulary lives in the fused program: export the paddle format with it, "
+                          "on one card")
+    if kv_cache_dtype != "float32" and (mp_degree > 1 or not fused or "paddle" not in formats):
+        raise ExportError(f"a {kv_cache_dtype} KV cache is the fused program's: export the paddle format with it, "
                           "on one card")
     if mp_degree > 1:
         if formats != ["paddle"]:
@@ -91,14 +97,14 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     return export_model(model, output, formats, tokenizer=find_tokenizer(checkpoint), draft_vocab=ids,
                         source=os.path.abspath(checkpoint), validate=validate, opset=opset, overwrite=overwrite,
                         free_weights=True, fused=fused, prompt_tokens=read_prompt_tokens(checkpoint),
-                        prompt_template=read_prompt_template(checkpoint))
+                        prompt_template=read_prompt_template(checkpoint), kv_cache_dtype=kv_cache_dtype)
 
 
 def export_model(model, output: str, formats: Sequence[str] = ("paddle",), tokenizer=None, source: str = "",
                  validate: bool = True, opset: int = 17, require_quantized: bool = False,
                  overwrite: bool = False, free_weights: bool = False, fused: bool = True,
                  prompt_tokens: int = 0, prompt_template: str = "",
-                 draft_vocab: Optional[Sequence[int]] = None) -> str:
+                 draft_vocab: Optional[Sequence[int]] = None, kv_cache_dtype: str = "float32") -> str:
     """Export in-memory ``GPTForCausalLM`` ``model`` to directory ``output`` (atomic): int8 when it
     has quantized layers (``qat.quantize``; W8A8 scales set), else float. ``require_quantized``
     refuses a model without quantized layers. The float path mutates ``model`` (see
@@ -110,8 +116,10 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     over (``int8.save_int8_programs``), so that one float copy is resident at a time. ``prompt_tokens``: the
     checkpoint's fixed prompt length (``checkpoint.read_prompt_tokens``) and ``prompt_template`` its
     prompt template (``checkpoint.read_prompt_template``), kept in the manifest. ``draft_vocab``:
-    ascending token ids the fused program also holds as a draft vocabulary (``draft_vocab.py``)."""
+    ascending token ids the fused program also holds as a draft vocabulary (``draft_vocab.py``).
+    ``kv_cache_dtype``: its KV cache elements (``fused.CACHE_DTYPES``)."""
     formats = _formats(formats)
+    check_cache_dtype(kv_cache_dtype)
     check_output(output, overwrite)
     return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
     model.eval()
@@ -123,7 +131,8 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
 
     def write(tmp: str) -> None:
         # The fused CPU program (kernels/), from the model before the float path mutates it.
-        fused_info = try_save_fused(model, tmp, draft_vocab) if fused and "paddle" in formats else None
+        fused_info = (try_save_fused(model, tmp, draft_vocab, kv_cache_dtype) if fused and "paddle" in formats
+                      else None)
         gc.collect()  # the fused layer (its own copy of the weights) is only freed with its cycles
         if table:
             files, ops = save_int8_programs(model, tmp, formats, table, opset, free_weights)

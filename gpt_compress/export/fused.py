@@ -16,7 +16,8 @@ Python and no predictor run of its own. A speculative draft's program may also h
 vocabulary** (``FusedLM``'s ``draft_vocab``, ``export/draft_vocab.py``): its greedy steps, when the
 control's flags ask, compute only the head rows of those tokens. Each block writes its new keys/values **in place** into
 the caller's preallocated caches ``(B, H_i, capacity, D)`` at positions ``S..S+T-1`` (``S`` =
-mask columns - T): the op declares the caches as an inplace vector output, and Paddle Inference
+mask columns - T), of float32 or, exported with ``cache_dtype="bfloat16"``, bfloat16 (rounded to
+nearest even as written; ``CACHE_DTYPES``): the op declares the caches as an inplace vector output, and Paddle Inference
 shares the fed tensors' memory, so nothing is concatenated or copied per step (checked by
 ``tests/test_fused.py``). Prefill is the same call with ``S = 0``; scoring asks for every row.
 
@@ -356,13 +357,16 @@ class FusedLM(nn.Layer):
         return (out[0], out[1]) if self.tokens else out[0]
 
 
-def input_spec(cfg, control: bool = True) -> list:
-    """The saved program's inputs: ids, mask, rows, the caches (a list) and ``control`` (not in
-    the tensor-parallel rank programs, which run one step a call: ``fused_tp.py``)."""
+CACHE_DTYPES = ("float32", "bfloat16")  # the fused programs' KV cache elements (gptc_decoder_ops.h)
+
+
+def input_spec(cfg, control: bool = True, cache_dtype: str = "float32") -> list:
+    """The saved program's inputs: ids, mask, rows, the caches (a list, of ``cache_dtype``) and
+    ``control`` (not in the tensor-parallel rank programs, which run one step a call: ``fused_tp.py``)."""
     caches = []
     for i in range(cfg.num_layers):
         for kind in ("key", "value"):
-            caches.append(InputSpec([None, cfg.heads(i), None, cfg.dim_head], "float32", f"cache_{kind}_{i}"))
+            caches.append(InputSpec([None, cfg.heads(i), None, cfg.dim_head], cache_dtype, f"cache_{kind}_{i}"))
     return [InputSpec([None, None], "int64", "input_ids"), InputSpec([None, None], "int64", "attention_mask"),
             InputSpec([None], "int64", "rows"), caches] + ([InputSpec([None], "int64", "control")] if control else [])
 
@@ -402,17 +406,26 @@ def save_program(layer, spec: list, out_dir: str) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None) -> dict:
+def check_cache_dtype(cache_dtype: str) -> str:
+    if cache_dtype not in CACHE_DTYPES:
+        raise ExportError(f"the KV cache dtype must be one of {', '.join(CACHE_DTYPES)}, got {cache_dtype!r}")
+    return cache_dtype
+
+
+def save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None, cache_dtype: str = "float32") -> dict:
     """Write ``fused.json`` + ``fused.pdiparams`` for float or fake-quant ``model`` into ``out_dir``
     (``model`` is not mutated) in the current kernel version, with ``draft_vocab`` (``FusedLM``)
-    if given. Returns the manifest's ``fused`` entry. Raises ``KernelError`` when the operators
-    cannot be built, ``ExportError`` for a model with no fused form."""
+    if given, its KV caches of ``cache_dtype`` (``CACHE_DTYPES``: bfloat16 halves the cache's
+    memory and the bytes a decode step reads from it). Returns the manifest's ``fused`` entry.
+    Raises ``KernelError`` when the operators cannot be built, ``ExportError`` for a model with
+    no fused form."""
     from ..kernels import kernel_info
 
     cfg = model.config
+    check_cache_dtype(cache_dtype)
     layer = FusedLM(fused_weights(model), tokens=True, draft_vocab=draft_vocab)
     layer.eval()
-    save_program(layer, input_spec(cfg), out_dir)
+    save_program(layer, input_spec(cfg, cache_dtype=cache_dtype), out_dir)
     return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": kernel_info(),
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.layer_attrs for b in a[1]}),
@@ -420,15 +433,17 @@ def save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None) ->
             "outputs": ["logits", "tokens"],
             "inputs": ["input_ids", "attention_mask", "rows"]
                       + [f"cache_{k}_{i}" for i in range(cfg.num_layers) for k in ("key", "value")] + ["control"],
-            "cache": "(batch, heads_i, capacity, head_dim) float32, preallocated by the caller, written in place",
+            "cache": f"(batch, heads_i, capacity, head_dim) {cache_dtype}, preallocated by the caller, written in place",
+            "cache_dtype": cache_dtype,
             **({"draft_vocab": layer.draft_vocab} if layer.draft_vocab else {})}
 
 
-def try_save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None) -> Optional[dict]:
+def try_save_fused(model, out_dir: str, draft_vocab: Optional[np.ndarray] = None,
+                   cache_dtype: str = "float32") -> Optional[dict]:
     """``save_fused``, or None with a warning when the operators cannot be built here (the
     unfused programs are exported regardless and run everywhere)."""
     try:
-        return save_fused(model, out_dir, draft_vocab)
+        return save_fused(model, out_dir, draft_vocab, cache_dtype)
     except KernelError as e:
         warnings.warn(f"no fused program exported: {e}", stacklevel=2)
         return None

@@ -97,6 +97,14 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
     return max(diffs)
 
 
+# A bfloat16 KV cache (``fused.CACHE_DTYPES``) holds every key and value to 8 significant bits,
+# a relative error of at most u = 2^-9 each; attention averages the values and exponentiates the
+# scores, so the logits move by up to about u relative to their magnitude (measured against the
+# float32 cache: 0.9 u on a random-init gpt-bench, 0.14 u on the tests' trained model). Its
+# fused program is checked at 4 u more than the export's own tolerance.
+BF16_CACHE_ATOL = 4 * 2.0 ** -9
+
+
 def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hint: str = "") -> dict[str, float]:
     """Run each exported format of directory ``path`` on the reference batch; returns the max abs
     logit difference per format, raises ``ExportError`` (with ``hint`` appended) on mismatch."""
@@ -116,9 +124,10 @@ def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hin
     if "paddle" in formats and manifest.data.get("fused"):
         from ..inference.fused import FusedBackend
 
+        backend = FusedBackend(manifest, verify=False)
+        fused_atol = atol + BF16_CACHE_ATOL if backend.cache_dtype == "bfloat16" else atol
         try:
-            out["paddle_fused"] = validate_backend(FusedBackend(manifest, verify=False), ref,
-                                                   f"{path} (paddle, fused)", atol=atol)
+            out["paddle_fused"] = validate_backend(backend, ref, f"{path} (paddle, fused)", atol=fused_atol)
         except ExportError as e:
             raise ExportError(f"{e}. {hint}" if hint else str(e)) from None
     return out

@@ -93,6 +93,7 @@ class FusedBackend(Backend):
         self.controlled = "control" in info.get("inputs", ("control",))
         self.greedy_steps = max(1, greedy_steps) if self.controlled else 1
         self.draft_vocab = int(info.get("draft_vocab", 0)) if self.controlled else 0
+        self.cache_dtype = info.get("cache_dtype", "float32")  # the program's KV cache elements
         if self.threads > 1 and not openmp_spin():
             asked = f"{self.threads} threads as asked" if threads else "1 thread"
             if not threads:
@@ -132,7 +133,7 @@ class FusedBackend(Backend):
         (attention walks each row's unmasked keys, all below the mask's width)."""
         import paddle
 
-        return [paddle.empty([batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
+        return [paddle.empty([batch, layer["heads"], capacity, layer["head_dim"]], dtype=self.cache_dtype)
                 for layer in self.layers for _ in range(2)]
 
     def _capacity(self, needed: int) -> int:

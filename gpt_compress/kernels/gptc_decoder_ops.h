@@ -204,28 +204,46 @@ struct Subset {
   float *ctx, *x;
 };
 
+// A block's key and value caches (B, H, cap, D): float32 or bfloat16 elements (bf16).
+struct KvCache {
+  void *k, *v;
+  int64_t cap;
+  bool bf16;
+};
+
 // Row b's head hh (H heads of D; its qkv outputs head-major (H, 3, D) in s.q): the keys and
 // values of its T new positions into the cache (K_, V_: (B, H, cap, D)) at S..S+T-1, then the
-// attention of each of its queries that `need` marks (null: all) into s.ctx.
-inline void attend_head(const StepContext& s, int64_t H, int64_t D, float* K_, float* V_, int64_t cap,
-                        const char* need, int64_t b, int64_t hh, Scratch& sc) {
-  const int64_t T = s.T, L = s.L, S = s.S, inner = H * D;
+// attention of each of its queries that `need` marks (null: all) into s.ctx. The queries read
+// the keys and values back from the cache, their own included, so a bfloat16 cache rounds
+// them alike for every query, in every batch and prefill/decode split.
+template <class T>
+inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, T* K_, T* V_, int64_t cap, const char* need,
+                           int64_t b, int64_t hh, Scratch& sc) {
+  const int64_t T_ = s.T, L = s.L, S = s.S, inner = H * D;
   const float scale = 1.f / std::sqrt(float(D));
   float* p = grow(sc.p, size_t(L + 8));
-  for (int64_t t = 0; t < T; ++t) {
-    const float* src = s.q + (b * T + t) * 3 * inner + hh * 3 * D;
+  for (int64_t t = 0; t < T_; ++t) {
+    const float* src = s.q + (b * T_ + t) * 3 * inner + hh * 3 * D;
     const int64_t dst = ((b * H + hh) * cap + S + t) * D;
-    std::memcpy(K_ + dst, src + D, D * sizeof(float));
-    std::memcpy(V_ + dst, src + 2 * D, D * sizeof(float));
+    cache_write(K_ + dst, src + D, D);
+    cache_write(V_ + dst, src + 2 * D, D);
   }
-  for (int64_t t = 0; t < T; ++t)
-    if (need == nullptr || need[b * T + t])
-      attend(s.q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, s.ctx + (b * T + t) * inner + hh * D);
+  for (int64_t t = 0; t < T_; ++t)
+    if (need == nullptr || need[b * T_ + t])
+      attend(s.q + (b * T_ + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
+             s.keys + b * L, s.nkeys[b * T_ + t], D, scale, p, s.ctx + (b * T_ + t) * inner + hh * D);
 }
 
-void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, float* K_, float* V_,
-                int64_t cap, Laps& lp, bool lead, const Subset* sub = nullptr) {
+inline void attend_head(const StepContext& s, int64_t H, int64_t D, const KvCache& kv, const char* need, int64_t b,
+                        int64_t hh, Scratch& sc) {
+  if (kv.bf16)
+    attend_head_in(s, H, D, static_cast<bf16_t*>(kv.k), static_cast<bf16_t*>(kv.v), kv.cap, need, b, hh, sc);
+  else
+    attend_head_in(s, H, D, static_cast<float*>(kv.k), static_cast<float*>(kv.v), kv.cap, need, b, hh, sc);
+}
+
+void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, const KvCache& kv, Laps& lp,
+                bool lead, const Subset* sub = nullptr) {
   Scratch& sc = t_scratch;
   const int64_t B = s.B, C = s.C, M = s.M, H = w.H, D = w.D, inner = H * D;
   const LinearWeights &qkv = w.qkv, &out = w.out, &fc = w.fc, &proj = w.proj;
@@ -247,7 +265,7 @@ void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, fl
 #pragma omp for schedule(dynamic)
     for (int64_t hh = 0; hh < H; ++hh) {
       linear_rows(qkv, in1, pk, M, hh * 3 * D, (hh + 1) * 3 * D, q, 3 * inner, nullptr, -1, sc);
-      for (int64_t b = 0; b < B; ++b) attend_head(s, H, D, K_, V_, cap, need, b, hh, sc);
+      for (int64_t b = 0; b < B; ++b) attend_head(s, H, D, kv, need, b, hh, sc);
     }
     if (lead) lp.lap(kQkv);
   } else {
@@ -255,7 +273,7 @@ void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, fl
     if (lead) lp.lap(kQkv);
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t hh = 0; hh < H; ++hh) attend_head(s, H, D, K_, V_, cap, need, b, hh, sc);
+      for (int64_t hh = 0; hh < H; ++hh) attend_head(s, H, D, kv, need, b, hh, sc);
     if (lead) lp.lap(kAttn);
   }
   int64_t m = M;  // the rows that go on: all, or the subset's, gathered
@@ -286,10 +304,17 @@ void layer_step(const LayerWeights& w, const StepContext& s, const float* xd, fl
   if (lead) lp.lap(kProj);
 }
 
-void check_cache(const paddle::Tensor& kc, const paddle::Tensor& vc, int64_t B, int64_t H, int64_t positions) {
+// A block's caches checked (B, H, >= positions, D; float32 or bfloat16, both alike) and viewed.
+KvCache check_cache(paddle::Tensor& kc, paddle::Tensor& vc, int64_t B, int64_t H, int64_t positions) {
   PD_CHECK(kc.dims().size() == 4 && kc.dims()[0] == B && kc.dims()[1] == H && vc.dims() == kc.dims(),
            "gptc: cache must be (B, heads, capacity, head_dim)");
   PD_CHECK(kc.dims()[2] >= positions, "gptc: cache capacity ", kc.dims()[2], " < ", positions, " positions");
+  const bool bf16 = kc.dtype() == paddle::DataType::BFLOAT16;
+  PD_CHECK((bf16 || kc.dtype() == paddle::DataType::FLOAT32) && vc.dtype() == kc.dtype(),
+           "gptc: the key and value caches must both be float32 or both bfloat16");
+  return KvCache{bf16 ? static_cast<void*>(kc.data<paddle::bfloat16>()) : static_cast<void*>(kc.data<float>()),
+                 bf16 ? static_cast<void*>(vc.data<paddle::bfloat16>()) : static_cast<void*>(vc.data<float>()),
+                 kc.dims()[2], bf16};
 }
 
 // ---------------------------------------------------------------------------------- head

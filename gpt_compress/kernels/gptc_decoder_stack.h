@@ -129,13 +129,11 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
     draft_ids = iv.f();
   }
   std::vector<LayerWeights> lw(layers);
-  std::vector<float*> kv(2 * layers);  // each block's key and value cache
-  std::vector<int64_t> cap(layers);
+  std::vector<KvCache> kv(layers);  // each block's key and value cache
   int64_t inner = 0, F = 0, kmax = C;
   for (int64_t i = 0; i < layers; ++i) {
     paddle::Tensor &kc = caches[2 * i], &vc = caches[2 * i + 1];
-    check_cache(kc, vc, B, heads[i], L + steps - 1);
-    kv[2 * i] = kc.data<float>(), kv[2 * i + 1] = vc.data<float>(), cap[i] = kc.dims()[2];
+    kv[i] = check_cache(kc, vc, B, heads[i], L + steps - 1);
     lw[i] = make_layer_weights(&ws[kStackFixed + kPerLayer * i], C, heads[i], kc.dims()[3], bits.data() + 4 * i,
                                act.data() + 4 * i);
     inner = std::max(inner, lw[i].H * lw[i].D), F = std::max(F, lw[i].F), kmax = std::max(kmax, kmax_of(lw[i]));
@@ -221,7 +219,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
       }
       if (lead) lp.lap(kEmbed);
       for (int64_t i = 0; i < layers; ++i)
-        layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[2 * i], kv[2 * i + 1], cap[i], lp, lead,
+        layer_step(lw[i], s, i ? a[i % 2] : x0, a[(i + 1) % 2], kv[i], lp, lead,
                    subset && i == layers - 1 ? &sub : nullptr);
       const LinearInputs hin = head_inputs(head, s, layers ? a[layers % 2] : x0, subset ? nullptr : r, n, ln_f_w,
                                            ln_f_b);

@@ -58,7 +58,37 @@ void activate(float* h, int64_t n, int act) {
 #endif
 }
 
-// One query against its n keys (rows idx[0..n) of kb/vb, D floats each): softmax(q.k * scale) @ v
+// The KV cache holds float32, or bfloat16 (bf16_t): a float's upper 16 bits, rounded to nearest
+// even when written (NaN kept a NaN), widened back exactly by a shift when read. Both are plain
+// bit operations, the same on every ISA, so a bfloat16 cache keeps batch invariance and the
+// bitwise agreement of the native and avx2 builds: every reader sees the same rounded values.
+using bf16_t = uint16_t;
+inline bf16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t((u >> 16) | 0x40u);  // a NaN stays a (quiet) NaN
+  return bf16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float cache_value(const float* p) { return *p; }
+inline float cache_value(const bf16_t* p) {
+  const uint32_t u = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void cache_write(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void cache_write(bf16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+#if defined(__AVX2__)
+inline __m256 cache_load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 cache_load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// One query against its n keys (rows idx[0..n) of kb/vb, D values each): softmax(q.k * scale) @ v
 // into o. Keys are the query's unmasked cache columns in order, so every reduction runs over
 // the same values in the same order whatever the padding, batch or prefill/decode split.
 // p: scratch of n + 8 floats.
@@ -67,8 +97,9 @@ void activate(float* h, int64_t n, int act) {
 // its weights: 8 streams keep more memory requests in flight than one): p holds pass t's 8
 // scores at p[8t..8t+8), a lane per segment; the softmax sum runs lane-wise over the passes, the
 // values in pass order.
-void attend(const float* qv, const float* kb, const float* vb, const int32_t* idx, int64_t n, int64_t D,
-            float scale, float* p, float* o) {
+template <class T>
+void attend(const float* qv, const T* kb, const T* vb, const int32_t* idx, int64_t n, int64_t D, float scale,
+            float* p, float* o) {
   for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
   if (n == 0) return;  // a padding query: attends to nothing real
 #if defined(__AVX2__)
@@ -77,14 +108,14 @@ void attend(const float* qv, const float* kb, const float* vb, const int32_t* id
     auto key = [&](int64_t t, int j) { return std::min<int64_t>(j * m + t, n - 1); };  // past n: a valid row, masked
     for (int64_t t = 0; t < m; ++t) {  // one fixed reduction tree per key
       __m256 a[8];
-      const float* kr[8];
+      const T* kr[8];
       for (int j = 0; j < 8; ++j) {
         kr[j] = kb + int64_t(idx[key(t, j)]) * D;
         a[j] = _mm256_setzero_ps();
       }
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qd = _mm256_loadu_ps(qv + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[j] + d), a[j]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, cache_load8(kr[j] + d), a[j]);
       }
       const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
       const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -116,8 +147,8 @@ void attend(const float* qv, const float* kb, const float* vb, const int32_t* id
       for (int64_t t = 0; t < m; ++t) {
         for (int j = 0, l = lanes(t); j < l; ++j) {
           const __m256 w = _mm256_set1_ps(p[8 * t + j]);
-          const float* vr = vb + int64_t(idx[j * m + t]) * D + d0;
-          for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+          const T* vr = vb + int64_t(idx[j * m + t]) * D + d0;
+          for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, cache_load8(vr + 8 * c), acc[c]);
         }
       }
       for (int c = 0; c < nd; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
@@ -128,7 +159,7 @@ void attend(const float* qv, const float* kb, const float* vb, const int32_t* id
   float mx = -INFINITY;
   for (int64_t i = 0; i < n; ++i) {
     float s = 0.f;
-    for (int64_t d = 0; d < D; ++d) s = std::fma(qv[d], kb[int64_t(idx[i]) * D + d], s);
+    for (int64_t d = 0; d < D; ++d) s = std::fma(qv[d], cache_value(kb + int64_t(idx[i]) * D + d), s);
     p[i] = s * scale;
     mx = std::max(mx, p[i]);
   }
@@ -139,7 +170,7 @@ void attend(const float* qv, const float* kb, const float* vb, const int32_t* id
   }
   const float inv = 1.f / sum;
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p[i], vb[int64_t(idx[i]) * D + d], o[d]);
+    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p[i], cache_value(vb + int64_t(idx[i]) * D + d), o[d]);
   for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 

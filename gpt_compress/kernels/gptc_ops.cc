@@ -5,7 +5,8 @@
 //       [float32 blob, int8 blob, ...] + a layout attribute) -> logits (n,V), tokens: embed, every
 //       block and the head in one call (gptc_decoder_stack.h); the new keys/values are written IN
 //       PLACE into the preallocated caches (B,H,cap,D) at positions S..S+T-1 (S = mask columns - T):
-//       no concat, no copy of the cache per step.
+//       no concat, no copy of the cache per step. Caches are float32 or bfloat16 (rounded to
+//       nearest even as written: gptc_norm_attention.h).
 // A second op serves evaluation: gptc_head_score (gptc_head_score.h), the LM head's log-probability
 // of chosen labels. Programs of older kernel versions are not run: they are exported again.
 // Tensor-parallel rank programs (gptc partition) hold gptc_tp_embed, then per block gptc_tp_attention

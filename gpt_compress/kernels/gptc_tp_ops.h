@@ -37,8 +37,8 @@ LayerWeights tp_layer(const std::vector<WeightView>& ws, int64_t C, int64_t head
 
 // The attention half of layer_step for x (M, C) -> y: the same calls up to attn.out, whose
 // output is this rank's partial sum (+ x when `residual`).
-void tp_attention_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, float* K_, float* V_,
-                       int64_t cap, bool residual) {
+void tp_attention_step(const LayerWeights& w, const StepContext& s, const float* xd, float* yd, const KvCache& kv,
+                       bool residual) {
   Scratch& sc = t_scratch;
   const int64_t B = s.B, C = s.C, M = s.M, H = w.H, D = w.D;
   const LinearWeights &qkv = w.qkv, &out = w.out;
@@ -50,7 +50,7 @@ void tp_attention_step(const LayerWeights& w, const StepContext& s, const float*
   linear_for(qkv, in1, M, q, nullptr, -1);
 #pragma omp for collapse(2) schedule(dynamic)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t hh = 0; hh < H; ++hh) attend_head(s, H, D, K_, V_, cap, nullptr, b, hh, sc);
+    for (int64_t hh = 0; hh < H; ++hh) attend_head(s, H, D, kv, nullptr, b, hh, sc);
   const LinearInputs in_out = s.rows ? prepare_rows(out, ctx, M, nullptr, nullptr, s.eps, nullptr, s.xqs, s.sxs)
                            : prepare_inputs(out, ctx, M, sc);
   linear_for(out, in_out, M, yd, residual ? xd : nullptr, -1);
@@ -114,14 +114,13 @@ std::vector<paddle::Tensor> TpAttentionForward(const paddle::Tensor& x, const pa
            "caches [key, value]");
   op_enter(T > 1);
   Laps lp(T > 1);
-  check_cache(caches[0], caches[1], B, heads, L);
+  const KvCache kv = check_cache(caches[0], caches[1], B, heads, L);
   const LayerWeights w = tp_layer(unpack(blobs, layout), C, heads, caches[0].dims()[3], bits, act);
   const StepContext s = make_step_context(B, T, C, mask.data<int64_t>(), L, w.H * w.D, w.F, kmax_of(w), 0, eps, 0);
   auto y = paddle::empty({B * T, C}, paddle::DataType::FLOAT32, x.place());
 #pragma omp parallel num_threads(s.nt)
   {
-    tp_attention_step(w, s, x.data<float>(), y.data<float>(), caches[0].data<float>(), caches[1].data<float>(),
-                      caches[0].dims()[2], residual != 0);
+    tp_attention_step(w, s, x.data<float>(), y.data<float>(), kv, residual != 0);
     trim(t_scratch);
   }
   trim(t_shared);

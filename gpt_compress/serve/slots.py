@@ -41,13 +41,16 @@ PAD_WASTE = 1.25  # a prefill batch computes at most this many times its prompts
 
 
 def host_array(t) -> np.ndarray:
-    """A numpy array over the memory of a dense float32 CPU tensor ``t`` (no copy: what is
-    written lands in the tensor). Row copies through it cost a memmove, where a Paddle eager
-    ``__setitem__`` costs tens of microseconds of dispatch per call; the array does not keep
-    ``t`` alive (the caller holds both)."""
+    """A numpy array over the memory of a dense float32 or bfloat16 CPU tensor ``t`` (no copy:
+    what is written lands in the tensor; bfloat16 as its uint16 bits). Row copies through it cost
+    a memmove, where a Paddle eager ``__setitem__`` costs tens of microseconds of dispatch per
+    call; the array does not keep ``t`` alive (the caller holds both)."""
+    import paddle
+
     shape = tuple(int(d) for d in t.shape)
     n = int(np.prod(shape))
-    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data_ptr())).reshape(shape)
+    element = ctypes.c_uint16 if t.dtype == paddle.bfloat16 else ctypes.c_float
+    return np.ctypeslib.as_array((element * n).from_address(t.data_ptr())).reshape(shape)
 
 
 def prefill_groups(lengths: list[int], waste: float) -> list[list[int]]:
@@ -104,7 +107,8 @@ class SlotDecoder(Decoder):
     def _alloc(self, capacity: int) -> list:
         import paddle
 
-        return [paddle.zeros([self.max_batch, layer["heads"], capacity, layer["head_dim"]], dtype="float32")
+        return [paddle.zeros([self.max_batch, layer["heads"], capacity, layer["head_dim"]],
+                             dtype=self.backend.cache_dtype)
                 for layer in self.layers for _ in range(2)]
 
     def _first_rows(self, rows: int) -> list:
