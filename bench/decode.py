@@ -18,7 +18,9 @@ the converter under ``output/peers`` (or name the script with ``$GPTC_LLAMA_CPP_
 Without it the rows say how to install it.
 
 Exported backends also report a batch-1 decode step with 100 and with 900 tokens in the cache
-(``step_ms_at_100/900``; the two caches' steps alternate, so the host's drift weighs on both).
+(``step_ms_at_100/900``; the two caches' steps alternate, so the host's drift weighs on both),
+and the fused program a step of ``--batch`` rows at the same two lengths
+(``batch8_step_ms_at_100/900``: at 900 the step reads the keys and values of 7,200 positions).
 
 Each backend (and the peer) runs in its own subprocess, one after another, so no two thread
 pools compete for the cores. Rounds alternate the order of the backends. Within a round a
@@ -114,24 +116,24 @@ def weight_bytes_per_token(cfg) -> int:
 # --------------------------------------------------------------------------------------
 # Worker: one backend in this process
 # --------------------------------------------------------------------------------------
-def step_ms_at(gen, positions: tuple = (100, 900), steps: int = 16) -> dict:
-    """Median batch-1 decode step time (ms) with each of ``positions`` tokens already in the
-    cache, {position: ms}. The positions' steps alternate (one cache each), so a host that
+def step_ms_at(gen, positions: tuple = (100, 900), steps: int = 16, batch: int = 1) -> dict:
+    """Median decode step time (ms) of ``batch`` rows with each of ``positions`` tokens already
+    in the cache, {position: ms}. The positions' steps alternate (one cache each), so a host that
     drifts between the first and the last step weighs on every position alike: the ratio of
     two positions is the figure to read."""
     rng = np.random.default_rng(1)
     state = {}
     for p in positions:
-        ids = rng.integers(0, gen.vocab_size, (1, p)).astype(np.int64)
+        ids = rng.integers(0, gen.vocab_size, (batch, p)).astype(np.int64)
         mask = np.ones_like(ids)
         _, cache = gen.backend.prefill(ids, mask)
         state[p] = [mask, cache, []]
     for _ in range(steps):
         for p in positions:
             mask, cache, times = state[p]
-            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
             t = time.perf_counter()
-            _, cache = gen.backend.decode(rng.integers(0, gen.vocab_size, (1, 1)).astype(np.int64), mask, cache)
+            _, cache = gen.backend.decode(rng.integers(0, gen.vocab_size, (batch, 1)).astype(np.int64), mask, cache)
             times.append((time.perf_counter() - t) * 1e3)
             state[p][:2] = mask, cache
     return {p: round(statistics.median(state[p][2]), 2) for p in positions}
@@ -200,7 +202,10 @@ def run_worker(name: str, path: str, prompt: int, new: int, batch: int, reps: in
         out["step_ms_at_100"], out["step_ms_at_900"] = at[100], at[900]
     out["threads"] = getattr(gen.backend, "threads", None)
     out["weights_mb"] = weights_mb(path, out["backend_class"])
-    out["peak_rss_mb"] = peak_rss_mb()
+    out["peak_rss_mb"] = peak_rss_mb()  # before the batch steps below: the same work for every row
+    if positions and batch > 1 and out["backend_class"] == "FusedBackend" and gen.max_positions >= 920:
+        at = step_ms_at(gen, batch=batch)  # a step reads batch x 900 cached positions
+        out[f"batch{batch}_step_ms_at_100"], out[f"batch{batch}_step_ms_at_900"] = at[100], at[900]
     return out
 
 
@@ -479,7 +484,7 @@ def main() -> None:
             continue
         med = {}
         for k in ("decode_tokens_per_s", "prefill_ms", "first_token_ms", key_b, "step_ms_at_100", "step_ms_at_900",
-                  "peak_rss_mb"):
+                  f"batch{a.batch}_step_ms_at_100", f"batch{a.batch}_step_ms_at_900", "peak_rss_mb"):
             vals = [x[k] for x in ok if x.get(k) is not None]
             if vals:
                 med[k] = round(max(vals) if "tokens_per_s" in k else min(vals), 2)

@@ -58,6 +58,8 @@ BENCHES = {  # name -> script and arguments
                    "--format", "int8"],
     "serve_int8_kvbf16": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir",
                           "output/bench_serve", "--format", "int8", "--kv-cache-dtype", "bfloat16"],
+    # one-thread GEMM rates of the block Linears at M = 1..256 against the host's measured peaks
+    "kernels_roofline": ["bench/kernels.py", "--roofline"],
 }
 DEFAULT = ("decode",)  # `make bench`; `--only all` (`make bench-full`) runs every one of BENCHES
 

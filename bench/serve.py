@@ -248,9 +248,9 @@ def main() -> None:
         if a.backend != "paddle":
             p.error("--format int8/int4 runs the fused Paddle program: --backend paddle")
         model_dir = prepare_fused_int(workdir, a.preset, ckpt, int(a.format[3:]), model_dir, a.kv_cache_dtype)
+        a.serve_arg.append("--no-verify")  # the fused program alone: no checksums file (bench/decode.py)
     elif a.kv_cache_dtype != "float32":
         p.error("--kv-cache-dtype bfloat16 goes with --format int8/int4 (the fused program alone)")
-        a.serve_arg.append("--no-verify")  # the fused program alone: no checksums file (bench/decode.py)
     levels = [int(x) for x in a.levels.split(",")]
     results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "format": a.format,
                "kv_cache_dtype": a.kv_cache_dtype, "mix": MIX,

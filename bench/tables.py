@@ -130,6 +130,10 @@ def decode_table(r: Result) -> list[str]:
         cols.append(("step ms at 100 / 900 cached", lambda x: (
             f"{_f(x.get('step_ms_at_100'), '{:.2f}')} / {_f(x.get('step_ms_at_900'), '{:.2f}')}"
             if x.get("step_ms_at_100") is not None else "")))
+    if any(x.get(f"batch{b}_step_ms_at_100") is not None for _, x in rows):
+        cols.append((f"batch-{b} step ms at 100 / 900", lambda x: (
+            f"{_f(x.get(f'batch{b}_step_ms_at_100'), '{:.2f}')} / {_f(x.get(f'batch{b}_step_ms_at_900'), '{:.2f}')}"
+            if x.get(f"batch{b}_step_ms_at_100") is not None else "")))
     cols.append(("peak RSS MB (weights MB)", lambda x: (
         f"{_f(x.get('peak_rss_mb'), '{:.0f}')} ({_f(x.get('weights_mb'), '{:.0f}')})"
         if x.get("peak_rss_mb") is not None else "")))
