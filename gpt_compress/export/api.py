@@ -119,7 +119,6 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
     ascending token ids the fused program also holds as a draft vocabulary (``draft_vocab.py``).
     ``kv_cache_dtype``: its KV cache elements (``fused.CACHE_DTYPES``)."""
     formats = _formats(formats)
-    check_cache_dtype(kv_cache_dtype)
     check_output(output, overwrite)
     return_freed_memory()  # each stage frees a copy of the weights: give it back (memory.py)
     model.eval()

@@ -216,22 +216,22 @@ struct KvCache {
 // attention of each of its queries that `need` marks (null: all) into s.ctx. The queries read
 // the keys and values back from the cache, their own included, so a bfloat16 cache rounds
 // them alike for every query, in every batch and prefill/decode split.
-template <class T>
-inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, T* K_, T* V_, int64_t cap, const char* need,
+template <class E>
+inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, E* K_, E* V_, int64_t cap, const char* need,
                            int64_t b, int64_t hh, Scratch& sc) {
-  const int64_t T_ = s.T, L = s.L, S = s.S, inner = H * D;
+  const int64_t T = s.T, L = s.L, S = s.S, inner = H * D;
   const float scale = 1.f / std::sqrt(float(D));
   float* p = grow(sc.p, size_t(L + 8));
-  for (int64_t t = 0; t < T_; ++t) {
-    const float* src = s.q + (b * T_ + t) * 3 * inner + hh * 3 * D;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = s.q + (b * T + t) * 3 * inner + hh * 3 * D;
     const int64_t dst = ((b * H + hh) * cap + S + t) * D;
     cache_write(K_ + dst, src + D, D);
     cache_write(V_ + dst, src + 2 * D, D);
   }
-  for (int64_t t = 0; t < T_; ++t)
-    if (need == nullptr || need[b * T_ + t])
-      attend(s.q + (b * T_ + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-             s.keys + b * L, s.nkeys[b * T_ + t], D, scale, p, s.ctx + (b * T_ + t) * inner + hh * D);
+  for (int64_t t = 0; t < T; ++t)
+    if (need == nullptr || need[b * T + t])
+      attend(s.q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
+             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, s.ctx + (b * T + t) * inner + hh * D);
 }
 
 inline void attend_head(const StepContext& s, int64_t H, int64_t D, const KvCache& kv, const char* need, int64_t b,
