@@ -270,6 +270,25 @@ def test_gptc_export_of_a_quantized_checkpoint_exports_int8(qat_run, tmp_path):
     assert os.path.getsize(os.path.join(res["output"], "model.onnx.data")) == ref
 
 
+def test_a_quantized_checkpoint_exports_int8_with_a_bfloat16_cache(qat_run, tmp_path):
+    """`gptc export --kv-cache-dtype bfloat16` on OUT/quantized: the int8 fused program with a
+    bfloat16 cache, validated against the fake-quant model within the int8 tolerance plus the
+    cache's rounding (``fused_atol``, recorded in the manifest), and it generates."""
+    from gpt_compress.export.int8 import W8A8_ATOL
+    from gpt_compress.export.validate import fused_atol
+    from gpt_compress.inference.manifest import read_manifest
+
+    _, report = qat_run
+    res = _gptc("export", "--model", report["quantized_checkpoint"], "--output", str(tmp_path / "x"),
+                "--format", "paddle", "--kv-cache-dtype", "bfloat16")
+    data = read_manifest(res["output"]).data
+    assert data["weight_dtype"] == "int8" and data["fused"]["cache_dtype"] == "bfloat16"
+    assert data["quant"]["validation"]["atol_relative_fused"] == fused_atol(W8A8_ATOL, "bfloat16") > W8A8_ATOL
+    out = _gptc("infer", "--model-dir", res["output"], "--backend", "paddle", "--prompt-ids", "1,2,3",
+                "-o", "Generation.max_new_tokens=4")
+    assert out["new_tokens"] == 4
+
+
 # --------------------------------------------------------------------------------------
 # 2. Sensitivity ranking and its skip list
 # --------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from .onnx import convert_programs
 from .onnx_scoring import scoring_transform
 from .partition import partition
 from .static import free_parameters, program_weights, save_paddle_programs
-from .validate import reference, validate_dir
+from .validate import fused_atol, reference, validate_dir
 
 FORMATS = ("paddle", "onnx")
 FLOAT_ATOL = 1e-4  # float programs vs dygraph, x max(1, max |logit|)
@@ -148,6 +148,8 @@ def export_model(model, output: str, formats: Sequence[str] = ("paddle",), token
         if validate and table:
             diffs = validate_dir(tmp, ref, formats, atol=W8A8_ATOL, hint=VALIDATION_HINT)
             manifest["quant"]["validation"] = {"atol_relative": W8A8_ATOL, **diffs}
+            if fused_info and kv_cache_dtype != "float32":  # the fused program's: its cache's rounding added
+                manifest["quant"]["validation"]["atol_relative_fused"] = fused_atol(W8A8_ATOL, kv_cache_dtype)
             write_manifest(tmp, manifest)
         elif validate:
             validate_dir(tmp, ref, formats, atol=FLOAT_ATOL)

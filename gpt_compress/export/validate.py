@@ -105,6 +105,11 @@ def validate_backend(backend, ref, where: str, atol: float = 1e-4) -> float:
 BF16_CACHE_ATOL = 4 * 2.0 ** -9
 
 
+def fused_atol(atol: float, cache_dtype: str) -> float:
+    """The fused program's relative tolerance: ``atol``, plus ``BF16_CACHE_ATOL`` for a bfloat16 cache."""
+    return atol + BF16_CACHE_ATOL if cache_dtype == "bfloat16" else atol
+
+
 def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hint: str = "") -> dict[str, float]:
     """Run each exported format of directory ``path`` on the reference batch; returns the max abs
     logit difference per format, raises ``ExportError`` (with ``hint`` appended) on mismatch."""
@@ -125,9 +130,9 @@ def validate_dir(path: str, ref, formats: Sequence[str], atol: float = 1e-4, hin
         from ..inference.fused import FusedBackend
 
         backend = FusedBackend(manifest, verify=False)
-        fused_atol = atol + BF16_CACHE_ATOL if backend.cache_dtype == "bfloat16" else atol
         try:
-            out["paddle_fused"] = validate_backend(backend, ref, f"{path} (paddle, fused)", atol=fused_atol)
+            out["paddle_fused"] = validate_backend(backend, ref, f"{path} (paddle, fused)",
+                                                   atol=fused_atol(atol, backend.cache_dtype))
         except ExportError as e:
             raise ExportError(f"{e}. {hint}" if hint else str(e)) from None
     return out
