@@ -312,9 +312,10 @@ KvCache check_cache(paddle::Tensor& kc, paddle::Tensor& vc, int64_t B, int64_t H
   const bool bf16 = kc.dtype() == paddle::DataType::BFLOAT16;
   PD_CHECK((bf16 || kc.dtype() == paddle::DataType::FLOAT32) && vc.dtype() == kc.dtype(),
            "gptc: the key and value caches must both be float32 or both bfloat16");
-  return KvCache{bf16 ? static_cast<void*>(kc.data<paddle::bfloat16>()) : static_cast<void*>(kc.data<float>()),
-                 bf16 ? static_cast<void*>(vc.data<paddle::bfloat16>()) : static_cast<void*>(vc.data<float>()),
-                 kc.dims()[2], bf16};
+  auto data = [bf16](paddle::Tensor& t) -> void* {
+    return bf16 ? static_cast<void*>(t.data<paddle::bfloat16>()) : static_cast<void*>(t.data<float>());
+  };
+  return KvCache{data(kc), data(vc), kc.dims()[2], bf16};
 }
 
 // ---------------------------------------------------------------------------------- head
