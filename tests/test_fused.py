@@ -3,6 +3,7 @@ inference/fused.py) on the trained tiny GPT of tests/_export_helpers.py and its 
 
 The operator library is built once per machine and source (cached, ``kernels.cache_dir()``);
 the first test to need it pays the build (~40-70 s on a busy 2-core machine)."""
+import gc
 import json
 import os
 import shutil
@@ -234,6 +235,50 @@ def test_repeated_generations_are_identical_and_clones_on_two_threads_agree(dirs
     t.join()
     assert other == [first]
 
+
+
+def _another_thread_runs_during(call) -> bool:
+    """Whether a waiting Python thread gets the GIL while ``call()`` runs (up to 20 calls): with
+    the switch interval far beyond the test, a thread runs only when the caller releases the GIL.
+    The garbage collector is off meanwhile: objects it frees (Paddle tensors) may release the GIL."""
+    go, ran = threading.Event(), []
+    other = threading.Thread(target=lambda: go.wait() and ran.append(True))
+    other.start()
+    interval = sys.getswitchinterval()
+    gc.collect()
+    gc.disable()
+    sys.setswitchinterval(1000.0)
+    try:
+        go.set()  # the other thread is runnable from here; it needs the GIL
+        for _ in range(20):
+            call()
+            if ran:
+                break
+        seen = bool(ran)
+    finally:
+        sys.setswitchinterval(interval)
+        gc.enable()
+        other.join()
+    return seen
+
+
+def test_the_fused_ops_release_the_gil_while_they_compute(dirs):
+    """Paddle's binding runs a program holding the GIL (the unfused prefill program: no other
+    thread runs meanwhile); the fused ops release it while they compute (gptc_gil.h), so a
+    server's HTTP loop runs beside a decode step. Fails with the release taken out of
+    gptc_generate."""
+    gen = Generator.from_dir(dirs["export"], backend="paddle")
+    ids, mask = left_padded(gen.tokenizer, PROMPTS)
+    # The unfused prefill program's predictor, run on this thread (its backend runs it on a worker).
+    pred = Generator.from_dir(dirs["export"], backend="paddle", fused=False).backend.predictor("prefill")
+    inputs = [paddle.to_tensor(ids if n == "input_ids" else mask) for n in pred.get_input_names()]
+    pred.run(inputs)
+    assert not _another_thread_runs_during(lambda: pred.run(inputs))
+    # The fused program's predictor, run again on the inputs of a decode step (the same position
+    # rewritten): the run alone, as numpy's ufuncs around it release the GIL themselves.
+    _, cache = gen.backend.prefill(ids, mask)
+    gen.backend.decode(ids[:, -1:], np.concatenate([mask, np.ones((len(ids), 1), np.int64)], axis=1), cache)
+    assert _another_thread_runs_during(gen.backend._pred.run)
 
 
 def test_greedy_steps_fetch_the_programs_argmax_token(dirs):

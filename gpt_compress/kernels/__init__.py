@@ -2,6 +2,7 @@
 
 The C++ is one translation unit split by concern: ``gptc_ops.cc`` (the formats and the
 batch-invariance contract) #includes ``gptc_common.h`` (profiler, thread count, vector helpers),
+``gptc_gil.h`` (the ops release the Python GIL while they compute),
 ``gptc_tiles.h`` (GEMM tiles and blocks, M > 1), ``gptc_gemm512.h`` (the AVX-512 GEMM
 micro-kernels), ``gptc_inputs.h`` (per-thread scratch, input quantization), ``gptc_gemv.h`` (M = 1
 kernels), ``gptc_linear.h`` (linear_block and the Linear entry points that choose GEMV or blocks),
@@ -50,7 +51,7 @@ from ..runtime import cpu_flags
 DIR = os.path.dirname(os.path.abspath(__file__))
 # Every file of the one translation unit, the unit first, then its headers in include order
 # (tests/test_kernel_sources.py checks this list against the directory and the #include lines).
-SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_inputs.h", "gptc_gemv.h", "gptc_grouped.h",
+SOURCES = ("gptc_ops.cc", "gptc_common.h", "gptc_gil.h", "gptc_tiles.h", "gptc_gemm512.h", "gptc_inputs.h", "gptc_gemv.h", "gptc_grouped.h",
            "gptc_linear.h", "gptc_norm_attention.h", "gptc_decoder_ops.h", "gptc_decoder_stack.h", "gptc_head_score.h", "gptc_tp_ops.h",
            "gptc_bench.h")
 SOURCE = os.path.join(DIR, SOURCES[0])

@@ -94,6 +94,7 @@ std::vector<paddle::Tensor> stack_forward(const paddle::Tensor& ids, const paddl
   const int64_t layers = int64_t(heads.size());
   const int kind = T > 1;
   op_enter(kind);
+  const GilRelease nogil;
   Laps lp(kind);
   PD_CHECK(mask.dims()[0] == B && L >= T, "gptc_generate: mask must be (B, S+T)");
   const int64_t* ctl = nullptr;

@@ -111,6 +111,7 @@ std::vector<paddle::Tensor> HeadScoreForward(const paddle::Tensor& h, const padd
   const float* wp = w.data<float>();
   const int64_t* lp = labels.data<int64_t>();
   for (int64_t i = 0; i < N; ++i) PD_CHECK(lp[i] >= 0 && lp[i] < V, "gptc_head_score: label out of range");
+  const GilRelease nogil;
   const int64_t chunks = (V + HEAD_SCORE_COLS - 1) / HEAD_SCORE_COLS;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads(), chunks)));
   std::vector<HeadScoreState> states;

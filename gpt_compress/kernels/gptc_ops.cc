@@ -23,6 +23,8 @@
 // and qat.quantize.fake_quant_dynamic) or int8 with one calibrated scale (act > 0: W8A8,
 // weights per channel, blk == K). Integer dots accumulate in int32 per block, exactly.
 // Threads: OpenMP inside each op, $GPTC_THREADS of them (else omp_get_max_threads()).
+// The GIL: each computing op releases it while it runs (gptc_gil.h), so other Python threads of
+// the process (a server's HTTP loop) run beside a program that Paddle's binding runs holding it.
 // Matrix products run in blocks of weight rows (NBLK: 12 on AVX2, 48 on AVX-512), each read once
 // for all M input rows (a GEMM for prefill and batches: 4x3 float and int8 tiles, 2x4 for packed
 // int4 on AVX2; on AVX-512 the gptc_gemm512.h micro-kernels, vpdpbusd with VNNI; GEMV for M = 1;
@@ -41,6 +43,7 @@
 // the hot templates and inline functions stay inlinable across them); the loader
 // (kernels/__init__.py SOURCES) hashes and snapshots every one of them.
 #include "gptc_common.h"
+#include "gptc_gil.h"
 #include "gptc_tiles.h"
 #include "gptc_gemm512.h"
 #include "gptc_inputs.h"

@@ -113,6 +113,7 @@ std::vector<paddle::Tensor> TpAttentionForward(const paddle::Tensor& x, const pa
   PD_CHECK(caches.size() == 2 && B * T == x.dims()[0] && L >= T, "gptc_tp_attention: x (B*T, C), mask (B, S+T), "
            "caches [key, value]");
   op_enter(T > 1);
+  const GilRelease nogil;
   Laps lp(T > 1);
   const KvCache kv = check_cache(caches[0], caches[1], B, heads, L);
   const LayerWeights w = tp_layer(unpack(blobs, layout), C, heads, caches[0].dims()[3], bits, act);
@@ -136,6 +137,7 @@ std::vector<paddle::Tensor> TpMlpForward(const paddle::Tensor& x, const paddle::
   const int64_t B = mask.dims()[0], L = mask.dims()[1], C = x.dims()[1], T = B ? x.dims()[0] / B : 0;
   PD_CHECK(B * T == x.dims()[0] && L >= T, "gptc_tp_mlp: x (B*T, C), mask (B, S+T)");
   op_enter(T > 1);
+  const GilRelease nogil;
   Laps lp(T > 1);
   const LayerWeights w = tp_layer(unpack(blobs, layout), C, heads, head_dim, bits, act);
   const StepContext s = make_step_context(B, T, C, mask.data<int64_t>(), L, w.H * w.D, w.F, kmax_of(w), 0, eps,
@@ -157,6 +159,7 @@ std::vector<paddle::Tensor> TpHeadForward(const paddle::Tensor& x, const paddle:
                                           float eps, int head_bits, float head_act) {
   const int64_t M = x.dims()[0], C = x.dims()[1], n = rows.numel();
   op_enter(n > 1);
+  const GilRelease nogil;
   Laps lp(n > 1);
   const std::vector<WeightView> ws = unpack(blobs, layout);
   PD_CHECK(ws.size() == 4 && !ws[0].i8 && !ws[1].i8 && ws[0].d0 * ws[0].d1 == C && ws[1].d0 * ws[1].d1 == C,
