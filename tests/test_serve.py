@@ -229,7 +229,8 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     is plain greedy (``Engine._greedy_run``): an EOS inside a run, ``max_tokens`` ending a run,
     rows whose ``min_tokens`` hold EOS back for different spans (single steps, or runs no longer
     than the shortest hold) and a sampled row beside greedy ones (single steps) all give each
-    request the tokens ``Generator.generate`` gives it alone."""
+    request the tokens ``Generator.generate`` gives it alone. A run's tokens reach the caller in
+    one ``emit`` call (``Engine._flush``), the first token before the run."""
     import threading
 
     from gpt_compress.serve.engine import Engine, Finished, Request, Token, request_config
@@ -247,7 +248,7 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
             for p, m, lo, t in jobs]
     assert want[0] == free[:at + 1]
 
-    def run(batch: list[int], max_batch: int = 4) -> tuple[list, list]:
+    def run(batch: list[int], max_batch: int = 4) -> tuple[list, list, list]:
         engine = Engine(gen, max_batch=max_batch)
         engine.eos = eos
         runs = []
@@ -255,16 +256,19 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
         engine.batch.step_greedy = lambda tokens, steps, e, hold: runs.append((len(tokens), steps, hold)) or real(
             tokens, steps, e, hold)
         out = {i: [] for i in batch}
+        calls = {i: [] for i in batch}  # the event types of each emit call
         done = threading.Semaphore(0)
 
         def emit(i):
-            def on(ev):
-                if isinstance(ev, Token):
-                    out[i].append(ev.token_id)
-                elif isinstance(ev, Finished):
-                    done.release()
-                else:
-                    raise AssertionError(ev)
+            def on(events):
+                calls[i].append([type(ev).__name__ for ev in events])
+                for ev in events:
+                    if isinstance(ev, Token):
+                        out[i].append(ev.token_id)
+                    elif isinstance(ev, Finished):
+                        done.release()
+                    else:
+                        raise AssertionError(ev)
             return on
         reqs = [Request(prompt=jobs[i][0], cfg=request_config(jobs[i][1], jobs[i][3], 1.0, 0, 1.0, 3, jobs[i][2]),
                         emit=emit(i)) for i in batch]
@@ -273,20 +277,21 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
         for _ in batch:
             assert done.acquire(timeout=120)
         engine.stop()
-        return [out[i] for i in batch], runs
+        return [out[i] for i in batch], runs, [calls[i] for i in batch]
 
     assert gen.backend.greedy_steps >= 4
-    got, runs = run([0])
+    got, runs, calls = run([0])
     assert got == [want[0]] and runs and runs[0][1] == gen.backend.greedy_steps  # EOS inside the first run
-    got, runs = run([1, 2])
+    assert calls == [[["Token"], ["Token"] * at + ["Finished"]]]  # the prefill's token, then the run's
+    got, runs, _ = run([1, 2])
     assert got == [want[1], want[2]]
     # A run no longer than the shortest hold (3), single steps while one row's hold is over and the
     # other's is not, then row 1 alone: a run held to its end (its min_tokens is its max_tokens).
     assert runs[0] == (2, 3, 3) and runs[-1][0] == 1 and runs[-1][1] == runs[-1][2] >= 2
-    got, runs = run([0, 1, 2, 3])
+    got, runs, _ = run([0, 1, 2, 3])
     assert got == want[:4] and all(r[0] < 4 for r in runs)  # the sampled row: single steps while it runs
     # Three requests for two slots: runs while the third waits (no slot to admit it into).
-    got, runs = run([4, 0, 1], max_batch=2)
+    got, runs, _ = run([4, 0, 1], max_batch=2)
     assert got == [want[4], want[0], want[1]] and runs[0] == (2, gen.backend.greedy_steps, 0)
 
 
@@ -518,7 +523,9 @@ def test_an_exception_in_one_request_fails_only_that_request(export_dir, backend
         greedy = request_config(6, 0.0, 1.0, 0, 1.0, None, 6)
         bad_seed = dataclasses.replace(greedy)
         bad_seed.seed = -1  # the config and the server refuse it (400); set past their checks, it gets through
-        engine.submit_all([Request(p, bad_seed if i == 3 else greedy, emit=lambda ev, i=i: events.put((i, ev)))
+        def to_queue(i):
+            return lambda evs: [events.put((i, ev)) for ev in evs]
+        engine.submit_all([Request(p, bad_seed if i == 3 else greedy, emit=to_queue(i))
                            for i, p in enumerate(prompts)])  # admitted together
         ends, tokens = {}, {0: [], 2: []}
         while len(ends) < 4:
@@ -534,7 +541,7 @@ def test_an_exception_in_one_request_fails_only_that_request(export_dir, backend
             assert isinstance(ends[i], Finished)
             assert tokens[i] == want[i]
         # The engine goes on: a later request is served, and nothing is left in the batch.
-        engine.submit(Request(prompts[0], greedy, emit=lambda ev: events.put((0, ev))))
+        engine.submit(Request(prompts[0], greedy, emit=to_queue(0)))
         later = []
         while not isinstance(ev := events.get(timeout=60)[1], (Failed, Finished)):
             later.append(ev.token_id)

@@ -547,7 +547,7 @@ def _run_engine(engine, jobs, cfgs):
     engine.start()
     try:
         for i, ((prompt, _, _), cfg) in enumerate(zip(jobs, cfgs)):
-            engine.submit(Request(prompt, cfg, emit=lambda ev, i=i: events.put((i, ev))))
+            engine.submit(Request(prompt, cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs]))
         tokens, ends = {i: [] for i in range(len(jobs))}, {}
         while len(ends) < len(jobs):
             i, ev = events.get(timeout=120)

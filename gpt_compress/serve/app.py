@@ -376,9 +376,15 @@ def _token_text(engine: Engine):
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
-    def emit(event):
+    """``Request.emit`` of choice ``index``: its events into ``events``, one wake-up of the loop
+    per hand-over (a greedy run's tokens together)."""
+    def put(batch):
+        for event in batch:
+            events.put_nowait((index, event))
+
+    def emit(batch):
         try:
-            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            loop.call_soon_threadsafe(put, batch)
         except RuntimeError:  # the event loop is closed (server stopped)
             pass
     return emit

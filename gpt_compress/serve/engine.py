@@ -34,6 +34,9 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
 
 Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
 layer forwards them into its event loop), exactly one ``Finished`` or ``Failed`` per request.
+A request's events are gathered and handed over together (``_flush``): once before the decode
+step (first tokens, finished requests) and once after it, so a greedy run's tokens cost the
+caller one hand-over, not one per token.
 An exception while prefilling, setting up or sampling one request fails that request only (its
 row never joins, or leaves, the batch); one in the batched decode step fails the requests of
 that step (it cannot be attributed to one of them) and the loop goes on serving with an empty
@@ -116,7 +119,7 @@ class Request:
 
     prompt: list[int]
     cfg: GenerationConfig
-    emit: Callable[[Any], None]
+    emit: Callable[[list], None]  # the request's new events, in order (engine thread; see the module docstring)
     stop: list[str] = field(default_factory=list)
     timeout: float = 0.0  # seconds from submission; 0: none
     logprobs: Optional[int] = None  # report this many top alternatives (and the token's logprob) per token
@@ -136,6 +139,7 @@ class Request:
     text: Optional[GeneratedText] = None  # its tokens' text, decoded as they come
     last_token_at: float = 0.0
     ended: bool = False  # its Finished or Failed event was emitted
+    outbox: list = field(default_factory=list)  # events not handed to ``emit`` yet (``Engine._flush``)
     schedule: Optional[AdaptiveK] = None  # draft tokens per step, when the request is speculated
     drafted: int = 0  # its tokens (prompt + generated) in the draft model's slot cache
 
@@ -170,6 +174,7 @@ class Engine:
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._stopping = False
+        self._unsent: list[Request] = []  # requests with events in their outbox
         self._thread = threading.Thread(target=self._loop, name="gptc-engine", daemon=True)
         self.steps = 0
 
@@ -227,11 +232,13 @@ class Engine:
             except Exception as e:  # a bug of the loop itself: fail what is running, keep serving
                 log.exception("engine step failed")
                 self._fail_all(500, f"internal error: {type(e).__name__}: {e}")
+            self._flush()
         self._fail_all(503, "the server shut down before this request finished")
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
         for req in pending:
-            req.emit(Failed(503, "the server shut down before this request started"))
+            self._send(req, Failed(503, "the server shut down before this request started"))
+        self._flush()
 
     def _iteration(self) -> None:
         now = time.monotonic()
@@ -242,6 +249,7 @@ class Engine:
             if req.logits is not None and self._guarded(req, self._choose, req):
                 done.append(rid)
         self._leave(done)
+        self._flush()  # first tokens and finished requests go out before the step
         if self._running:
             tokens = {rid: req.tokens[-1] for rid, req in self._running.items()}
             if self.metrics is not None:
@@ -402,13 +410,14 @@ class Engine:
             at = 0
             for r in scoring:
                 n, k = len(r.prompt) - 1, r.prompt_logprobs
-                r.emit(PromptScored([float(x) for x in lp[at:at + n]],
-                                    [[(int(i), float(v)) for i, v in zip(top_ids[j, :k], top_lp[j, :k])]
-                                     for j in range(at, at + n)]))
+                scored = PromptScored([float(x) for x in lp[at:at + n]],
+                                      [[(int(i), float(v)) for i, v in zip(top_ids[j, :k], top_lp[j, :k])]
+                                       for j in range(at, at + n)])
+                self._send(r, scored)
                 at += n
         for r in reqs:
             if r.prompt_logprobs is not None and len(r.prompt) == 1:
-                r.emit(PromptScored([], []))
+                self._send(r, PromptScored([], []))
             if not r.generate:
                 self._finish(r, Finished("length", "", 0))
         return [r for r in reqs if r.generate and not r.ended]
@@ -480,11 +489,11 @@ class Engine:
         req.last_token_at = now
         scores = {} if logprobs is None else _top(logprobs, tok, req.logprobs)
         if self.eos is not None and tok == self.eos:
-            req.emit(Token(tok, "", **scores))
+            self._send(req, Token(tok, "", **scores))
             self._finish(req, Finished("stop", self._rest(req, len(req.tokens) - 1), len(req.tokens)))
             return True
         piece, stopped = self._text(req)
-        req.emit(Token(tok, piece, **scores))
+        self._send(req, Token(tok, piece, **scores))
         if stopped:
             self._finish(req, Finished("stop", "", len(req.tokens)))
             return True
@@ -526,7 +535,25 @@ class Engine:
             return
         req.ended = True
         self._count("ok" if isinstance(event, Finished) else f"error_{event.status}")
-        req.emit(event)
+        self._send(req, event)
+
+    def _send(self, req: Request, event) -> None:
+        """Queue ``event`` for ``req`` (handed over at the next ``_flush``)."""
+        if not req.outbox:
+            self._unsent.append(req)
+        req.outbox.append(event)
+
+    def _flush(self) -> None:
+        """Hand every request its queued events in one ``emit`` call. A caller whose ``emit``
+        raises is gone: its request is cancelled (dropped before the next step)."""
+        unsent, self._unsent = self._unsent, []
+        for req in unsent:
+            events, req.outbox = req.outbox, []
+            try:
+                req.emit(events)
+            except Exception:
+                log.exception("handing events to request %d failed", req.id)
+                req.cancelled = True
 
     def _fail(self, req: Request, e: Exception) -> None:
         """End ``req`` alone with a 500 naming the exception (its row leaves with the finished)."""
