@@ -178,7 +178,9 @@ def serve_table(r: Result) -> list[str]:
                     f"{_f(bt.get('itl_p50_ms'))} / {_f(bt.get('itl_p99_ms'))} | {bt.get('errors', '')} | {bt.get('unserved', '')} |")
     gen = r.data.get("generator", {}).get("output_tokens_per_s")
     if gen:
-        rows += ["", f"The in-process `Generator` on the same mix, one request after another: {_f(gen)} tokens/s "
+        turns = r.data["generator"].get("rounds")
+        when = f", in {turns} turns alternating with the 1-client level" if turns else ""
+        rows += ["", f"The in-process `Generator` on the same mix, one request after another{when}: {_f(gen)} tokens/s "
                      f"(one client of the server: {_f(r.data.get('server_1_client_over_generator'), '{:.2f}x')} of it)."]
     return rows
 
