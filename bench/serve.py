@@ -5,8 +5,8 @@ baseline; prints one JSON object and a Markdown table.
     OMP_NUM_THREADS=2 python bench/serve.py                      # gpt-bench, 20 s per level
     OMP_NUM_THREADS=2 python bench/serve.py --soak 600 --soak-clients 8   # + a 10-minute soak
 
-Each client is a closed loop (asyncio + httpx): it sends a greedy streaming request, reads it
-to the end, sends the next. Requests cycle through a fixed mix of prompt and output lengths
+Each client is a closed loop (asyncio + aiohttp, whose C parser costs about half of httpx's
+CPU per streamed chunk): it sends a greedy streaming request, reads it to the end, sends the next. Requests cycle through a fixed mix of prompt and output lengths
 (``MIX``; ``min_tokens = max_tokens`` so every request produces exactly its output length).
 A level runs ``--duration`` seconds; then the clients are cancelled (their streams closed,
 which the server notices and frees the slots) and the server is idle before the next level.
@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Awaitable, Callable, Optional, TypeVar
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -111,20 +112,20 @@ def rss_mb(pid: int) -> float:
     return float("nan") if b is None else b / 2 ** 20
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], out: int, stats: Stats,
+async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int], out: int, stats: Stats,
                       first: bool = True) -> None:
     body = {"prompt": prompt, "max_tokens": out, "min_tokens": out, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     last = None
     stats.requests += 1
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
+        async with client.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
                 stats.errors += 1
-                await r.aread()
+                await r.read()
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
@@ -145,12 +146,12 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
         if last is None:
             stats.unserved += 1
         raise
-    except httpx.HTTPError:
+    except aiohttp.ClientError:
         stats.errors += 1
 
 
 async def client_loop(url: str, rng: np.random.Generator, offset: int, vocab: int, stats: Stats) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as client:
         i = offset
         while True:
             plen, out = MIX[i % len(MIX)]
