@@ -229,8 +229,9 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     is plain greedy (``Engine._greedy_run``): an EOS inside a run, ``max_tokens`` ending a run,
     rows whose ``min_tokens`` hold EOS back for different spans (single steps, or runs no longer
     than the shortest hold) and a sampled row beside greedy ones (single steps) all give each
-    request the tokens ``Generator.generate`` gives it alone. A run's tokens reach the caller in
-    one ``emit`` call (``Engine._flush``), the first token before the run."""
+    request the tokens ``Generator.generate`` gives it alone, in runs of 8 steps and in runs sized
+    by time up to 32 (``Engine._run_steps``). A run's tokens reach the caller in one ``emit`` call
+    (``Engine._flush``), the first token before the run."""
     import threading
 
     from gpt_compress.serve.engine import Engine, Finished, Request, Token, request_config
@@ -248,9 +249,11 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
             for p, m, lo, t in jobs]
     assert want[0] == free[:at + 1]
 
-    def run(batch: list[int], max_batch: int = 4) -> tuple[list, list, list]:
+    def run(batch: list[int], max_batch: int = 4, most: int = 0) -> tuple[list, list, list]:
         engine = Engine(gen, max_batch=max_batch)
         engine.eos = eos
+        if most:  # runs of up to ``most`` steps, as long as the time allows from the first run on
+            engine.batch.greedy_steps, engine._step_s = most, 1e-9
         runs = []
         real = engine.batch.step_greedy
         engine.batch.step_greedy = lambda tokens, steps, e, hold: runs.append((len(tokens), steps, hold)) or real(
@@ -293,6 +296,27 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     # Three requests for two slots: runs while the third waits (no slot to admit it into).
     got, runs, _ = run([4, 0, 1], max_batch=2)
     assert got == [want[4], want[0], want[1]] and runs[0] == (2, gen.backend.greedy_steps, 0)
+    # Runs longer than the backend's 8: to the nearest max_tokens, EOS inside, and held to the end.
+    got, runs, _ = run([0], most=32)
+    assert got == [want[0]] and runs[0] == (1, 23, 0)
+    got, runs, _ = run([1], most=32)
+    assert got == [want[1]] and runs == [(1, 12, 12)]
+
+
+def test_engine_sizes_greedy_runs_by_the_time_a_step_took(gen):
+    """A run while nothing can be admitted lasts about ``greedy_run_ms`` at the latest run's pace:
+    8 steps before any ran, never fewer than 8 (the decoder allowing) nor more than the decoder's
+    greedy_steps."""
+    from gpt_compress.serve.engine import MAX_RUN_STEPS, MIN_RUN_STEPS, Engine
+
+    engine = Engine(gen, max_batch=4, greedy_run_ms=25.0)
+    engine.batch.greedy_steps = MAX_RUN_STEPS
+    assert engine._run_steps() == MIN_RUN_STEPS == 8
+    for step_s, steps in ((0.001, 25), (0.01, 8), (1e-5, 32), (0.0024, 10)):
+        engine._step_s = step_s
+        assert engine._run_steps() == steps
+    engine.batch.greedy_steps = 4  # a decoder of shorter runs
+    assert engine._run_steps() == 4
 
 
 def test_slot_decoder_steps_leave_no_python_objects_behind(gen):

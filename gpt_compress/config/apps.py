@@ -95,6 +95,7 @@ class ServeConfig:
     api_key_env: str = "GPTC_API_KEY"  # environment variable holding the API key ("" or unset: no key)
     grace_period: float = 30.0  # seconds SIGTERM waits for in-flight requests before exiting
     threads: int = 0  # CPU threads of every program (0: the backend's measured defaults)
+    greedy_run_ms: float = 25.0  # a run of greedy steps in one program call lasts about this long (8 to 32 steps)
     step_delay: float = 0.0  # seconds slept after each decode step: keeps requests in flight in tests/demos
 
     def __post_init__(self) -> None:
@@ -108,6 +109,6 @@ class ServeConfig:
                 raise ConfigError(f"Serve.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"Serve.port must be in [0, 65535], got {self.port}")
-        for key in ("request_timeout", "grace_period", "step_delay"):
+        for key in ("request_timeout", "grace_period", "step_delay", "greedy_run_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"Serve.{key} must be >= 0, got {getattr(self, key)}")

@@ -111,7 +111,7 @@ def create_app(load: Callable[[], object], cfg: ServeConfig, model_name: str, ap
             gen.generate([[0]], max_new_tokens=2)  # creates the predictors before the first request
             state.engine = Engine(gen, cfg.max_batch, cfg.max_queue, state.metrics, cfg.step_delay,
                                   cfg.prefill_budget, cfg.admit_wait_steps, cfg.speculative_tokens,
-                                  cfg.draft or None).start()
+                                  cfg.draft or None, cfg.greedy_run_ms).start()
             log.info("model %s loaded; serving", model_name)
         except Exception as e:  # GptcError for a bad directory, anything else from the backend
             state.load_error = f"{type(e).__name__}: {e}" if not isinstance(e, GptcError) else str(e)

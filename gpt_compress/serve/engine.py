@@ -27,10 +27,11 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    When every running request is plain greedy (no penalty, bias, log-probabilities or
    speculation), the step runs as ``step_greedy`` instead: the argmax is made where the logits
    lie and no logits leave the program; while no request can be admitted (none waits, or the
-   batch is full) up to the decoder's ``greedy_steps`` steps run in that one call (vLLM's
-   multi-step scheduling), never past the nearest ``max_tokens``. Their tokens are then taken
-   one by one as in 3-4, so a request's tokens, events and stop strings are those of single
-   steps.
+   batch is full) several steps run in that one call (vLLM's multi-step scheduling), about
+   ``greedy_run`` seconds of them at the latest run's pace (``_run_steps``: from
+   ``MIN_RUN_STEPS`` up to the decoder's ``greedy_steps``), never past the nearest
+   ``max_tokens``. Their tokens are then taken one by one as in 3-4, so a request's tokens,
+   events and stop strings are those of single steps.
 
 Events go back to the caller through ``Request.emit`` (called on the engine thread; the HTTP
 layer forwards them into its event loop), exactly one ``Finished`` or ``Failed`` per request.
@@ -64,6 +65,13 @@ from .speculation import Speculation
 from .text import GeneratedText
 
 log = logging.getLogger("gptc.serve")
+
+# A greedy run's steps while nothing can be admitted: at least this many (the decoder allowing),
+# more while a run of them takes less than ``Engine.greedy_run``. A run's fixed cost (the
+# program call, the Python around it, one hand-over of its tokens to the HTTP loop) is then
+# paid once per this many tokens, and a request arriving meanwhile waits at most one run.
+MIN_RUN_STEPS = 8
+MAX_RUN_STEPS = 32  # the fused backend's greedy_steps in the server (``commands/serve.py``)
 
 
 class QueueFull(Exception):
@@ -149,7 +157,7 @@ class Engine:
 
     def __init__(self, generator, max_batch: int = 16, max_queue: int = 64, metrics=None,
                  step_delay: float = 0.0, prefill_budget: int = 256, admit_wait_steps: int = 4,
-                 speculative_tokens: int = 0, draft=None):
+                 speculative_tokens: int = 0, draft=None, greedy_run_ms: float = 25.0):
         self.gen = generator
         self.tokenizer = generator.tokenizer
         vocab = generator.vocab_size
@@ -158,6 +166,8 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics
         self.step_delay = step_delay
+        self.greedy_run = greedy_run_ms / 1000  # seconds a greedy run lasts, about (``_run_steps``)
+        self._step_s = 0.0  # seconds a step of the latest greedy run took (0: none ran yet)
         self.prefill_budget = prefill_budget
         self.admit_wait_steps = admit_wait_steps
         self.batch = make_decoder(generator.backend, max_batch)
@@ -257,7 +267,9 @@ class Engine:
             run = self._greedy_run()
             try:
                 if run is not None:
+                    start = time.perf_counter()
                     out = self.batch.step_greedy(tokens, *run)
+                    self._step_s = (time.perf_counter() - start) / run[0]
                 else:
                     drafts = self.spec.proposals(self._running) if self.spec is not None else {}
                     logits = (self.batch.step_many({rid: [tok] + drafts.get(rid, []) for rid, tok in tokens.items()})
@@ -295,7 +307,7 @@ class Engine:
         if self.batch.greedy_steps < 2 or self.spec is not None:
             return None
         admissible = self._pending and len(self._running) < self.max_batch
-        steps, holds = 1 if admissible else self.batch.greedy_steps, set()
+        steps, holds = 1 if admissible else self._run_steps(), set()
         for req in self._running.values():
             cfg = req.cfg
             if cfg.decode_strategy != "greedy" or uses_history(cfg) or cfg.logit_bias or req.logprobs is not None:
@@ -309,6 +321,15 @@ class Engine:
         if len({min(h, steps) for h in holds}) > 1:
             return None
         return steps, self.eos, min(max(holds), steps)
+
+    def _run_steps(self) -> int:
+        """Steps of a run while nothing can be admitted: ``greedy_run`` seconds at the latest
+        run's pace per step, within [``MIN_RUN_STEPS``, the decoder's ``greedy_steps``]."""
+        most = self.batch.greedy_steps
+        least = min(MIN_RUN_STEPS, most)
+        if not self._step_s:
+            return least
+        return max(least, min(most, int(self.greedy_run / self._step_s)))
 
     def _take_run(self, out: dict) -> list[int]:
         """Take each row's tokens of a ``step_greedy`` run in order, up to its end; the rows that
