@@ -6,8 +6,9 @@ baseline; prints one JSON object and a Markdown table.
     OMP_NUM_THREADS=2 python bench/serve.py --soak 600 --soak-clients 8   # + a 10-minute soak
 
 Each client is a closed loop (asyncio + aiohttp, whose C parser costs about half of httpx's
-CPU per streamed chunk): it sends a greedy streaming request, reads it to the end, sends the next. Requests cycle through a fixed mix of prompt and output lengths
-(``MIX``; ``min_tokens = max_tokens`` so every request produces exactly its output length).
+CPU per streamed chunk): it sends a greedy streaming request, reads it to the end, sends the
+next. Requests cycle through a fixed mix of prompt and output lengths (``MIX``;
+``min_tokens = max_tokens`` so every request produces exactly its output length).
 A level runs ``--duration`` seconds; then the clients are cancelled (their streams closed,
 which the server notices and frees the slots) and the server is idle before the next level.
 The clients run on a thread at nice 19 (``CLIENT_NICE``): on a host of a few cores they take the
