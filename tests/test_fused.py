@@ -274,10 +274,11 @@ def test_the_fused_ops_release_the_gil_while_they_compute(dirs):
     inputs = [paddle.to_tensor(ids if n == "input_ids" else mask) for n in pred.get_input_names()]
     pred.run(inputs)
     assert not _another_thread_runs_during(lambda: pred.run(inputs))
-    # The fused program's predictor, run again on the inputs of a decode step (the same position
-    # rewritten): the run alone, as numpy's ufuncs around it release the GIL themselves.
-    _, cache = gen.backend.prefill(ids, mask)
-    gen.backend.decode(ids[:, -1:], np.concatenate([mask, np.ones((len(ids), 1), np.int64)], axis=1), cache)
+    # The fused program's predictor, run again on the inputs of a prefill of 16 full rows (a run of
+    # milliseconds, so the waiting thread is scheduled inside it on a busy machine): the run alone,
+    # as numpy's ufuncs around it release the GIL themselves.
+    long = np.random.default_rng(0).integers(0, gen.vocab_size, (16, gen.max_positions))
+    gen.backend.prefill(long, np.ones_like(long))
     assert _another_thread_runs_during(gen.backend._pred.run)
 
 
