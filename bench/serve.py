@@ -231,6 +231,11 @@ def generator_rate(gen, seconds: float, vocab: int, seed: int = 0) -> tuple[int,
     return tokens, time.perf_counter() - t0
 
 
+def rate(tokens: int, wall: float, **extra) -> dict:
+    """The Generator's summary in the results: tokens/s over ``wall`` seconds."""
+    return {"output_tokens_per_s": round(tokens / wall, 1), "seconds": round(wall, 1), **extra}
+
+
 def one_client_and_generator(url: str, gen, seconds: float, vocab: int) -> tuple[Stats, dict]:
     """The 1-client level and the in-process Generator in ``ROUNDS`` alternating turns of
     ``seconds / ROUNDS`` each: the level's Stats and the Generator's summary."""
@@ -240,7 +245,7 @@ def one_client_and_generator(url: str, gen, seconds: float, vocab: int) -> tuple
         tokens, wall = tokens + n, wall + w
         as_clients(run_level, url, 1, seconds / ROUNDS, vocab, r, stats)
         wait_idle(url)
-    return stats, {"output_tokens_per_s": round(tokens / wall, 1), "seconds": round(wall, 1), "rounds": ROUNDS}
+    return stats, rate(tokens, wall, rounds=ROUNDS)
 
 
 def table(results: dict) -> str:
@@ -298,8 +303,7 @@ def main() -> None:
     gen = Generator.from_dir(model_dir, backend=a.backend, verify=a.format == "fp32")
     generator_rate(gen, 2.0, vocab, seed=99)  # warm-up (kernels per shape)
     if 1 not in levels:
-        tokens, wall = generator_rate(gen, a.duration, vocab)
-        results["generator"] = {"output_tokens_per_s": round(tokens / wall, 1), "seconds": round(wall, 1)}
+        results["generator"] = rate(*generator_rate(gen, a.duration, vocab))
     servers = {"batched": a.max_batch, "max_batch_1": 1}
     for name, max_batch in servers.items():
         proc, url = start_server(model_dir, a.backend, max_batch, os.path.join(workdir, f"{name}.log"),

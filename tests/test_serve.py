@@ -234,7 +234,8 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     (``Engine._flush``), the first token before the run."""
     import threading
 
-    from gpt_compress.serve.engine import Engine, Finished, Request, Token, request_config
+    from gpt_compress.serve.engine import Engine
+    from gpt_compress.serve.request import Finished, Request, Token, request_config
 
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, gen.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
@@ -528,7 +529,8 @@ def test_an_exception_in_one_request_fails_only_that_request(export_dir, backend
     import queue
 
     from gpt_compress.inference.runner import Generator
-    from gpt_compress.serve.engine import Engine, Failed, Finished, Request, request_config
+    from gpt_compress.serve.engine import Engine
+    from gpt_compress.serve.request import Failed, Finished, Request, request_config
 
     gen = Generator.from_dir(export_dir, backend=backend)
     prompts = [[5, 6, 7], [13, 14], [8, 9, 10, 11], [20, 21]]

@@ -541,7 +541,7 @@ def _run_engine(engine, jobs, cfgs):
     """Submit every job at once; each one's token ids (all its events Finished)."""
     import queue
 
-    from gpt_compress.serve.engine import Failed, Finished, Request
+    from gpt_compress.serve.request import Failed, Finished, Request
 
     events = queue.Queue()
     engine.start()
@@ -573,7 +573,8 @@ def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, d
     Requests join as slots free up; slot caches of 40 columns at first, so verify steps and the
     draft's multi-step runs meet repacks. The proposals are counted in the metrics."""
     from gpt_compress.serve import slots
-    from gpt_compress.serve.engine import Engine, request_config
+    from gpt_compress.serve.engine import Engine
+    from gpt_compress.serve.request import request_config
     from gpt_compress.serve.metrics import Metrics
 
     monkeypatch.setattr(slots, "INITIAL_CAPACITY", 40)

@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException
 from ..errors import ConfigError, GptcError, InputError
 from ..config import ServeConfig
 from ..model.generation import best_candidates, check_logit_bias
-from .engine import Engine, EngineStopped, Failed, Finished, PromptScored, QueueFull, Request, Token, request_config
+from .engine import Engine, EngineStopped, QueueFull
+from .request import Failed, Finished, PromptScored, Request, Token, request_config
 from .metrics import Metrics
 from .openapi import ERRORS, SSE_EVENT, TOKENIZER_ERRORS, describe, errors
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
