@@ -150,6 +150,43 @@ def test_batch_decoder_rows_over_http_equal_each_alone(export_dir, onnx_gen, bac
         assert metric(client, "gptc_engine_requests_total", '{status="ok"}') == 3
 
 
+def test_requests_sampled_together_each_get_their_tokens_alone(onnx_gen):
+    """Seeded requests of different sampling settings running in one batch (two alike, top-k, a
+    repetition penalty, a logit bias, log-probabilities, a greedy one) have their tokens chosen
+    together at every step (``Engine._choose_all``: the alike ones warped and drawn at once); each
+    gets the tokens ``Generator.generate`` gives it alone with its seed."""
+    import queue
+
+    from gpt_compress.serve.engine import Engine
+    from gpt_compress.serve.request import Finished, Request, request_config
+
+    gen = onnx_gen
+    prompts = [gen.tokenizer.encode(p) for p in PROMPTS]
+    # (max_tokens, temperature, top_p, top_k, repetition_penalty, seed), logit_bias, logprobs
+    jobs = [((10, 0.9, 0.95, 0, 1.0, 1), None, None), ((12, 0.9, 0.95, 0, 1.0, 2), None, None),
+            ((9, 1.2, 1.0, 20, 1.0, 3), None, None), ((11, 0.8, 1.0, 0, 1.3, 4), None, None),
+            ((10, 1.0, 1.0, 0, 1.0, 5), {11: 4.0}, None), ((8, 0.7, 0.9, 0, 1.0, 6), None, 2),
+            ((10, 0.0, 1.0, 0, 1.0, None), None, None)]
+    cfgs = [request_config(*args, logit_bias=bias) for args, bias, _ in jobs]
+    want = [gen.generate([prompts[i % 3]], config=cfg).sequences[0] for i, cfg in enumerate(cfgs)]
+    events = queue.Queue()
+    engine = Engine(gen, max_batch=len(jobs)).start()
+    try:
+        engine.submit_all([Request(prompts[i % 3], cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs],
+                                   logprobs=jobs[i][2]) for i, cfg in enumerate(cfgs)])
+        got = {i: [] for i in range(len(jobs))}
+        ended = 0
+        while ended < len(jobs):
+            i, ev = events.get(timeout=60)
+            if isinstance(ev, Finished):
+                ended += 1
+            else:
+                got[i].append(ev.token_id)
+    finally:
+        engine.stop()
+    assert [got[i] for i in range(len(jobs))] == want
+
+
 def test_min_tokens_over_max_tokens_is_a_400_naming_both(onnx_gen):
     with ready(onnx_gen) as (client, state):
         r = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "min_tokens": 5})

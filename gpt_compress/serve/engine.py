@@ -15,9 +15,10 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    arrival waits up to ``admit_wait_steps`` steps for others (until a quarter of the running
    count is waiting), because every join copies the batch's cache,
 3. chooses every running request's next token from its logits with the decoding code of
-   ``model/generation.py`` (``next_tokens``: greedy, sampling, top-k/top-p, repetition penalty;
-   each request has its own seeded generator, so a seeded request samples what
-   ``Generator.generate`` samples for it alone),
+   ``model/generation.py`` (``next_tokens_each``: greedy, sampling, top-k/top-p, repetition
+   penalty; the requests that sample alike are warped and drawn together, each with its own
+   seeded generator, so a seeded request samples what ``Generator.generate`` samples for it
+   alone),
 4. removes finished requests (EOS, ``max_tokens``, a stop string) from the batch at once,
 5. runs one ``decode`` step for the rest; with speculative decoding, a verify step instead
    (``SlotDecoder.step_many``) that feeds each speculated request its token and draft tokens
@@ -55,7 +56,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..eval.scoring import top_logprobs
-from ..model.generation import next_tokens, uses_history
+from ..model.generation import RowDecoding, next_tokens, next_tokens_each, uses_history
 from ..model.speculative import DRAFT_TOKENS
 from .decoder import make_decoder
 from .request import Failed, Finished, PromptScored, Request, Token
@@ -182,11 +183,7 @@ class Engine:
         now = time.monotonic()
         self._drop_expired(now)
         self._admit()
-        done: list[int] = []
-        for rid, req in list(self._running.items()):
-            if req.logits is not None and self._guarded(req, self._choose, req):
-                done.append(rid)
-        self._leave(done)
+        self._leave(self._choose_all([req for req in self._running.values() if req.logits is not None]))
         self._flush()  # first tokens and finished requests go out before the step
         if self._running:
             tokens = {rid: req.tokens[-1] for rid, req in self._running.items()}
@@ -413,11 +410,29 @@ class Engine:
             joining.append((req, state))
         return joining
 
-    def _choose(self, req: Request) -> bool:
-        """Pick, record and emit the next token of ``req``; True when it has finished."""
-        step = len(req.tokens)
+    def _choose_all(self, reqs: list[Request]) -> list[int]:
+        """Pick, record and emit the next token of each of ``reqs`` from its logits, all of them
+        together (``next_tokens_each``: the rows that sample alike are warped and drawn at once);
+        returns the ids of those that finished. Should choosing them together fail, each is
+        chosen alone, so that an exception fails its request only."""
+        if not reqs:
+            return []
+        try:
+            tokens = next_tokens_each([req.logits for req in reqs],
+                                      [RowDecoding(req.cfg, len(req.tokens), req.seen, req.counts, req.rng)
+                                       for req in reqs], self.eos)
+        except Exception:
+            log.exception("choosing the tokens of %d requests together failed: choosing them one by one", len(reqs))
+            return [req.id for req in reqs if self._guarded(req, self._choose, req, None)]
+        return [req.id for req, tok in zip(reqs, tokens) if self._guarded(req, self._choose, req, int(tok))]
+
+    def _choose(self, req: Request, tok: Optional[int]) -> bool:
+        """Record and emit ``tok`` (None: pick it now, alone) as the next token of ``req``, whose
+        logits it was chosen from; True when it has finished."""
         logprobs = _log_softmax(req.logits) if req.logprobs is not None else None
-        tok = int(next_tokens(req.logits[None], req.seen, step, req.cfg, self.eos, req.rng, req.counts)[0])
+        if tok is None:
+            tok = int(next_tokens(req.logits[None], req.seen, len(req.tokens), req.cfg, self.eos, req.rng,
+                                  req.counts)[0])
         req.logits = None
         return self._take(req, tok, logprobs)
 
