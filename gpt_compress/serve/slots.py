@@ -84,11 +84,14 @@ class SlotDecoder(Decoder):
         self.layers = backend.manifest.layers
         context = backend.manifest.max_positions
         self.max_capacity = context + (slack or max(32, context // 4))
-        self._mask = np.zeros((max_batch, 0), np.int64)  # (max_batch, S): rows >= n are unused
         self.relayouts = 0  # how many times the cache was repacked (stats)
         self._fed = (0, 0)  # the last step_many's write column and columns (for keep)
         self.max_rows = 0  # the largest running batch so far (stats)
         self._tensors = backend.on_thread(self._alloc, min(INITIAL_CAPACITY, self.max_capacity))
+        # The mask (max_batch, S), rows >= n unused: the first S columns of a buffer as wide as
+        # the cache, so that a step opens its column in place (``_widen``).
+        self._mask_buf = np.zeros((max_batch, self.capacity), np.int64)
+        self._mask = self._mask_buf[:, :0]
         self._hosts = [host_array(t) for t in self._tensors]  # the same memory, for row copies
         self._views = backend.on_thread(self._check_views)
         self.greedy_steps = backend.greedy_steps  # ``decode_greedy_steps`` in one program run
@@ -99,6 +102,15 @@ class SlotDecoder(Decoder):
     def width(self) -> int:
         """S: the write column of the next decode step."""
         return int(self._mask.shape[1])
+
+    def _widen(self, cols: int) -> None:
+        """Open ``cols`` more columns of the mask, masked (the cache has room for them): in
+        place, in its buffer, rather than a copy of the whole mask at every step."""
+        s = self.width
+        if s + cols > self._mask_buf.shape[1]:
+            raise ValueError(f"{s + cols} mask columns exceed the slot cache's {self._mask_buf.shape[1]}")
+        self._mask = self._mask_buf[:, :s + cols]
+        self._mask[:, s:] = 0
 
     @property
     def capacity(self) -> int:
@@ -174,7 +186,7 @@ class SlotDecoder(Decoder):
         if max(self.width, p) + 1 > self.capacity:  # room for the prompt and the next step's column
             self._relayout(p)
         if self.width < p:  # the other rows get masked columns up to p
-            self._mask = np.pad(self._mask, ((0, 0), (0, p - self.width)))
+            self._widen(p - self.width)
         s, slot, t = self.width, len(self.keys), cache.length
         for dst, src in zip(self._hosts, cache.tensors):
             dst[slot, :, s - p:s] = host_array(src)[row, :, t - p:t]
@@ -201,7 +213,7 @@ class SlotDecoder(Decoder):
             self.backend.on_thread(self._relayout, 0, columns)
         s = self.width
         rows = n if self._views else self.max_batch
-        self._mask = np.pad(self._mask, ((0, 0), (0, 1)))
+        self._widen(1)
         self._mask[:n, s] = 1
         ids = np.zeros((rows, 1), np.int64)
         ids[:n, 0] = [tokens[k] for k in self.keys]
@@ -217,7 +229,7 @@ class SlotDecoder(Decoder):
         finished = np.arange(rows) >= n  # free slots: their tokens are padding
         out, _ = self.backend.decode_greedy_steps(ids, self._mask[:rows], FusedCache(self._first_rows(rows), s),
                                                   steps, eos, 0, finished, suppress)
-        self._mask = np.pad(self._mask, ((0, 0), (0, steps - 1)))
+        self._widen(steps - 1)
         self._mask[:n, s + 1:] = 1
         return {k: out[i] for i, k in enumerate(self.keys)}
 
@@ -237,7 +249,7 @@ class SlotDecoder(Decoder):
                 return None
         s = self.width
         rows = n if self._views else self.max_batch
-        self._mask = np.pad(self._mask, ((0, 0), (0, t)))
+        self._widen(t)
         ids = np.zeros((rows, t), np.int64)
         for i, k in enumerate(self.keys):
             ids[i, :len(tokens[k])] = tokens[k]
@@ -302,7 +314,8 @@ class SlotDecoder(Decoder):
             raise ValueError(f"a row of {need} positions does not fit the slot cache ({capacity} columns)")
         new = self._alloc(capacity)
         hosts = [host_array(t) for t in new]
-        mask = np.zeros((self.max_batch, width), np.int64)
+        buf = np.zeros((self.max_batch, capacity), np.int64)
+        mask = buf[:, :width]
         for r in range(n):
             cols = np.flatnonzero(self._mask[r])
             m = len(cols)
@@ -312,6 +325,6 @@ class SlotDecoder(Decoder):
             contiguous = cols[-1] - cols[0] + 1 == m
             for dst, src in zip(hosts, self._hosts):
                 dst[r, :, width - m:width] = src[r, :, cols[0]:cols[-1] + 1] if contiguous else src[r][:, cols]
-        self._tensors, self._hosts, self._mask = new, hosts, mask
+        self._tensors, self._hosts, self._mask_buf, self._mask = new, hosts, buf, mask
         self._row_views = {}
         self.relayouts += 1
