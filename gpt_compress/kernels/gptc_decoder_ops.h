@@ -55,23 +55,27 @@ void table_row(const Table& w, int64_t r, int64_t C, float* dst, bool add) {
     for (int64_t c = 0; c < C; ++c) dst[c] = add ? dst[c] + src[c] : src[c];
     return;
   }
+  // Value c's block c / blk is counted along (kb), not divided out per value: a division by the
+  // run-time blk for each value cost more than the rest of the row's arithmetic.
   const int64_t blk = C / w.nb;
   if (w.grouped) {  // row r's codes and scales where the groups hold them (gptc_grouped.h's layout)
     const int64_t g = r / GROUP_ROWS, i = r % GROUP_ROWS;
     const int8_t* q = w.wq + g * GROUP_ROWS * C + 4 * i;
     const float* sg = w.s + g * GROUP_ROWS * w.nb + i;
-    for (int64_t c = 0; c < C; ++c) {
-      const float v = float(int8_t(uint8_t(q[(c / 4) * 4 * GROUP_ROWS + c % 4]) ^ 0x80)) * sg[(c / blk) * GROUP_ROWS];
+    for (int64_t c = 0, kb = 0, end = blk; c < C; ++c) {
+      if (c == end) ++kb, end += blk;
+      const float v = float(int8_t(uint8_t(q[(c >> 2) * 4 * GROUP_ROWS + (c & 3)]) ^ 0x80)) * sg[kb * GROUP_ROWS];
       dst[c] = add ? dst[c] + v : v;
     }
     return;
   }
   const float* sc = w.s + r * w.nb;
   const int8_t* q8 = w.wq + r * (w.bits == 4 ? C / 2 : C);
-  for (int64_t c = 0; c < C; ++c) {
-    const uint8_t byte = uint8_t(q8[c / 32 * 16 + c % 16]);  // int4: weight_format's runs
-    const int q = w.bits == 8 ? int(q8[c]) : (c % 32 < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
-    const float v = float(q) * sc[c / blk];
+  for (int64_t c = 0, kb = 0, end = blk; c < C; ++c) {
+    if (c == end) ++kb, end += blk;
+    const uint8_t byte = uint8_t(q8[(c >> 5) * 16 + (c & 15)]);  // int4: weight_format's runs
+    const int q = w.bits == 8 ? int(q8[c]) : ((c & 31) < 16 ? int(byte & 0xF) : int(byte >> 4)) - 8;
+    const float v = float(q) * sc[kb];
     dst[c] = add ? dst[c] + v : v;
   }
 }
