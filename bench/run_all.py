@@ -58,6 +58,9 @@ BENCHES = {  # name -> script and arguments
                    "--format", "int8"],
     "serve_int8_kvbf16": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir",
                           "output/bench_serve", "--format", "int8", "--kv-cache-dtype", "bfloat16"],
+    # requests as an OpenAI client sends them by default: sampled at temperature 1, top_p 1
+    "serve_int8_sampled": ["bench/serve.py", "--levels", "1,16,64", "--duration", "15", "--workdir",
+                           "output/bench_serve", "--format", "int8", "--temperature", "1"],
     # one-thread GEMM rates of the block Linears at M = 1..256 against the host's measured peaks
     "kernels_roofline": ["bench/kernels.py", "--roofline"],
 }

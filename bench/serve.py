@@ -6,9 +6,10 @@ baseline; prints one JSON object and a Markdown table.
     OMP_NUM_THREADS=2 python bench/serve.py --soak 600 --soak-clients 8   # + a 10-minute soak
 
 Each client is a closed loop (asyncio + aiohttp, whose C parser costs about half of httpx's
-CPU per streamed chunk): it sends a greedy streaming request, reads it to the end, sends the
-next. Requests cycle through a fixed mix of prompt and output lengths (``MIX``;
-``min_tokens = max_tokens`` so every request produces exactly its output length).
+CPU per streamed chunk): it sends a streaming request (greedy, or sampled with ``--temperature``
+and ``--top-p``), reads it to the end, sends the next. Requests cycle through a fixed mix of
+prompt and output lengths (``MIX``; ``min_tokens = max_tokens`` so every request produces
+exactly its output length).
 A level runs ``--duration`` seconds; then the clients are cancelled (their streams closed,
 which the server notices and frees the slots) and the server is idle before the next level.
 The clients run on a thread at nice 19 (``CLIENT_NICE``): on a host of a few cores they take the
@@ -113,9 +114,9 @@ def rss_mb(pid: int) -> float:
     return float("nan") if b is None else b / 2 ** 20
 
 
-async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int], out: int, stats: Stats,
-                      first: bool = True) -> None:
-    body = {"prompt": prompt, "max_tokens": out, "min_tokens": out, "temperature": 0, "stream": True}
+async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int], out: int, sampling: dict,
+                      stats: Stats, first: bool = True) -> None:
+    body = {"prompt": prompt, "max_tokens": out, "min_tokens": out, **sampling, "stream": True}
     t0 = time.perf_counter()
     last = None
     stats.requests += 1
@@ -151,21 +152,23 @@ async def one_request(client: aiohttp.ClientSession, url: str, prompt: list[int]
         stats.errors += 1
 
 
-async def client_loop(url: str, rng: np.random.Generator, offset: int, vocab: int, stats: Stats) -> None:
+async def client_loop(url: str, rng: np.random.Generator, offset: int, vocab: int, sampling: dict,
+                      stats: Stats) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as client:
         i = offset
         while True:
             plen, out = MIX[i % len(MIX)]
             i += 1
-            await one_request(client, url, rng.integers(0, vocab, plen).tolist(), out, stats, first=i == offset + 1)
+            await one_request(client, url, rng.integers(0, vocab, plen).tolist(), out, sampling, stats,
+                              first=i == offset + 1)
 
 
-async def run_level(url: str, clients: int, seconds: float, vocab: int, seed: int = 0,
+async def run_level(url: str, clients: int, seconds: float, vocab: int, sampling: dict, seed: int = 0,
                     stats: Optional[Stats] = None) -> Stats:
     """``clients`` closed-loop clients for ``seconds``; what they measured (added to ``stats``)."""
     stats = stats if stats is not None else Stats()
     rng = np.random.default_rng(seed)
-    tasks = [asyncio.create_task(client_loop(url, rng, c, vocab, stats)) for c in range(clients)]
+    tasks = [asyncio.create_task(client_loop(url, rng, c, vocab, sampling, stats)) for c in range(clients)]
     await asyncio.sleep(seconds)
     for t in tasks:
         t.cancel()
@@ -190,7 +193,8 @@ def as_clients(coro_fn: Callable[..., Awaitable[T]], *args) -> T:
     return out[0]
 
 
-async def soak(url: str, pid: int, clients: int, seconds: float, vocab: int) -> tuple[Stats, list[float]]:
+async def soak(url: str, pid: int, clients: int, seconds: float, vocab: int,
+               sampling: dict) -> tuple[Stats, list[float]]:
     """``run_level`` for ``seconds``, sampling the server's RSS every 60 s."""
     samples: list[float] = []
 
@@ -200,7 +204,7 @@ async def soak(url: str, pid: int, clients: int, seconds: float, vocab: int) -> 
             samples.append(round(rss_mb(pid), 1))
 
     sampler = asyncio.create_task(sample())
-    stats = await run_level(url, clients, seconds, vocab, seed=7)
+    stats = await run_level(url, clients, seconds, vocab, sampling, seed=7)
     sampler.cancel()
     return stats, samples
 
@@ -217,18 +221,26 @@ def wait_idle(url: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def generator_rate(gen, seconds: float, vocab: int, seed: int = 0) -> tuple[int, float]:
-    """The in-process ``Generator`` ``gen`` on the mix, one greedy request after another, for
-    ``seconds``: (output tokens, wall seconds), prefill included, as one closed-loop client of the
-    server sees it."""
+def generator_rate(gen, seconds: float, vocab: int, sampling: dict, seed: int = 0) -> tuple[int, float]:
+    """The in-process ``Generator`` ``gen`` on the mix, one request after another (``sampling``: the
+    requests' temperature and top_p), for ``seconds``: (output tokens, wall seconds), prefill
+    included, as one closed-loop client of the server sees it."""
     rng = np.random.default_rng(seed)
     tokens, i, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         plen, out = MIX[i % len(MIX)]
         i += 1
-        res = gen.generate([rng.integers(0, vocab, plen).tolist()], max_new_tokens=out, min_new_tokens=out)
+        res = gen.generate([rng.integers(0, vocab, plen).tolist()], max_new_tokens=out, min_new_tokens=out,
+                           **generation_fields(sampling, seed=i))
         tokens += len(res.sequences[0])
     return tokens, time.perf_counter() - t0
+
+
+def generation_fields(sampling: dict, seed: int) -> dict:
+    """The ``Generator.generate`` settings of requests with ``sampling`` (temperature 0: greedy)."""
+    if not sampling["temperature"]:
+        return {"decode_strategy": "greedy"}
+    return {"decode_strategy": "sampling", **sampling, "seed": seed}
 
 
 def rate(tokens: int, wall: float, **extra) -> dict:
@@ -236,14 +248,14 @@ def rate(tokens: int, wall: float, **extra) -> dict:
     return {"output_tokens_per_s": round(tokens / wall, 1), "seconds": round(wall, 1), **extra}
 
 
-def one_client_and_generator(url: str, gen, seconds: float, vocab: int) -> tuple[Stats, dict]:
+def one_client_and_generator(url: str, gen, seconds: float, vocab: int, sampling: dict) -> tuple[Stats, dict]:
     """The 1-client level and the in-process Generator in ``ROUNDS`` alternating turns of
     ``seconds / ROUNDS`` each: the level's Stats and the Generator's summary."""
     stats, tokens, wall = Stats(), 0, 0.0
     for r in range(ROUNDS):
-        n, w = generator_rate(gen, seconds / ROUNDS, vocab, seed=r)
+        n, w = generator_rate(gen, seconds / ROUNDS, vocab, sampling, seed=r)
         tokens, wall = tokens + n, wall + w
-        as_clients(run_level, url, 1, seconds / ROUNDS, vocab, r, stats)
+        as_clients(run_level, url, 1, seconds / ROUNDS, vocab, sampling, r, stats)
         wait_idle(url)
     return stats, rate(tokens, wall, rounds=ROUNDS)
 
@@ -277,8 +289,11 @@ def main() -> None:
     p.add_argument("--soak-warmup", type=float, default=60.0, help="seconds of soak load before the first RSS")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="an extra `gptc serve` argument for both servers (repeat), e.g. -o=Serve.prefill_budget=512")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p (sampling)")
     p.add_argument("--workdir", default=None, help="keep/reuse the checkpoint and export here")
     a = p.parse_args()
+    sampling = {"temperature": a.temperature, "top_p": a.top_p}
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     from gpt_compress.config import ModelConfig
 
@@ -295,36 +310,36 @@ def main() -> None:
         p.error("--kv-cache-dtype bfloat16 goes with --format int8/int4 (the fused program alone)")
     levels = [int(x) for x in a.levels.split(",")]
     results = {"bench": "serve", "preset": a.preset, "backend": a.backend, "format": a.format,
-               "kv_cache_dtype": a.kv_cache_dtype, "mix": MIX,
+               "kv_cache_dtype": a.kv_cache_dtype, "mix": MIX, "sampling": sampling,
                "duration_s": a.duration,
                "threads": os.environ.get("OMP_NUM_THREADS", ""), "serve_args": a.serve_arg, "levels": [{"clients": c} for c in levels]}
     from gpt_compress.inference.runner import Generator
 
     gen = Generator.from_dir(model_dir, backend=a.backend, verify=a.format == "fp32")
-    generator_rate(gen, 2.0, vocab, seed=99)  # warm-up (kernels per shape)
+    generator_rate(gen, 2.0, vocab, sampling, seed=99)  # warm-up (kernels per shape)
     if 1 not in levels:
-        results["generator"] = rate(*generator_rate(gen, a.duration, vocab))
+        results["generator"] = rate(*generator_rate(gen, a.duration, vocab, sampling))
     servers = {"batched": a.max_batch, "max_batch_1": 1}
     for name, max_batch in servers.items():
         proc, url = start_server(model_dir, a.backend, max_batch, os.path.join(workdir, f"{name}.log"),
                                  tuple(a.serve_arg))
         try:
-            as_clients(run_level, url, min(max_batch, 8), 3.0, vocab, 99)  # warm-up (kernels per shape)
+            as_clients(run_level, url, min(max_batch, 8), 3.0, vocab, sampling, 99)  # warm-up (kernels per shape)
             wait_idle(url)
             for entry in results["levels"]:
                 if name == "batched" and entry["clients"] == 1:
-                    stats, results["generator"] = one_client_and_generator(url, gen, a.duration, vocab)
+                    stats, results["generator"] = one_client_and_generator(url, gen, a.duration, vocab, sampling)
                     print(json.dumps({"generator": results["generator"]}), file=sys.stderr)
                 else:
-                    stats = as_clients(run_level, url, entry["clients"], a.duration, vocab)
+                    stats = as_clients(run_level, url, entry["clients"], a.duration, vocab, sampling)
                 entry[name] = stats.summary(a.duration)
                 print(json.dumps({"server": name, "clients": entry["clients"], **entry[name]}), file=sys.stderr)
                 wait_idle(url)
             if name == "batched" and a.soak > 0:
-                as_clients(run_level, url, a.soak_clients, a.soak_warmup, vocab, 6)  # to a steady state
+                as_clients(run_level, url, a.soak_clients, a.soak_warmup, vocab, sampling, 6)  # to a steady state
                 wait_idle(url)
                 rss0 = rss_mb(proc.pid)
-                stats, samples = as_clients(soak, url, proc.pid, a.soak_clients, a.soak, vocab)
+                stats, samples = as_clients(soak, url, proc.pid, a.soak_clients, a.soak, vocab, sampling)
                 wait_idle(url)
                 rss1 = rss_mb(proc.pid)
                 results["soak"] = {"seconds": a.soak, "clients": a.soak_clients, "warmup_s": a.soak_warmup,

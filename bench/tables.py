@@ -249,6 +249,8 @@ def block_performance(results: list[Result]) -> list[str]:
                                 ("serve_int8", "Serving the int8 fused program", serve_table),
                                 ("serve_int8_kvbf16", "Serving the int8 fused program, bfloat16 KV cache",
                                  serve_table),
+                                ("serve_int8_sampled", "Serving the int8 fused program, sampled requests "
+                                 "(temperature 1)", serve_table),
                                 ("train", "Training (gpt-bench, batch 8 x 256, float32 AdamW step)", train_table)):
         r = newest(results, bench)
         if r is None:
