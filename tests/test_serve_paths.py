@@ -1,6 +1,7 @@
 """The server's less travelled paths, in process (the application of `gptc serve` on the shared
 tiny export through Starlette's TestClient): /health while loading and after a load error, the
 batch decoder of onnxruntime and of the unfused Paddle programs with several rows over HTTP,
+seeded requests of different sampling settings chosen together (and one of them failing),
 latency metrics, a client leaving a non-streaming request, requests during shutdown, an error in
 the middle of a stream, a timeout while queued, min_tokens > max_tokens, a text prompt to a model
 without a tokenizer; then the command's own flags on a `gptc serve` subprocess."""
@@ -185,6 +186,41 @@ def test_requests_sampled_together_each_get_their_tokens_alone(onnx_gen):
     finally:
         engine.stop()
     assert [got[i] for i in range(len(jobs))] == want
+
+
+def test_a_request_whose_sampling_fails_fails_alone_and_the_others_draw_as_alone(onnx_gen):
+    """A request whose tokens cannot be chosen (a logit_bias id outside the vocabulary, set past
+    the server's check) beside seeded sampled requests of other settings: choosing them together
+    raises after the others have drawn their numbers; the engine draws them again one by one, so
+    the failing request fails alone (500) and each other gets the tokens it gets alone."""
+    import dataclasses
+    import queue
+
+    from gpt_compress.serve.engine import Engine
+    from gpt_compress.serve.request import Failed, Finished, Request, request_config
+
+    gen = onnx_gen
+    prompts = [gen.tokenizer.encode(p) for p in PROMPTS]
+    cfgs = [request_config(10, 0.9, 1.0, 0, 1.0, 11), request_config(10, 1.1, 0.95, 0, 1.0, 12)]
+    want = [gen.generate([prompts[i]], config=cfg).sequences[0] for i, cfg in enumerate(cfgs)]
+    bad = dataclasses.replace(request_config(10, 0.7, 1.0, 0, 1.0, 13), logit_bias={gen.vocab_size + 5: 1.0})
+    events = queue.Queue()
+    engine = Engine(gen, max_batch=3).start()
+    try:  # the bad request last: its setting's group is warped after the others have drawn
+        engine.submit_all([Request(prompts[i], cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs])
+                           for i, cfg in enumerate(cfgs + [bad])])
+        got, ends = {0: [], 1: []}, {}
+        while len(ends) < 3:
+            i, ev = events.get(timeout=60)
+            if isinstance(ev, (Failed, Finished)):
+                ends[i] = ev
+            else:
+                got[i].append(ev.token_id)
+    finally:
+        engine.stop()
+    assert isinstance(ends[2], Failed) and ends[2].status == 500
+    assert isinstance(ends[0], Finished) and isinstance(ends[1], Finished)
+    assert [got[0], got[1]] == want
 
 
 def test_min_tokens_over_max_tokens_is_a_400_naming_both(onnx_gen):

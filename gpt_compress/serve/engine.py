@@ -417,12 +417,15 @@ class Engine:
         chosen alone, so that an exception fails its request only."""
         if not reqs:
             return []
+        drawing = [(req.rng, req.rng.bit_generator.state) for req in reqs if req.cfg.decode_strategy != "greedy"]
         try:
             tokens = next_tokens_each([req.logits for req in reqs],
                                       [RowDecoding(req.cfg, len(req.tokens), req.seen, req.counts, req.rng)
                                        for req in reqs], self.eos)
         except Exception:
             log.exception("choosing the tokens of %d requests together failed: choosing them one by one", len(reqs))
+            for rng, state in drawing:  # the numbers the failed call drew are drawn again
+                rng.bit_generator.state = state
             return [req.id for req in reqs if self._guarded(req, self._choose, req, None)]
         return [req.id for req, tok in zip(reqs, tokens) if self._guarded(req, self._choose, req, int(tok))]
 
