@@ -167,8 +167,8 @@ def inverse_cdf(probs: np.ndarray, r: np.ndarray) -> np.ndarray:
     the masses of blocks of ``CDF_BLOCK`` tokens (numpy's pairwise sums in float64) and their
     running sum find the block, then the running sum of that block alone finds the token. Each
     row's arithmetic is its own, so a row draws the same token alone or in any batch; the
-    chosen token never has probability 0 (where the two levels' roundings disagree by a hair,
-    the block's last token with positive probability)."""
+    chosen token never has probability 0 (where the two levels' roundings disagree, within the
+    rounding of a float64 sum, the block's last token with positive probability)."""
     n, v = probs.shape
     p = probs.astype(np.float64)
     full = v - v % CDF_BLOCK

@@ -56,7 +56,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..eval.scoring import top_logprobs
-from ..model.generation import RowDecoding, next_tokens, next_tokens_each, uses_history
+from ..model.generation import RowDecoding, next_tokens_each, uses_history
 from ..model.speculative import DRAFT_TOKENS
 from .decoder import make_decoder
 from .request import Failed, Finished, PromptScored, Request, Token
@@ -419,9 +419,7 @@ class Engine:
             return []
         drawing = [(req.rng, req.rng.bit_generator.state) for req in reqs if req.cfg.decode_strategy != "greedy"]
         try:
-            tokens = next_tokens_each([req.logits for req in reqs],
-                                      [RowDecoding(req.cfg, len(req.tokens), req.seen, req.counts, req.rng)
-                                       for req in reqs], self.eos)
+            tokens = next_tokens_each([req.logits for req in reqs], [_decoding(req) for req in reqs], self.eos)
         except Exception:
             log.exception("choosing the tokens of %d requests together failed: choosing them one by one", len(reqs))
             for rng, state in drawing:  # the numbers the failed call drew are drawn again
@@ -434,8 +432,7 @@ class Engine:
         logits it was chosen from; True when it has finished."""
         logprobs = _log_softmax(req.logits) if req.logprobs is not None else None
         if tok is None:
-            tok = int(next_tokens(req.logits[None], req.seen, len(req.tokens), req.cfg, self.eos, req.rng,
-                                  req.counts)[0])
+            tok = int(next_tokens_each([req.logits], [_decoding(req)], self.eos)[0])
         req.logits = None
         return self._take(req, tok, logprobs)
 
@@ -553,6 +550,11 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._pending))
             self.metrics.running.set(len(self._running))
+
+
+def _decoding(req: Request) -> RowDecoding:
+    """What choosing ``req``'s next token reads of it."""
+    return RowDecoding(req.cfg, len(req.tokens), req.seen, req.counts, req.rng)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

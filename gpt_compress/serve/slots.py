@@ -120,7 +120,7 @@ class SlotDecoder(Decoder):
         """A cache of ``capacity`` columns, uninitialized: the fused program reads only a row's
         unmasked columns, and each is written (a prefill's copy, a step's own keys and values)
         before it is unmasked. Zeroing it would write the whole cache at every relayout
-        (about 0.7 GB at 32 slots of gpt-bench's 1,280 columns)."""
+        (about 0.75 GB at 32 slots of gpt-bench's 1,280 columns)."""
         import paddle
 
         return [paddle.empty([self.max_batch, layer["heads"], capacity, layer["head_dim"]],
