@@ -151,17 +151,22 @@ def test_batch_decoder_rows_over_http_equal_each_alone(export_dir, onnx_gen, bac
         assert metric(client, "gptc_engine_requests_total", '{status="ok"}') == 3
 
 
-def test_requests_sampled_together_each_get_their_tokens_alone(onnx_gen):
+@pytest.mark.parametrize("backend", ["onnx", "paddle"])
+def test_requests_sampled_together_each_get_their_tokens_alone(export_dir, onnx_gen, backend):
     """Seeded requests of different sampling settings running in one batch (two alike, top-k, a
     repetition penalty, a logit bias, log-probabilities, a greedy one) have their tokens chosen
     together at every step (``Engine._choose_all``: the alike ones warped and drawn at once); each
-    gets the tokens ``Generator.generate`` gives it alone with its seed."""
+    gets the tokens ``Generator.generate`` gives it alone with its seed, on the batch decoder
+    (onnxruntime) and on the fused program's slots (Paddle, the server's default)."""
     import queue
 
+    from gpt_compress.commands.serve import _paddle_serving_options
+    from gpt_compress.inference.runner import Generator
     from gpt_compress.serve.engine import Engine
     from gpt_compress.serve.request import Finished, Request, request_config
 
-    gen = onnx_gen
+    gen = onnx_gen if backend == "onnx" else Generator.from_dir(export_dir, backend="paddle",
+                                                                **_paddle_serving_options(None))
     prompts = [gen.tokenizer.encode(p) for p in PROMPTS]
     # (max_tokens, temperature, top_p, top_k, repetition_penalty, seed), logit_bias, logprobs
     jobs = [((10, 0.9, 0.95, 0, 1.0, 1), None, None), ((12, 0.9, 0.95, 0, 1.0, 2), None, None),
@@ -172,6 +177,7 @@ def test_requests_sampled_together_each_get_their_tokens_alone(onnx_gen):
     want = [gen.generate([prompts[i % 3]], config=cfg).sequences[0] for i, cfg in enumerate(cfgs)]
     events = queue.Queue()
     engine = Engine(gen, max_batch=len(jobs)).start()
+    assert type(engine.batch).__name__ == {"onnx": "BatchDecoder", "paddle": "SlotDecoder"}[backend]
     try:
         engine.submit_all([Request(prompts[i % 3], cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs],
                                    logprobs=jobs[i][2]) for i, cfg in enumerate(cfgs)])
