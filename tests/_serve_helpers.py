@@ -1,5 +1,7 @@
-"""Shared by test_serve.py and test_tp_fused.py: a `gptc serve` subprocess on a free loopback port."""
+"""Shared by the serving tests: a `gptc serve` subprocess on a free loopback port (test_serve.py,
+test_tp_fused.py), and requests run to their end on an in-process engine (``run_engine``)."""
 import json
+import queue
 import re
 import signal
 import subprocess
@@ -61,3 +63,32 @@ class Server:
                 self.proc.wait()
         self.proc.stdout.close()
         self.log.close()
+
+
+def run_engine(engine, jobs: list, together: bool = True, timeout: float = 120.0) -> tuple[list, list]:
+    """Start ``engine`` (serve/engine.py), submit a Request for each ``(prompt, cfg, extra Request
+    fields)`` of ``jobs`` (in one ``submit_all`` when ``together``, else one by one) and wait until
+    every one has ended, then stop it. Returns each job's token ids and its last event (Finished
+    or Failed), in the order of ``jobs``."""
+    from gpt_compress.serve.request import Failed, Finished, Request
+
+    events = queue.Queue()
+    reqs = [Request(prompt, cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs], **extra)
+            for i, (prompt, cfg, extra) in enumerate(jobs)]
+    engine.start()
+    try:
+        if together:
+            engine.submit_all(reqs)
+        else:
+            for req in reqs:
+                engine.submit(req)
+        tokens, ends = {i: [] for i in range(len(jobs))}, {}
+        while len(ends) < len(jobs):
+            i, ev = events.get(timeout=timeout)
+            if isinstance(ev, (Failed, Finished)):
+                ends[i] = ev
+            else:
+                tokens[i].append(ev.token_id)
+    finally:
+        engine.stop()
+    return [tokens[i] for i in range(len(jobs))], [ends[i] for i in range(len(jobs))]

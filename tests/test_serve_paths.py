@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from _export_helpers import ENV, ROOT, model_dirs
+from _serve_helpers import run_engine
 
 pytest.importorskip("fastapi")  # the `serve` extra
 from fastapi.testclient import TestClient  # noqa: E402
@@ -158,12 +159,10 @@ def test_requests_sampled_together_each_get_their_tokens_alone(export_dir, onnx_
     together at every step (``Engine._choose_all``: the alike ones warped and drawn at once); each
     gets the tokens ``Generator.generate`` gives it alone with its seed, on the batch decoder
     (onnxruntime) and on the fused program's slots (Paddle, the server's default)."""
-    import queue
-
     from gpt_compress.commands.serve import _paddle_serving_options
     from gpt_compress.inference.runner import Generator
     from gpt_compress.serve.engine import Engine
-    from gpt_compress.serve.request import Finished, Request, request_config
+    from gpt_compress.serve.request import Finished, request_config
 
     gen = onnx_gen if backend == "onnx" else Generator.from_dir(export_dir, backend="paddle",
                                                                 **_paddle_serving_options(None))
@@ -175,23 +174,11 @@ def test_requests_sampled_together_each_get_their_tokens_alone(export_dir, onnx_
             ((10, 0.0, 1.0, 0, 1.0, None), None, None)]
     cfgs = [request_config(*args, logit_bias=bias) for args, bias, _ in jobs]
     want = [gen.generate([prompts[i % 3]], config=cfg).sequences[0] for i, cfg in enumerate(cfgs)]
-    events = queue.Queue()
-    engine = Engine(gen, max_batch=len(jobs)).start()
+    engine = Engine(gen, max_batch=len(jobs))
     assert type(engine.batch).__name__ == {"onnx": "BatchDecoder", "paddle": "SlotDecoder"}[backend]
-    try:
-        engine.submit_all([Request(prompts[i % 3], cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs],
-                                   logprobs=jobs[i][2]) for i, cfg in enumerate(cfgs)])
-        got = {i: [] for i in range(len(jobs))}
-        ended = 0
-        while ended < len(jobs):
-            i, ev = events.get(timeout=60)
-            if isinstance(ev, Finished):
-                ended += 1
-            else:
-                got[i].append(ev.token_id)
-    finally:
-        engine.stop()
-    assert [got[i] for i in range(len(jobs))] == want
+    tokens, ends = run_engine(engine, [(prompts[i % 3], cfg, {"logprobs": jobs[i][2]}) for i, cfg in enumerate(cfgs)])
+    assert all(isinstance(e, Finished) for e in ends), ends
+    assert tokens == want
 
 
 def test_a_request_whose_sampling_fails_fails_alone_and_the_others_draw_as_alone(onnx_gen):
@@ -200,33 +187,20 @@ def test_a_request_whose_sampling_fails_fails_alone_and_the_others_draw_as_alone
     raises after the others have drawn their numbers; the engine draws them again one by one, so
     the failing request fails alone (500) and each other gets the tokens it gets alone."""
     import dataclasses
-    import queue
 
     from gpt_compress.serve.engine import Engine
-    from gpt_compress.serve.request import Failed, Finished, Request, request_config
+    from gpt_compress.serve.request import Failed, Finished, request_config
 
     gen = onnx_gen
     prompts = [gen.tokenizer.encode(p) for p in PROMPTS]
     cfgs = [request_config(10, 0.9, 1.0, 0, 1.0, 11), request_config(10, 1.1, 0.95, 0, 1.0, 12)]
     want = [gen.generate([prompts[i]], config=cfg).sequences[0] for i, cfg in enumerate(cfgs)]
     bad = dataclasses.replace(request_config(10, 0.7, 1.0, 0, 1.0, 13), logit_bias={gen.vocab_size + 5: 1.0})
-    events = queue.Queue()
-    engine = Engine(gen, max_batch=3).start()
-    try:  # the bad request last: its setting's group is warped after the others have drawn
-        engine.submit_all([Request(prompts[i], cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs])
-                           for i, cfg in enumerate(cfgs + [bad])])
-        got, ends = {0: [], 1: []}, {}
-        while len(ends) < 3:
-            i, ev = events.get(timeout=60)
-            if isinstance(ev, (Failed, Finished)):
-                ends[i] = ev
-            else:
-                got[i].append(ev.token_id)
-    finally:
-        engine.stop()
+    # the bad request last: its setting's group is warped after the others have drawn
+    tokens, ends = run_engine(Engine(gen, max_batch=3), [(prompts[i], cfg, {}) for i, cfg in enumerate(cfgs + [bad])])
     assert isinstance(ends[2], Failed) and ends[2].status == 500
     assert isinstance(ends[0], Finished) and isinstance(ends[1], Finished)
-    assert [got[0], got[1]] == want
+    assert tokens[:2] == want
 
 
 def test_min_tokens_over_max_tokens_is_a_400_naming_both(onnx_gen):

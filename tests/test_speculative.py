@@ -21,6 +21,8 @@ from gpt_compress.inference.base import Backend
 from gpt_compress.model.speculative import (AdaptiveK, ModelDraft, NgramDraft, SpeculationStats, accept_sampled,
                                             speculative_tokens)
 
+from _serve_helpers import run_engine
+
 
 class TableLM(Backend):
     """A ``Backend`` over a random table: the logits of a position depend on its token, the
@@ -537,30 +539,6 @@ def test_sampling_with_the_model_as_its_own_draft_keeps_every_proposal(generator
     assert [len(s) for s in ngram.sequences] == [16, 16, 16] or gen.eos_token_id is not None
 
 
-def _run_engine(engine, jobs, cfgs):
-    """Submit every job at once; each one's token ids (all its events Finished)."""
-    import queue
-
-    from gpt_compress.serve.request import Failed, Finished, Request
-
-    events = queue.Queue()
-    engine.start()
-    try:
-        for i, ((prompt, _, _), cfg) in enumerate(zip(jobs, cfgs)):
-            engine.submit(Request(prompt, cfg, emit=lambda evs, i=i: [events.put((i, ev)) for ev in evs]))
-        tokens, ends = {i: [] for i in range(len(jobs))}, {}
-        while len(ends) < len(jobs):
-            i, ev = events.get(timeout=120)
-            if isinstance(ev, (Failed, Finished)):
-                ends[i] = ev
-            else:
-                tokens[i].append(ev.token_id)
-    finally:
-        engine.stop()
-    assert all(isinstance(e, Finished) for e in ends.values()), ends
-    return [tokens[i] for i in range(len(jobs))]
-
-
 @pytest.mark.parametrize("draft", ["ngram", "model"])
 def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, dirs, monkeypatch, draft):
     """In-process engine on the fused program, up to 4 draft tokens per request and step (prompt
@@ -574,7 +552,7 @@ def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, d
     draft's multi-step runs meet repacks. The proposals are counted in the metrics."""
     from gpt_compress.serve import slots
     from gpt_compress.serve.engine import Engine
-    from gpt_compress.serve.request import request_config
+    from gpt_compress.serve.request import Finished, request_config
     from gpt_compress.serve.metrics import Metrics
 
     monkeypatch.setattr(slots, "INITIAL_CAPACITY", 40)
@@ -598,7 +576,9 @@ def test_the_server_engine_with_a_draft_gives_each_requests_tokens(generators, d
     metrics = Metrics()
     engine = Engine(gen, max_batch=4, max_queue=8, metrics=metrics, speculative_tokens=4, draft=source)
     engine.eos = eos
-    assert _run_engine(engine, jobs, cfgs) == want
+    tokens, ends = run_engine(engine, [(prompt, cfg, {}) for (prompt, _, _), cfg in zip(jobs, cfgs)], together=False)
+    assert all(isinstance(e, Finished) for e in ends), ends
+    assert tokens == want
     assert engine.spec.proposed > 0 and 0 < engine.spec.accepted < engine.spec.proposed  # rows with different acceptance
     assert metrics.draft_tokens._value.get() == engine.spec.proposed and engine.batch.relayouts >= 1
     assert metrics.accepted_tokens._value.get() == engine.spec.accepted
