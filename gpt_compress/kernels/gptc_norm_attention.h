@@ -122,16 +122,31 @@ void attend(const float* qv, const T* kb, const T* vb, const int32_t* idx, int64
       const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
       _mm256_storeu_ps(p + 8 * t, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
     }
-    // Lanes of pass t holding a key (j * m + t < n): the first lanes(t); the others are masked.
-    auto lanes = [&](int64_t t) { return int(std::min<int64_t>(8, (n - 1 - t) / m + 1)); };
+    // Lanes of pass t holding a key (j * m + t < n): the first lanes.at(t); the others are
+    // masked. Counted down as t grows (lane j's last pass is n - 1 - j * m) rather than by an
+    // integer division for every pass of every loop.
+    struct Lanes {
+      int64_t m, n;
+      int l;
+      int at(int64_t t) {  // t ascending
+        while (l > 0 && (l - 1) * m + t >= n) --l;
+        return l;
+      }
+    };
+    const int lanes0 = int(std::min<int64_t>(8, (n - 1) / m + 1));
+    // The maximum over every lane: a masked lane repeats the last key's score (key() clamps).
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < m; ++t) vmax = _mm256_max_ps(_mm256_loadu_ps(p + 8 * t), vmax);
+    alignas(32) float lane_max[8];
+    _mm256_store_ps(lane_max, vmax);
     float mx = -INFINITY;
-    for (int64_t t = 0; t < m; ++t)
-      for (int j = 0, l = lanes(t); j < l; ++j) mx = std::max(mx, p[8 * t + j]);
+    for (int j = 0; j < 8; ++j) mx = std::max(mx, lane_max[j]);
     __m256 sum = _mm256_setzero_ps();
     const __m256 vmx = _mm256_set1_ps(mx);
+    Lanes lanes{m, n, lanes0};
     for (int64_t t = 0; t < m; ++t) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + 8 * t), vmx));
-      if (const int l = lanes(t); l < 8) {  // zero the lanes past the last key
+      if (const int l = lanes.at(t); l < 8) {  // zero the lanes past the last key
         alignas(32) float keep[8];
         for (int j = 0; j < 8; ++j) keep[j] = j < l ? 1.f : 0.f;
         e = _mm256_mul_ps(e, _mm256_load_ps(keep));
@@ -144,8 +159,9 @@ void attend(const float* qv, const T* kb, const T* vb, const int32_t* idx, int64
       const int nd = int(std::min<int64_t>(64, D - d0) / 8);
       __m256 acc[8];
       for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      Lanes pass{m, n, lanes0};
       for (int64_t t = 0; t < m; ++t) {
-        for (int j = 0, l = lanes(t); j < l; ++j) {
+        for (int j = 0, l = pass.at(t); j < l; ++j) {
           const __m256 w = _mm256_set1_ps(p[8 * t + j]);
           const T* vr = vb + int64_t(idx[j * m + t]) * D + d0;
           for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, cache_load8(vr + 8 * c), acc[c]);
