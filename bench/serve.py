@@ -225,22 +225,17 @@ def generator_rate(gen, seconds: float, vocab: int, sampling: dict, seed: int = 
     """The in-process ``Generator`` ``gen`` on the mix, one request after another (``sampling``: the
     requests' temperature and top_p), for ``seconds``: (output tokens, wall seconds), prefill
     included, as one closed-loop client of the server sees it."""
+    from gpt_compress.serve.request import request_config
+
     rng = np.random.default_rng(seed)
     tokens, i, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         plen, out = MIX[i % len(MIX)]
         i += 1
-        res = gen.generate([rng.integers(0, vocab, plen).tolist()], max_new_tokens=out, min_new_tokens=out,
-                           **generation_fields(sampling, seed=i))
+        cfg = request_config(out, sampling["temperature"], sampling["top_p"], 0, 1.0, i, min_tokens=out)
+        res = gen.generate([rng.integers(0, vocab, plen).tolist()], config=cfg)  # the server's config of the request
         tokens += len(res.sequences[0])
     return tokens, time.perf_counter() - t0
-
-
-def generation_fields(sampling: dict, seed: int) -> dict:
-    """The ``Generator.generate`` settings of requests with ``sampling`` (temperature 0: greedy)."""
-    if not sampling["temperature"]:
-        return {"decode_strategy": "greedy"}
-    return {"decode_strategy": "sampling", **sampling, "seed": seed}
 
 
 def rate(tokens: int, wall: float, **extra) -> dict:

@@ -258,23 +258,31 @@ def next_tokens_each(logits: Sequence[np.ndarray], rows: Sequence[RowDecoding],
     ``logits[i]``, its state ``rows[i]``. The rows that decode alike (the same strategy,
     temperature, top-k and top-p) are warped and drawn together, up to ``CHOOSE_ROWS`` at a time,
     each with one number from its own generator: the per-row arithmetic of ``next_tokens``, so a
-    seeded row draws what it would alone, at a fraction of the cost of one call per row."""
+    seeded row draws what it would alone, at a fraction of the cost of one call per row. If it
+    raises, every generator is back where it was (rows warped before the failing one had drawn),
+    so the rows can be chosen again, one by one, and draw the same numbers."""
     out = np.empty(len(rows), np.int64)
     groups: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
         cfg = row.cfg
         groups.setdefault((cfg.decode_strategy, cfg.temperature, cfg.top_k, cfg.top_p), []).append(i)
-    for alike in groups.values():
-        cfg = rows[alike[0]].cfg
-        for at in range(0, len(alike), CHOOSE_ROWS):
-            members = alike[at:at + CHOOSE_ROWS]
-            scores = np.concatenate([_processed(logits[i][None], rows[i].seen, rows[i].step, rows[i].cfg, eos_token_id,
-                                                rows[i].counts) for i in members])
-            if cfg.decode_strategy == "greedy":
-                out[members] = np.argmax(scores, axis=-1)
-            else:
-                draws = np.array([rows[i].rng.random() for i in members])
-                out[members] = inverse_cdf(sampling_probs(scores, cfg), draws)
+    drawing = [(row.rng, row.rng.bit_generator.state) for row in rows if row.cfg.decode_strategy != "greedy"]
+    try:
+        for alike in groups.values():
+            cfg = rows[alike[0]].cfg
+            for at in range(0, len(alike), CHOOSE_ROWS):
+                members = alike[at:at + CHOOSE_ROWS]
+                scores = np.concatenate([_processed(logits[i][None], rows[i].seen, rows[i].step, rows[i].cfg,
+                                                    eos_token_id, rows[i].counts) for i in members])
+                if cfg.decode_strategy == "greedy":
+                    out[members] = np.argmax(scores, axis=-1)
+                else:
+                    draws = np.array([rows[i].rng.random() for i in members])
+                    out[members] = inverse_cdf(sampling_probs(scores, cfg), draws)
+    except BaseException:
+        for rng, state in drawing:
+            rng.bit_generator.state = state
+        raise
     return out
 
 

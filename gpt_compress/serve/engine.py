@@ -417,13 +417,10 @@ class Engine:
         chosen alone, so that an exception fails its request only."""
         if not reqs:
             return []
-        drawing = [(req.rng, req.rng.bit_generator.state) for req in reqs if req.cfg.decode_strategy != "greedy"]
         try:
             tokens = next_tokens_each([req.logits for req in reqs], [_decoding(req) for req in reqs], self.eos)
-        except Exception:
+        except Exception:  # it put the generators back: chosen alone, each draws the same numbers
             log.exception("choosing the tokens of %d requests together failed: choosing them one by one", len(reqs))
-            for rng, state in drawing:  # the numbers the failed call drew are drawn again
-                rng.bit_generator.state = state
             return [req.id for req in reqs if self._guarded(req, self._choose, req, None)]
         return [req.id for req, tok in zip(reqs, tokens) if self._guarded(req, self._choose, req, int(tok))]
 
