@@ -8,7 +8,8 @@ position, no position embedding) and whose head is the identity, so its logits a
 layer norm of the block's outputs; a head case is a program of no block, so the head reads the
 layer norm of x itself. The rows alone are
 M = 2, 7, 8, 17 (and 64 rows of a head), every case has N not a multiple of the micro-kernels'
-column tiles, and the float cases K tails.
+column tiles, and the float cases K tails. The attention cases run rows of up to 130 tokens,
+whose prompt queries attend in groups (kernels/gptc_norm_attention.h: attend_rows).
 
 Every case also runs under the other instruction-set build (``GPTC_KERNEL_ISA``, kernels/__init__.py)
 in a subprocess: on a host whose native build has wider paths (AVX-512, VNNI) than the avx2 build,
@@ -44,14 +45,27 @@ LAYERS = {
     # W8A8 of odd widths: head dim 20, so a head's qkv rows (60) start inside the row groups of
     # 48 (gptc_grouped.h); N = 120, 100 and K = 40, 100 (blocks of whole 4-code steps only)
     "w8a8_odd": (8, 64, 20, 100, 0.05),
+    # long rows (LONG_LENGTHS) for the attention of queries in groups (kernels/gptc_norm_attention.h:
+    # attend_rows): head dims 64 and 24 (the value sums' last sweep of fewer chunks), float32 and
+    # bfloat16 caches
+    "attention_d64": (32, 128, 64, 64, -1.0),
+    "attention_d24": (32, 48, 24, 64, -1.0),
+    "attention_d64_bf16": (32, 128, 64, 64, -1.0),
 }
+# The queries of one segment length m = ceil(n / 8) are attended together: 130 and 72 end in a
+# group of fewer than 8, 64 ends one, 57 starts one; from m = 8 on (n >= 57) a group has passes in
+# which every query has all 8 lanes, and each group's last 7 passes have lanes past some query's keys.
+LONG_LENGTHS = (130, 72, 64, 57, 9)
+ROW_LENGTHS = {name: LONG_LENGTHS for name in LAYERS if name.startswith("attention")}
+BF16_CACHE = ("attention_d64_bf16",)
 # name -> (bits, K): K = 640 runs the AVX-512 tiles' k range in two chunks (gptc_gemm512.h: 512 codes
 # or floats a chunk); K = 4096 (int8) and 8192 (int4) put the weight rows 4 KB apart, which the
 # few-row lane kernels take in tiles of 6 rows instead of 12 (gptc_gemm512.h: int_block_lanes)
 HEADS_BITS = {"head_fp32": (32, 96), "head_int8": (8, 96), "head_int4": (4, 96), "head_fp32_long_k": (32, 640),
               "head_int8_long_k": (8, 640), "head_int4_long_k": (4, 640), "head_int8_4k_rows": (8, 4096),
               "head_int4_4k_rows": (4, 8192)}
-FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k")  # float dot products (the rest: exact int32 dots)
+FLOAT_CASES = ("fp32", "int8_float_inputs", "head_fp32", "head_fp32_long_k", "attention_d64", "attention_d24",
+               "attention_d64_bf16")  # float dot products (the rest: exact int32 dots)
 # int8 weights against int8 inputs are stored in row groups (export/fused.py's group_rows); each
 # such case also runs with them row-major (name + ROWS: the lane, block and GEMV kernels)
 ROWS = "__rows"
@@ -114,24 +128,26 @@ def assert_layer_case(ops, name: str) -> np.ndarray:
     grouped = not name.endswith(ROWS)
     name = name.removesuffix(ROWS)
     bits, c, d, f, act = LAYERS[name]
+    lengths = ROW_LENGTHS.get(name, LENGTHS)
     rng = np.random.default_rng(bits + c + f)
     block = _block(rng, c, d, f, bits, act)
-    t = max(LENGTHS)
-    x = rng.standard_normal((len(LENGTHS), t, c)).astype(np.float32)
+    t = max(lengths)
+    x = rng.standard_normal((len(lengths), t, c)).astype(np.float32)
     ids = np.arange(x.shape[0] * t).reshape(x.shape[0], t)  # position (b, t) embeds as x[b, t]
     program = _program(ops, x.reshape(-1, c), [block], {"w": np.eye(c, dtype=np.float32), "s": None,
                                                         "bits": 32, "act": -1.0}, t, grouped)
-    mask = np.zeros((len(LENGTHS), t), np.int64)
-    for i, n in enumerate(LENGTHS):
+    mask = np.zeros((len(lengths), t), np.int64)
+    for i, n in enumerate(lengths):
         mask[i, t - n:] = 1
+    dtype = "bfloat16" if name in BF16_CACHE else "float32"
 
     def cache(b, n):
-        return [paddle.zeros([b, HEADS, n, d]), paddle.zeros([b, HEADS, n, d])]
+        return [paddle.zeros([b, HEADS, n, d], dtype), paddle.zeros([b, HEADS, n, d], dtype)]
 
     with threads(2):
-        batch = _run(program, ids, mask, np.arange(ids.size), cache(len(LENGTHS), t)).reshape(len(LENGTHS), t, c)
+        batch = _run(program, ids, mask, np.arange(ids.size), cache(len(lengths), t)).reshape(len(lengths), t, c)
     with threads(1):
-        for i, n in enumerate(LENGTHS):
+        for i, n in enumerate(lengths):
             row = ids[i:i + 1, t - n:]
             alone = _run(program, row, np.ones((1, n), np.int64), np.arange(n), cache(1, n))
             assert np.array_equal(alone, batch[i, t - n:]), f"{name} row {i}: alone vs in the batch"
@@ -233,6 +249,38 @@ def test_a_tokens_layer_output_is_bitwise_the_same_in_any_tile(name):
     from gpt_compress.kernels import load_ops
 
     assert_layer_case(load_ops(), name)
+
+
+def test_attention_over_a_mask_with_holes_is_bitwise_the_same_prefilled_and_token_by_token():
+    """A row whose mask has holes (masked columns between attended ones): consecutive queries
+    then share a key count, and a group of one segment length holds equal ones. Prefilled at once
+    (the queries in groups) and fed token by token (each query alone), every position's layer
+    output is bitwise the same; the masked columns' keys are never read (NaN there changes nothing)."""
+    import paddle
+    from gpt_compress.kernels import load_ops
+
+    bits, c, d, f, act = LAYERS["attention_d64"]
+    rng = np.random.default_rng(7)
+    t = 90
+    x = rng.standard_normal((t, c)).astype(np.float32)
+    holes = [3, 4, 5, 40, 41, 63, 64, 65, 66, 67, 68, 69, 70, 71, 89]
+    x[holes] = np.nan  # a masked column's key and value: NaN (kept out of every sum)
+    program = _program(load_ops(), x, [_block(rng, c, d, f, bits, act)],
+                       {"w": np.eye(c, dtype=np.float32), "s": None, "bits": 32, "act": -1.0}, t)
+    ids, mask = np.arange(t)[None], np.ones((1, t), np.int64)
+    mask[0, holes] = 0
+
+    def cache():
+        return [paddle.zeros([1, HEADS, t, d]), paddle.zeros([1, HEADS, t, d])]
+
+    kept = np.flatnonzero(mask[0])
+    with threads(2):
+        at_once = _run(program, ids, mask, kept, cache())
+    with threads(1):
+        kv = cache()
+        steps = [_run(program, ids[:, j:j + 1], mask[:, :j + 1], [0], kv)[0] for j in range(t)]
+    assert np.array_equal(np.stack(steps)[kept], at_once)
+    assert np.isfinite(at_once).all() and np.abs(at_once).max() > 0.1
 
 
 @pytest.mark.parametrize("name", tuple(HEADS_BITS) + tuple(n + ROWS for n in GROUPED_CASES if n in HEADS_BITS))

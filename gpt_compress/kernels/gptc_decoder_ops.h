@@ -217,25 +217,44 @@ struct KvCache {
 
 // Row b's head hh (H heads of D; its qkv outputs head-major (H, 3, D) in s.q): the keys and
 // values of its T new positions into the cache (K_, V_: (B, H, cap, D)) at S..S+T-1, then the
-// attention of each of its queries that `need` marks (null: all) into s.ctx. The queries read
-// the keys and values back from the cache, their own included, so a bfloat16 cache rounds
-// them alike for every query, in every batch and prefill/decode split.
+// attention of each of its queries that `need` marks (null: all) into s.ctx, consecutive queries
+// of one segment length together (attend_rows). The queries read the keys and values back from
+// the cache, their own included, so a bfloat16 cache rounds them alike for every query, in every
+// batch and prefill/decode split.
 template <class E>
 inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, E* K_, E* V_, int64_t cap, const char* need,
                            int64_t b, int64_t hh, Scratch& sc) {
   const int64_t T = s.T, L = s.L, S = s.S, inner = H * D;
   const float scale = 1.f / std::sqrt(float(D));
-  float* p = grow(sc.p, size_t(L + 8));
   for (int64_t t = 0; t < T; ++t) {
     const float* src = s.q + (b * T + t) * 3 * inner + hh * 3 * D;
     const int64_t dst = ((b * H + hh) * cap + S + t) * D;
     cache_write(K_ + dst, src + D, D);
     cache_write(V_ + dst, src + 2 * D, D);
   }
-  for (int64_t t = 0; t < T; ++t)
-    if (need == nullptr || need[b * T + t])
-      attend(s.q + (b * T + t) * 3 * inner + hh * 3 * D, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D,
-             s.keys + b * L, s.nkeys[b * T + t], D, scale, p, s.ctx + (b * T + t) * inner + hh * D);
+  const int64_t* nk = s.nkeys + b * T;
+  auto query = [&](int64_t t) { return need == nullptr || need[b * T + t]; };
+  float* p = nullptr;
+  for (int64_t t = 0; t < T;) {
+    float* o = s.ctx + (b * T + t) * inner + hh * D;
+    if (!query(t) || nk[t] == 0) {  // not asked for, or a padding query: attends to nothing real
+      if (query(t)) std::memset(o, 0, D * sizeof(float));
+      ++t;
+      continue;
+    }
+    const float* qv[8];
+    float* os[8];
+    int64_t n[8];
+    int g = 0;  // the queries from t on of the same m = ceil(n / 8), up to 8
+    for (; g < 8 && t + g < T && query(t + g) && (nk[t + g] + 7) / 8 == (nk[t] + 7) / 8; ++g) {
+      qv[g] = s.q + (b * T + t + g) * 3 * inner + hh * 3 * D;
+      os[g] = s.ctx + (b * T + t + g) * inner + hh * D;
+      n[g] = nk[t + g];
+    }
+    if (p == nullptr) p = grow(sc.p, size_t(8 * (L + 8)));
+    attend_rows(qv, n, g, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D, s.keys + b * L, D, scale, p, os);
+    t += g;
+  }
 }
 
 inline void attend_head(const StepContext& s, int64_t H, int64_t D, const KvCache& kv, const char* need, int64_t b,

@@ -1,10 +1,11 @@
-// Layer norm, the activations (ReLU, exact GELU, gelu_new) and attention of one query over its
+// Layer norm, the activations (ReLU, exact GELU, gelu_new) and attention of queries over their
 // unmasked cache keys.
 // Part of the one translation unit gptc_ops.cc (included there in order; formats and contract: its head comment).
 #ifndef GPTC_KERNELS_GPTC_NORM_ATTENTION_H_
 #define GPTC_KERNELS_GPTC_NORM_ATTENTION_H_
 
 #include "gptc_common.h"
+#include "gptc_tiles.h"
 
 namespace {
 
@@ -88,106 +89,175 @@ inline __m256 cache_load8(const bf16_t* p) {
 }
 #endif
 
-// One query against its n keys (rows idx[0..n) of kb/vb, D values each): softmax(q.k * scale) @ v
-// into o. Keys are the query's unmasked cache columns in order, so every reduction runs over
-// the same values in the same order whatever the padding, batch or prefill/decode split.
-// p: scratch of n + 8 floats.
-// AVX2: the keys are cut into 8 equal segments (m = ceil(n / 8) keys each) and pass t takes key
-// t of each, so the keys and then the values are read as 8 sequential streams (as the GEMV reads
-// its weights: 8 streams keep more memory requests in flight than one): p holds pass t's 8
-// scores at p[8t..8t+8), a lane per segment; the softmax sum runs lane-wise over the passes, the
-// values in pass order.
-template <class T>
-void attend(const float* qv, const T* kb, const T* vb, const int32_t* idx, int64_t n, int64_t D, float scale,
-            float* p, float* o) {
-  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-  if (n == 0) return;  // a padding query: attends to nothing real
+// Queries against their keys: query i, its first n[i] keys (rows idx[0..n[i]) of kb/vb, D values
+// each): softmax(q.k * scale) @ v into o[i]. Keys are the query's unmasked cache columns in
+// order, so every reduction runs over the same values in the same order whatever the padding,
+// batch or prefill/decode split.
+// AVX2: a query's keys are cut into 8 equal segments (m = ceil(n / 8) keys each) and pass t takes
+// key t of each, so the keys and then the values are read as 8 sequential streams (as the GEMV
+// reads its weights: 8 streams keep more memory requests in flight than one): its scores of pass
+// t at p[8t..8t+8), a lane per segment; the softmax sum runs lane-wise over the passes, the values
+// in pass order.
+// Queries of one m (consecutive prompt positions: up to 8 share it) take every pass together
+// (attend_rows): a pass's keys and values, read from memory or L2 once, serve each query from L1,
+// and each query's arithmetic is its own pass by pass, so its output is bitwise what it gets alone.
 #if defined(__AVX2__)
-  if (D % 8 == 0) {
-    const int64_t m = (n + 7) / 8;  // keys per segment = passes; key of pass t, lane j: j * m + t
-    auto key = [&](int64_t t, int j) { return std::min<int64_t>(j * m + t, n - 1); };  // past n: a valid row, masked
-    for (int64_t t = 0; t < m; ++t) {  // one fixed reduction tree per key
-      __m256 a[8];
-      const T* kr[8];
-      for (int j = 0; j < 8; ++j) {
-        kr[j] = kb + int64_t(idx[key(t, j)]) * D;
-        a[j] = _mm256_setzero_ps();
-      }
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(qv + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, cache_load8(kr[j] + d), a[j]);
-      }
-      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-      _mm256_storeu_ps(p + 8 * t, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+// A query's lanes of pass t that hold a key (j * m + t < n): the first at(t). Counted down as t
+// grows (lane j's last pass is n - 1 - j * m) rather than by an integer division per pass.
+struct Lanes {
+  int64_t m, n;
+  int l;
+  Lanes(int64_t m_, int64_t n_) : m(m_), n(n_), l(int(std::min<int64_t>(8, (n_ - 1) / m_ + 1))) {}
+  int at(int64_t t) {  // t ascending
+    while (l > 0 && (l - 1) * m + t >= n) --l;
+    return l;
+  }
+};
+
+// Pass t's 8 scores of the query qv against the key rows kr[0..8) into p8: (q . k) * scale, each
+// key's dot an fma chain per lane over D / 8 chunks, then one fixed tree.
+template <class T>
+inline void score_pass(const float* qv, const T* const* kr, int64_t D, float scale, float* p8) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(qv + d);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, cache_load8(kr[j] + d), a[j]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm256_storeu_ps(p8, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+}
+
+// A query's m passes of scores (n keys) in place into their exps, the lanes past the last key
+// zeroed; returns 1 / their sum (lane-wise over the passes, then one tree).
+inline float softmax_passes(float* p, int64_t m, int64_t n) {
+  // The maximum over every lane: a masked lane repeats the last key's score (attend_rows clamps).
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < m; ++t) vmax = _mm256_max_ps(_mm256_loadu_ps(p + 8 * t), vmax);
+  alignas(32) float lane_max[8];
+  _mm256_store_ps(lane_max, vmax);
+  float mx = -INFINITY;
+  for (int j = 0; j < 8; ++j) mx = std::max(mx, lane_max[j]);
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 vmx = _mm256_set1_ps(mx);
+  Lanes lanes(m, n);
+  for (int64_t t = 0; t < m; ++t) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + 8 * t), vmx));
+    if (const int l = lanes.at(t); l < 8) {  // zero the lanes past the last key
+      alignas(32) float keep[8];
+      for (int j = 0; j < 8; ++j) keep[j] = j < l ? 1.f : 0.f;
+      e = _mm256_mul_ps(e, _mm256_load_ps(keep));
     }
-    // Lanes of pass t holding a key (j * m + t < n): the first lanes.at(t); the others are
-    // masked. Counted down as t grows (lane j's last pass is n - 1 - j * m) rather than by an
-    // integer division for every pass of every loop.
-    struct Lanes {
-      int64_t m, n;
-      int l;
-      int at(int64_t t) {  // t ascending
-        while (l > 0 && (l - 1) * m + t >= n) --l;
-        return l;
+    _mm256_storeu_ps(p + 8 * t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.f / hsum(sum);
+}
+
+// Accumulators of value_sums: as many as there are vector registers for them (more chains of
+// fmas in flight than one fma's latency needs; 32 registers on AVX-512 builds, 16 on AVX2 ones).
+#if defined(GPTC_F512)
+constexpr int kValueAccs = 16;
+#else
+constexpr int kValueAccs = 8;
+#endif
+
+// The G queries' sums of p v in pass order (query i: its weights p[i], its lanes Lanes(m, n[i])),
+// times inv[i], into o[i]: C chunks of 8 dims a sweep over the passes (G * C accumulators), each
+// pass's value rows loaded once for the G queries.
+template <class T, int G>
+void value_sums(const float* const* p, const int64_t* n, const float* inv, int64_t m, const T* vb, const int32_t* idx,
+                int64_t D, float* const* o) {
+  constexpr int C = std::min(8, std::max(1, kValueAccs / G));
+  int64_t nmax = n[0], nmin = n[0];
+  for (int i = 1; i < G; ++i) nmax = std::max(nmax, n[i]), nmin = std::min(nmin, n[i]);
+  const int64_t full = std::max<int64_t>(0, std::min(m, nmin - 7 * m));  // passes t < full: 8 keys for every query
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
+    const int nc = int(std::min<int64_t>(C, (D - d0) / 8));
+    __m256 acc[G][C];
+    GPTC_UNROLL for (int i = 0; i < G; ++i)
+      GPTC_UNROLL for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+    // Key k = j * m + t into the sums of the queries that have it (every query: all).
+    auto key = [&](int64_t t, int j, bool all) {
+      const int64_t k = j * m + t;
+      const T* vr = vb + int64_t(idx[k]) * D + d0;
+      GPTC_UNROLL for (int c = 0; c < C; ++c) {
+        if (c >= nc) break;
+        const __m256 v = cache_load8(vr + 8 * c);
+        GPTC_UNROLL for (int i = 0; i < G; ++i)
+          if (all || k < n[i]) acc[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[i][8 * t + j]), v, acc[i][c]);
       }
     };
-    const int lanes0 = int(std::min<int64_t>(8, (n - 1) / m + 1));
-    // The maximum over every lane: a masked lane repeats the last key's score (key() clamps).
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < m; ++t) vmax = _mm256_max_ps(_mm256_loadu_ps(p + 8 * t), vmax);
-    alignas(32) float lane_max[8];
-    _mm256_store_ps(lane_max, vmax);
-    float mx = -INFINITY;
-    for (int j = 0; j < 8; ++j) mx = std::max(mx, lane_max[j]);
-    __m256 sum = _mm256_setzero_ps();
-    const __m256 vmx = _mm256_set1_ps(mx);
-    Lanes lanes{m, n, lanes0};
+    for (int64_t t = 0; t < full; ++t)
+      GPTC_UNROLL for (int j = 0; j < 8; ++j) key(t, j, true);
+    Lanes pass(m, nmax);
+    for (int64_t t = full; t < m; ++t)
+      for (int j = 0, l = pass.at(t); j < l; ++j) key(t, j, G == 1);
+    GPTC_UNROLL for (int i = 0; i < G; ++i)
+      GPTC_UNROLL for (int c = 0; c < C; ++c)
+        if (c < nc) _mm256_storeu_ps(o[i] + d0 + 8 * c, _mm256_mul_ps(acc[i][c], _mm256_set1_ps(inv[i])));
+  }
+}
+#endif
+
+// The g <= 8 queries qv[i] (n[i] >= 1 keys; one m = ceil(n[i] / 8) on AVX2 builds) into o[i].
+// p: scratch of g * (max n + 8) floats.
+template <class T>
+void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, const T* vb, const int32_t* idx,
+                 int64_t D, float scale, float* p, float* const* o) {
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    const int64_t m = (n[0] + 7) / 8;  // keys per segment = passes; key of pass t, lane j: j * m + t
+    int64_t nmin = n[0];
+    for (int i = 1; i < g; ++i) nmin = std::min(nmin, n[i]);
+    float* pi[8];
+    for (int i = 0; i < g; ++i) pi[i] = p + i * 8 * m;
     for (int64_t t = 0; t < m; ++t) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + 8 * t), vmx));
-      if (const int l = lanes.at(t); l < 8) {  // zero the lanes past the last key
-        alignas(32) float keep[8];
-        for (int j = 0; j < 8; ++j) keep[j] = j < l ? 1.f : 0.f;
-        e = _mm256_mul_ps(e, _mm256_load_ps(keep));
+      const T* kr[8];
+      const bool full = 7 * m + t < nmin;  // every lane holds a key for every query
+      for (int i = 0; i < g; ++i) {
+        if (i == 0 || !full)  // past a query's n: its last key (a valid row, masked below)
+          for (int j = 0; j < 8; ++j) kr[j] = kb + int64_t(idx[std::min<int64_t>(j * m + t, n[i] - 1)]) * D;
+        score_pass(qv[i], kr, D, scale, pi[i] + 8 * t);
       }
-      _mm256_storeu_ps(p + 8 * t, e);
-      sum = _mm256_add_ps(sum, e);
     }
-    const float inv = 1.f / hsum(sum);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // sum p v in pass order, 8 accumulators of 8 dims
-      const int nd = int(std::min<int64_t>(64, D - d0) / 8);
-      __m256 acc[8];
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      Lanes pass{m, n, lanes0};
-      for (int64_t t = 0; t < m; ++t) {
-        for (int j = 0, l = pass.at(t); j < l; ++j) {
-          const __m256 w = _mm256_set1_ps(p[8 * t + j]);
-          const T* vr = vb + int64_t(idx[j * m + t]) * D + d0;
-          for (int c = 0; c < nd; ++c) acc[c] = _mm256_fmadd_ps(w, cache_load8(vr + 8 * c), acc[c]);
-        }
-      }
-      for (int c = 0; c < nd; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    float inv[8];
+    for (int i = 0; i < g; ++i) inv[i] = softmax_passes(pi[i], m, n[i]);
+    switch (g) {
+      case 1: return value_sums<T, 1>(pi, n, inv, m, vb, idx, D, o);
+      case 2: return value_sums<T, 2>(pi, n, inv, m, vb, idx, D, o);
+      case 3: return value_sums<T, 3>(pi, n, inv, m, vb, idx, D, o);
+      case 4: return value_sums<T, 4>(pi, n, inv, m, vb, idx, D, o);
+      case 5: return value_sums<T, 5>(pi, n, inv, m, vb, idx, D, o);
+      case 6: return value_sums<T, 6>(pi, n, inv, m, vb, idx, D, o);
+      case 7: return value_sums<T, 7>(pi, n, inv, m, vb, idx, D, o);
+      default: return value_sums<T, 8>(pi, n, inv, m, vb, idx, D, o);
     }
-    return;
   }
 #endif
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    float s = 0.f;
-    for (int64_t d = 0; d < D; ++d) s = std::fma(qv[d], cache_value(kb + int64_t(idx[i]) * D + d), s);
-    p[i] = s * scale;
-    mx = std::max(mx, p[i]);
+  for (int i = 0; i < g; ++i) {
+    float* oi = o[i];
+    const float* q = qv[i];
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < n[i]; ++k) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s = std::fma(q[d], cache_value(kb + int64_t(idx[k]) * D + d), s);
+      p[k] = s * scale;
+      mx = std::max(mx, p[k]);
+    }
+    float sum = 0.f;
+    for (int64_t k = 0; k < n[i]; ++k) {
+      p[k] = std::exp(p[k] - mx);
+      sum += p[k];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
+    for (int64_t k = 0; k < n[i]; ++k)
+      for (int64_t d = 0; d < D; ++d) oi[d] = std::fma(p[k], cache_value(vb + int64_t(idx[k]) * D + d), oi[d]);
+    for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
   }
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = std::exp(p[i] - mx);
-    sum += p[i];
-  }
-  const float inv = 1.f / sum;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p[i], cache_value(vb + int64_t(idx[i]) * D + d), o[d]);
-  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
 }  // namespace
