@@ -344,3 +344,23 @@ def test_the_avx2_and_native_builds_agree(tmp_path, capsys):
             print(f"  {name:18s} {fig['kind']:5s} max|y| {fig['max_abs']:.4g}  max rel diff {fig['max_rel_diff']:.3g}"
                   f"  bitwise {fig['bitwise']}")
     assert all(f["bitwise"] for f in figures.values()), figures
+
+
+def test_the_baseline_build_keeps_the_contracts_on_its_scalar_paths(tmp_path):
+    """The scalar paths (what a CPU without AVX2 runs; GPTC_KERNEL_ISA=baseline builds them on any
+    x86-64 host): every case above, in a subprocess, asserts its own invariance (rows alone, in a
+    batch and token by token; a head's rows one or many) and the heads their float64 bound, and the
+    integer heads' logits are bitwise this build's: exact int32 dots per block, one fma per block
+    in block order, on every path. (Float sums and attention run in another order there.)"""
+    from gpt_compress import kernels
+
+    if kernels.isa() == "baseline":
+        pytest.skip("this process runs the baseline build itself")
+    ops = kernels.load_ops()
+    theirs, info = other_build_outputs(tmp_path, "baseline", OTHER_BUILD)
+    assert info["isa"] == "baseline" and not any(info["macros"].values()), info["macros"]
+    ints = [n for n in CASES if n.startswith("head_") and n.removesuffix(ROWS) not in FLOAT_CASES]
+    assert len(ints) == 9, ints  # int8 and int4, 3 widths each; the int8 ones row-major too
+    for name in ints:
+        assert np.array_equal(case(ops, name), theirs[name]), f"{name}: baseline build vs this one"
+    assert set(theirs) == set(CASES)

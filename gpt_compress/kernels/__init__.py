@@ -62,9 +62,11 @@ KERNEL_VERSION = 4  # int8 weights in row groups (3: row-major int8 only; 2: gpt
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-g0"]  # -g0: setuptools adds -g
 # $GPTC_KERNEL_ISA -> the instruction-set flags of the build, and the CPU flags the host needs to
 # run it. avx2 is x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE): the kernels' AVX2 + FMA
-# paths only, whatever the host has beyond them.
-ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=generic"]}
-ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"})}
+# paths only, whatever the host has beyond them. baseline is x86-64 (SSE2): the scalar paths, what
+# a CPU without AVX2 runs, buildable and testable on any x86-64 host.
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=generic"],
+             "baseline": ["-march=x86-64", "-mtune=generic"]}
+ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"}), "baseline": frozenset()}
 # GCC's OpenMP runtime (libgomp), a second one beside the Intel runtime Paddle loads: Paddle's
 # set_cpu_math_library_num_threads does not reach it, so the ops take their thread count from
 # $GPTC_THREADS (set by inference/fused.py), else OMP_NUM_THREADS. (libiomp5 is not linked instead:
@@ -79,11 +81,12 @@ build_seconds: Optional[float] = None  # time of this process's build (None: loa
 
 
 def isa() -> str:
-    """The instruction set the ops are built for: ``$GPTC_KERNEL_ISA`` (``native``, the default, or ``avx2``)."""
+    """The instruction set the ops are built for: ``$GPTC_KERNEL_ISA`` (``native``, the default, ``avx2`` or
+    ``baseline``)."""
     name = os.environ.get("GPTC_KERNEL_ISA", "").strip() or "native"
     if name not in ISA_FLAGS:
         raise KernelError(f"GPTC_KERNEL_ISA={name!r} is not an instruction set of the fused operators; use "
-                          f"{' or '.join(ISA_FLAGS)}")
+                          f"{', '.join(ISA_FLAGS)}")
     return name
 
 

@@ -22,6 +22,7 @@ inline double now_s() {
   return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
 }
 
+#if defined(__AVX2__)
 // 12 independent chains, 12 instructions an iteration (enough chains to cover the latency of
 // every unit that runs them); the results are used (an empty volatile asm), so the loop stays.
 template <class V, class Op>
@@ -39,6 +40,7 @@ double peak_loop(int64_t iters, V init, V a, V b, Op op) {
   GPTC_UNROLL for (int i = 0; i < 12; ++i) __asm__ volatile("" : : "x"(acc[i]));  // the chains' results are used
   return t;
 }
+#endif
 
 }  // namespace
 
