@@ -252,7 +252,15 @@ inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, E* K_, E*
       n[g] = nk[t + g];
     }
     if (p == nullptr) p = grow(sc.p, size_t(8 * (L + 8)));
-    attend_rows(qv, n, g, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D, s.keys + b * L, D, scale, p, os);
+    NextKv next;  // a decode step: the next row's keys and values of this head
+    if (T == 1 && b + 1 < s.B && s.nkeys[b + 1] > 0) {
+      const int32_t* kn = s.keys + (b + 1) * L;
+      const int64_t first = kn[0], last = kn[s.nkeys[b + 1] - 1], at = ((b + 1) * H + hh) * cap + first;
+      next = {reinterpret_cast<const char*>(K_ + at * D), reinterpret_cast<const char*>(V_ + at * D),
+              (last - first + 1) * D * int64_t(sizeof(E))};
+    }
+    attend_rows(qv, n, g, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D, s.keys + b * L, D, scale, p, os,
+                next);
     t += g;
   }
 }

@@ -204,9 +204,17 @@ void value_sums(const float* const* p, const int64_t* n, const float* inv, int64
 
 // The g <= 8 queries qv[i] (n[i] >= 1 keys; one m = ceil(n[i] / 8) on AVX2 builds) into o[i].
 // p: scratch of g * (max n + 8) floats.
+// The keys and values the next attention reads (two regions of `bytes` each), prefetched into L2
+// over this one's passes: a decode step's rows each read a few KB of every head's cache, too
+// short a stream for the hardware prefetcher to get ahead of.
+struct NextKv {
+  const char *k = nullptr, *v = nullptr;
+  int64_t bytes = 0;
+};
+
 template <class T>
 void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, const T* vb, const int32_t* idx,
-                 int64_t D, float scale, float* p, float* const* o) {
+                 int64_t D, float scale, float* p, float* const* o, const NextKv& next = {}) {
 #if defined(__AVX2__)
   if (D % 8 == 0) {
     const int64_t m = (n[0] + 7) / 8;  // keys per segment = passes; key of pass t, lane j: j * m + t
@@ -214,7 +222,12 @@ void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, c
     for (int i = 1; i < g; ++i) nmin = std::min(nmin, n[i]);
     float* pi[8];
     for (int i = 0; i < g; ++i) pi[i] = p + i * 8 * m;
+    const int64_t lines = (next.bytes + 63) / 64, per = (lines + m - 1) / m;
     for (int64_t t = 0; t < m; ++t) {
+      for (int64_t l = t * per; l < std::min(lines, (t + 1) * per); ++l) {
+        _mm_prefetch(next.k + 64 * l, _MM_HINT_T1);
+        _mm_prefetch(next.v + 64 * l, _MM_HINT_T1);
+      }
       const T* kr[8];
       const bool full = 7 * m + t < nmin;  // every lane holds a key for every query
       for (int i = 0; i < g; ++i) {
