@@ -308,13 +308,13 @@ def test_greedy_steps_fetch_the_programs_argmax_token(dirs):
 def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
     """``decode_greedy_steps`` (gptc_generate's Control): 5 steps in one program run give the
     tokens and bitwise the cache of 5 ``decode_greedy`` calls on a left-padded batch, a row
-    finished before the call gets the pad token; greedy ``generate`` (which asks for up to
-    ``greedy_steps`` at a time: 8, then 4 for 13 new tokens) equals the logits path's tokens, with
+    finished before the call gets the pad token; greedy ``generate`` (runs sized by time: 8 steps
+    before one was timed, then the 4 left of 13 new tokens) equals the logits path's tokens, with
     an EOS that ends one row inside a run, and with ``min_new_tokens`` keeping it out of the
     first 10 tokens."""
     gen = Generator.from_dir(dirs["export"], backend="paddle")
     be = gen.backend
-    assert be.greedy_steps == 8
+    assert be.greedy_steps == 32
     ids, mask = left_padded(gen.tokenizer, PROMPTS)
     logits, cache = be.prefill(ids, mask)
     _, one = be.prefill(ids, mask)
@@ -355,6 +355,33 @@ def test_several_greedy_steps_in_one_run_give_the_step_by_step_tokens(dirs):
     got = Generator(be, **kw).generate(PROMPTS, max_new_tokens=13, min_new_tokens=10).sequences
     assert got == Generator(Recorder(be, greedy=False), **kw).generate(PROMPTS, max_new_tokens=13, min_new_tokens=10).sequences
     assert runs == [8, 4] and len(got[0]) >= 10 and eos not in got[0][:9], (runs, got)
+
+
+def test_greedy_runs_are_sized_by_the_time_a_step_took(dirs, monkeypatch):
+    """``generate``'s greedy runs (``generation.run_steps``): 8 steps before a step was timed, then
+    about 25 ms of steps at the latest run's pace, within 8 and the backend's 32 and never past
+    ``max_new_tokens``. A clock that moves 2 ms per reading makes a step of an 8-step run 0.25 ms
+    (runs of 32 follow), one of 400 ms a step of 50 ms (runs of 8 follow); the tokens are the
+    logits path's either way."""
+    import itertools
+    import types
+
+    from gpt_compress.model import generation
+
+    gen = Generator.from_dir(dirs["export"], backend="paddle")
+    be = gen.backend
+    kw = dict(vocab_size=gen.vocab_size, max_positions=gen.max_positions, eos_token_id=None, pad_token_id=0,
+              tokenizer=gen.tokenizer)
+    want = Generator(Recorder(be, greedy=False), **kw).generate(PROMPTS, max_new_tokens=60).sequences
+    runs = []
+    steps = be.decode_greedy_steps
+    be.decode_greedy_steps = lambda *a: runs.append(a[3]) or steps(*a)
+    for tick, expected in ((0.002, [8, 32, 19]), (0.4, [8] * 7 + [3])):
+        clock = itertools.count(step=tick)
+        monkeypatch.setattr(generation, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+        runs.clear()
+        assert Generator(be, **kw).generate(PROMPTS, max_new_tokens=60).sequences == want
+        assert runs == expected, (tick, runs)
 
 
 def test_greedy_steps_after_several_new_tokens_give_the_separate_runs_tokens(dirs):

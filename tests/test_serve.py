@@ -234,6 +234,7 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     (``Engine._flush``), the first token before the run."""
     import threading
 
+    from gpt_compress.model.generation import MIN_RUN_STEPS
     from gpt_compress.serve.engine import Engine
     from gpt_compress.serve.request import Finished, Request, Token, request_config
 
@@ -253,8 +254,9 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     def run(batch: list[int], max_batch: int = 4, most: int = 0) -> tuple[list, list, list]:
         engine = Engine(gen, max_batch=max_batch)
         engine.eos = eos
-        if most:  # runs of up to ``most`` steps, as long as the time allows from the first run on
-            engine.batch.greedy_steps, engine._step_s = most, 1e-9
+        engine.batch.greedy_steps = most or MIN_RUN_STEPS  # runs of 8 steps, or of up to ``most``
+        if most:  # as long as the time allows, from the first run on
+            engine._step_s = 1e-9
         runs = []
         real = engine.batch.step_greedy
         engine.batch.step_greedy = lambda tokens, steps, e, hold: runs.append((len(tokens), steps, hold)) or real(
@@ -283,9 +285,8 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
         engine.stop()
         return [out[i] for i in batch], runs, [calls[i] for i in batch]
 
-    assert gen.backend.greedy_steps >= 4
     got, runs, calls = run([0])
-    assert got == [want[0]] and runs and runs[0][1] == gen.backend.greedy_steps  # EOS inside the first run
+    assert got == [want[0]] and runs and runs[0][1] == MIN_RUN_STEPS  # EOS inside the first run
     assert calls == [[["Token"], ["Token"] * at + ["Finished"]]]  # the prefill's token, then the run's
     got, runs, _ = run([1, 2])
     assert got == [want[1], want[2]]
@@ -296,7 +297,7 @@ def test_engine_greedy_runs_give_the_tokens_of_single_steps(gen):
     assert got == want[:4] and all(r[0] < 4 for r in runs)  # the sampled row: single steps while it runs
     # Three requests for two slots: runs while the third waits (no slot to admit it into).
     got, runs, _ = run([4, 0, 1], max_batch=2)
-    assert got == [want[4], want[0], want[1]] and runs[0] == (2, gen.backend.greedy_steps, 0)
+    assert got == [want[4], want[0], want[1]] and runs[0] == (2, MIN_RUN_STEPS, 0)
     # Runs longer than the backend's 8: to the nearest max_tokens, EOS inside, and held to the end.
     got, runs, _ = run([0], most=32)
     assert got == [want[0]] and runs[0] == (1, 23, 0)
@@ -308,7 +309,8 @@ def test_engine_sizes_greedy_runs_by_the_time_a_step_took(gen):
     """A run while nothing can be admitted lasts about ``greedy_run_ms`` at the latest run's pace:
     8 steps before any ran, never fewer than 8 (the decoder allowing) nor more than the decoder's
     greedy_steps."""
-    from gpt_compress.serve.engine import MAX_RUN_STEPS, MIN_RUN_STEPS, Engine
+    from gpt_compress.model.generation import MIN_RUN_STEPS
+    from gpt_compress.serve.engine import MAX_RUN_STEPS, Engine
 
     engine = Engine(gen, max_batch=4, greedy_run_ms=25.0)
     engine.batch.greedy_steps = MAX_RUN_STEPS

@@ -39,11 +39,12 @@ from .base import Backend, resolve_threads
 from .manifest import Manifest, ModelDirError, read_manifest, verify_files
 
 RESERVE = 128  # cache positions allocated beyond the prompt (a growth adds at least this many)
-# Greedy tokens per program run (``decode_greedy_steps``, used by ``generation.stream_tokens``):
-# a run's fixed cost outside the op (Paddle Inference's run, the Python loop; a sizeable part of a
-# small model's step, run cache-cold after the weights stream through) is paid once per this many
-# tokens. A streaming consumer gets the tokens in bursts of this many.
-GREEDY_STEPS = 8
+# Greedy tokens a program run may make (``decode_greedy_steps``): a run's fixed cost outside the op
+# (Paddle Inference's run, the Python loop; a sizeable part of a small model's step, run
+# cache-cold after the weights stream through) is paid once per run. ``generation.stream_tokens``
+# and ``gptc serve`` size each run by time (``generation.run_steps``: about 25 ms, 8 to this many
+# steps), so a streaming consumer gets the tokens in bursts of about 25 ms.
+GREEDY_STEPS = 32
 # OpenMP threads of the ops (0: $OMP_NUM_THREADS or all cores), the default. libgomp's threads
 # spin only briefly at each barrier (``import gpt_compress`` sets GOMP_SPINCOUNT=2000 unless the
 # user did: runtime.openmp_spin): with its default spinning, two threads on a loaded machine make

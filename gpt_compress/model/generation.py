@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -301,6 +302,24 @@ def sampling_probs(scores: np.ndarray, cfg: GenerationConfig) -> np.ndarray:
     return _softmax(scores)
 
 
+# A run of greedy steps in one backend call (``decode_greedy_steps``) lasts about GREEDY_RUN_S at
+# the latest run's pace per step, and takes at least MIN_RUN_STEPS (the first run, before a step
+# was timed, and a slow model's runs), never more than the backend's ``greedy_steps``: the run's
+# fixed cost (the program call, the Python around it) is paid once per run, and a consumer of the
+# stream gets a run's tokens at once. ``gptc serve``'s engine sizes its runs the same way.
+GREEDY_RUN_S = 0.025
+MIN_RUN_STEPS = 8
+
+
+def run_steps(step_s: float, most: int, run_s: float = GREEDY_RUN_S) -> int:
+    """Steps of the next greedy run: ``run_s`` seconds at ``step_s`` a step (0: none timed yet),
+    within [``MIN_RUN_STEPS``, ``most``] (``most`` alone when it is smaller)."""
+    least = min(MIN_RUN_STEPS, most)
+    if step_s <= 0:
+        return least
+    return max(least, min(most, int(run_s / step_s)))
+
+
 def stream_tokens(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                   eos_token_id: Optional[int], pad_token_id: int,
                   logprobs: Optional[list] = None) -> Iterator[np.ndarray]:
@@ -323,9 +342,10 @@ def stream_tokens(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConf
         seen[rows, ids[rows, cols]] = True
     unfinished = np.ones(batch, dtype=bool)
     greedy = backend.decode_greedy  # the argmax made by the backend (no logits copied out)
-    chunk = backend.greedy_steps  # greedy steps the backend runs in one call
+    chunk = backend.greedy_steps  # greedy steps the backend runs in one call, at most
     if logprobs is not None:
         greedy, chunk = None, 1
+    step_s = 0.0  # seconds a step of the latest greedy run took (run_steps)
     ahead: list = []  # tokens such a call made that are still to be yielded, in order
     for step in range(cfg.max_new_tokens):
         if ahead:
@@ -346,11 +366,13 @@ def stream_tokens(backend, prompts: Sequence[Sequence[int]], cfg: GenerationConf
         if ahead:  # already fed to the cache by the call that made them
             continue
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-        steps = min(chunk, cfg.max_new_tokens - step - 1)
+        steps = min(run_steps(step_s, chunk), cfg.max_new_tokens - step - 1)
         if steps > 1 and cfg.decode_strategy == "greedy" and not penalty and not cfg.logit_bias:
             suppress = min(steps, max(0, cfg.min_new_tokens - step - 1)) if eos_token_id is not None else 0
+            start = time.perf_counter()
             tokens, cache = backend.decode_greedy_steps(nxt[:, None], mask, cache, steps, eos_token_id,
                                                         pad_token_id, ~unfinished, suppress)
+            step_s = (time.perf_counter() - start) / steps
             mask = np.concatenate([mask, np.ones((batch, steps - 1), dtype=np.int64)], axis=1)
             ahead, logits = list(tokens.T), None
         elif greedy is not None and _plain_greedy(cfg, step + 1, eos_token_id):

@@ -30,7 +30,7 @@ Iteration-level scheduling (Orca, vLLM): between two decode steps the loop
    lie and no logits leave the program; while no request can be admitted (none waits, or the
    batch is full) several steps run in that one call (vLLM's multi-step scheduling), about
    ``greedy_run`` seconds of them at the latest run's pace (``_run_steps``: from
-   ``MIN_RUN_STEPS`` up to the decoder's ``greedy_steps``), never past the nearest
+   ``generation.MIN_RUN_STEPS`` up to the decoder's ``greedy_steps``), never past the nearest
    ``max_tokens``. Their tokens are then taken one by one as in 3-4, so a request's tokens,
    events and stop strings are those of single steps.
 
@@ -56,7 +56,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..eval.scoring import top_logprobs
-from ..model.generation import RowDecoding, next_tokens_each, uses_history
+from ..model.generation import RowDecoding, next_tokens_each, run_steps, uses_history
 from ..model.speculative import DRAFT_TOKENS
 from .decoder import make_decoder
 from .request import Failed, Finished, PromptScored, Request, Token
@@ -65,11 +65,11 @@ from .text import GeneratedText
 
 log = logging.getLogger("gptc.serve")
 
-# A greedy run's steps while nothing can be admitted: at least this many (the decoder allowing),
-# more while a run of them takes less than ``Engine.greedy_run``. A run's fixed cost (the
-# program call, the Python around it, one hand-over of its tokens to the HTTP loop) is then
-# paid once per this many tokens, and a request arriving meanwhile waits at most one run.
-MIN_RUN_STEPS = 8
+# A greedy run's steps while nothing can be admitted: ``generation.run_steps``, at least
+# ``generation.MIN_RUN_STEPS`` (the decoder allowing), more while a run of them takes less than
+# ``Engine.greedy_run``. A run's fixed cost (the program call, the Python around it, one hand-over
+# of its tokens to the HTTP loop) is then paid once per run, and a request arriving meanwhile
+# waits at most one run.
 MAX_RUN_STEPS = 32  # the fused backend's greedy_steps in the server (``commands/serve.py``)
 
 
@@ -249,12 +249,8 @@ class Engine:
 
     def _run_steps(self) -> int:
         """Steps of a run while nothing can be admitted: ``greedy_run`` seconds at the latest
-        run's pace per step, within [``MIN_RUN_STEPS``, the decoder's ``greedy_steps``]."""
-        most = self.batch.greedy_steps
-        least = min(MIN_RUN_STEPS, most)
-        if not self._step_s:
-            return least
-        return max(least, min(most, int(self.greedy_run / self._step_s)))
+        run's pace per step, within [``generation.MIN_RUN_STEPS``, the decoder's ``greedy_steps``]."""
+        return run_steps(self._step_s, self.batch.greedy_steps, self.greedy_run)
 
     def _take_run(self, out: dict) -> list[int]:
         """Take each row's tokens of a ``step_greedy`` run in order, up to its end; the rows that
