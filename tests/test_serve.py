@@ -309,11 +309,12 @@ def test_engine_sizes_greedy_runs_by_the_time_a_step_took(gen):
     """A run while nothing can be admitted lasts about ``greedy_run_ms`` at the latest run's pace:
     8 steps before any ran, never fewer than 8 (the decoder allowing) nor more than the decoder's
     greedy_steps."""
+    from gpt_compress.inference.fused import GREEDY_STEPS
     from gpt_compress.model.generation import MIN_RUN_STEPS
-    from gpt_compress.serve.engine import MAX_RUN_STEPS, Engine
+    from gpt_compress.serve.engine import Engine
 
     engine = Engine(gen, max_batch=4, greedy_run_ms=25.0)
-    engine.batch.greedy_steps = MAX_RUN_STEPS
+    assert engine.batch.greedy_steps == GREEDY_STEPS == 32  # the fused backend's default
     assert engine._run_steps() == MIN_RUN_STEPS == 8
     for step_s, steps in ((0.001, 25), (0.01, 8), (1e-5, 32), (0.0024, 10)):
         engine._step_s = step_s

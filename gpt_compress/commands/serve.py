@@ -15,7 +15,6 @@ import tempfile
 import time
 
 from ..fileio import write_text_atomic
-from ..serve.engine import MAX_RUN_STEPS
 from ._common import add_config_arguments, config_from_args
 from .infer import backend_options
 
@@ -137,7 +136,6 @@ def run(args) -> int:
     options = backend_options(argparse.Namespace(backend=cfg.backend, threads=cfg.threads, no_fused=False))
     if cfg.backend == "paddle":
         options.update(_paddle_serving_options(options.get("options")))
-        options["greedy_steps"] = MAX_RUN_STEPS  # the fused program: the engine sizes each run (engine.py)
     return _serve(args, cfg, load, manifest.path)
 
 

@@ -234,11 +234,17 @@ inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, E* K_, E*
   }
   const int64_t* nk = s.nkeys + b * T;
   auto query = [&](int64_t t) { return need == nullptr || need[b * T + t]; };
+  NextKv next;  // a decode step: the next row's keys and values of this head
+  if (T == 1 && b + 1 < s.B && s.nkeys[b + 1] > 0) {
+    const int32_t* kn = s.keys + (b + 1) * L;
+    const int64_t first = kn[0], last = kn[s.nkeys[b + 1] - 1], at = ((b + 1) * H + hh) * cap + first;
+    next = {reinterpret_cast<const char*>(K_ + at * D), reinterpret_cast<const char*>(V_ + at * D),
+            (last - first + 1) * D * int64_t(sizeof(E))};
+  }
   float* p = nullptr;
   for (int64_t t = 0; t < T;) {
-    float* o = s.ctx + (b * T + t) * inner + hh * D;
     if (!query(t) || nk[t] == 0) {  // not asked for, or a padding query: attends to nothing real
-      if (query(t)) std::memset(o, 0, D * sizeof(float));
+      if (query(t)) std::memset(s.ctx + (b * T + t) * inner + hh * D, 0, D * sizeof(float));
       ++t;
       continue;
     }
@@ -252,13 +258,6 @@ inline void attend_head_in(const StepContext& s, int64_t H, int64_t D, E* K_, E*
       n[g] = nk[t + g];
     }
     if (p == nullptr) p = grow(sc.p, size_t(8 * (L + 8)));
-    NextKv next;  // a decode step: the next row's keys and values of this head
-    if (T == 1 && b + 1 < s.B && s.nkeys[b + 1] > 0) {
-      const int32_t* kn = s.keys + (b + 1) * L;
-      const int64_t first = kn[0], last = kn[s.nkeys[b + 1] - 1], at = ((b + 1) * H + hh) * cap + first;
-      next = {reinterpret_cast<const char*>(K_ + at * D), reinterpret_cast<const char*>(V_ + at * D),
-              (last - first + 1) * D * int64_t(sizeof(E))};
-    }
     attend_rows(qv, n, g, K_ + (b * H + hh) * cap * D, V_ + (b * H + hh) * cap * D, s.keys + b * L, D, scale, p, os,
                 next);
     t += g;

@@ -67,10 +67,9 @@ log = logging.getLogger("gptc.serve")
 
 # A greedy run's steps while nothing can be admitted: ``generation.run_steps``, at least
 # ``generation.MIN_RUN_STEPS`` (the decoder allowing), more while a run of them takes less than
-# ``Engine.greedy_run``. A run's fixed cost (the program call, the Python around it, one hand-over
-# of its tokens to the HTTP loop) is then paid once per run, and a request arriving meanwhile
-# waits at most one run.
-MAX_RUN_STEPS = 32  # the fused backend's greedy_steps in the server (``commands/serve.py``)
+# ``Engine.greedy_run``, at most the fused backend's ``greedy_steps`` (32). A run's fixed cost (the
+# program call, the Python around it, one hand-over of its tokens to the HTTP loop) is then paid
+# once per run, and a request arriving meanwhile waits at most one run.
 
 
 class QueueFull(Exception):
