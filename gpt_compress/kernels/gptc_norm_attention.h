@@ -164,16 +164,19 @@ constexpr int kValueAccs = 16;
 constexpr int kValueAccs = 8;
 #endif
 
-// The G queries' sums of p v in pass order (query i: its weights p[i], its lanes Lanes(m, n[i])),
-// times inv[i], into o[i]: C chunks of 8 dims a sweep over the passes (G * C accumulators), each
-// pass's value rows loaded once for the G queries.
+// Passes t < full_passes(m, nmin) hold 8 keys (j * m + t < n) for every query of at least nmin.
+inline int64_t full_passes(int64_t m, int64_t nmin) { return std::max<int64_t>(0, std::min(m, nmin - 7 * m)); }
+
+// The G queries' sums of p v in pass order (query i: its weights p[i], its lanes Lanes(m, n[i]);
+// the first `full` passes: all 8 lanes for every query), times inv[i], into o[i]: C chunks of 8
+// dims a sweep over the passes (G * C accumulators), each pass's value rows loaded once for the G
+// queries.
 template <class T, int G>
-void value_sums(const float* const* p, const int64_t* n, const float* inv, int64_t m, const T* vb, const int32_t* idx,
-                int64_t D, float* const* o) {
+void value_sums(const float* const* p, const int64_t* n, const float* inv, int64_t m, int64_t full, const T* vb,
+                const int32_t* idx, int64_t D, float* const* o) {
   constexpr int C = std::min(8, std::max(1, kValueAccs / G));
-  int64_t nmax = n[0], nmin = n[0];
-  for (int i = 1; i < G; ++i) nmax = std::max(nmax, n[i]), nmin = std::min(nmin, n[i]);
-  const int64_t full = std::max<int64_t>(0, std::min(m, nmin - 7 * m));  // passes t < full: 8 keys for every query
+  int64_t nmax = n[0];
+  for (int i = 1; i < G; ++i) nmax = std::max(nmax, n[i]);
   for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
     const int nc = int(std::min<int64_t>(C, (D - d0) / 8));
     __m256 acc[G][C];
@@ -202,8 +205,6 @@ void value_sums(const float* const* p, const int64_t* n, const float* inv, int64
 }
 #endif
 
-// The g <= 8 queries qv[i] (n[i] >= 1 keys; one m = ceil(n[i] / 8) on AVX2 builds) into o[i].
-// p: scratch of g * (max n + 8) floats.
 // The keys and values the next attention reads (two regions of `bytes` each), prefetched into L2
 // over this one's passes: a decode step's rows each read a few KB of every head's cache, too
 // short a stream for the hardware prefetcher to get ahead of.
@@ -212,6 +213,8 @@ struct NextKv {
   int64_t bytes = 0;
 };
 
+// The g <= 8 queries qv[i] (n[i] >= 1 keys; one m = ceil(n[i] / 8) on AVX2 builds) into o[i].
+// p: scratch of g * (max n + 8) floats.
 template <class T>
 void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, const T* vb, const int32_t* idx,
                  int64_t D, float scale, float* p, float* const* o, const NextKv& next = {}) {
@@ -220,6 +223,7 @@ void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, c
     const int64_t m = (n[0] + 7) / 8;  // keys per segment = passes; key of pass t, lane j: j * m + t
     int64_t nmin = n[0];
     for (int i = 1; i < g; ++i) nmin = std::min(nmin, n[i]);
+    const int64_t full = full_passes(m, nmin);
     float* pi[8];
     for (int i = 0; i < g; ++i) pi[i] = p + i * 8 * m;
     const int64_t lines = (next.bytes + 63) / 64, per = (lines + m - 1) / m;
@@ -229,9 +233,8 @@ void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, c
         _mm_prefetch(next.v + 64 * l, _MM_HINT_T1);
       }
       const T* kr[8];
-      const bool full = 7 * m + t < nmin;  // every lane holds a key for every query
       for (int i = 0; i < g; ++i) {
-        if (i == 0 || !full)  // past a query's n: its last key (a valid row, masked below)
+        if (i == 0 || t >= full)  // past a query's n: its last key (a valid row, masked below)
           for (int j = 0; j < 8; ++j) kr[j] = kb + int64_t(idx[std::min<int64_t>(j * m + t, n[i] - 1)]) * D;
         score_pass(qv[i], kr, D, scale, pi[i] + 8 * t);
       }
@@ -239,14 +242,14 @@ void attend_rows(const float* const* qv, const int64_t* n, int g, const T* kb, c
     float inv[8];
     for (int i = 0; i < g; ++i) inv[i] = softmax_passes(pi[i], m, n[i]);
     switch (g) {
-      case 1: return value_sums<T, 1>(pi, n, inv, m, vb, idx, D, o);
-      case 2: return value_sums<T, 2>(pi, n, inv, m, vb, idx, D, o);
-      case 3: return value_sums<T, 3>(pi, n, inv, m, vb, idx, D, o);
-      case 4: return value_sums<T, 4>(pi, n, inv, m, vb, idx, D, o);
-      case 5: return value_sums<T, 5>(pi, n, inv, m, vb, idx, D, o);
-      case 6: return value_sums<T, 6>(pi, n, inv, m, vb, idx, D, o);
-      case 7: return value_sums<T, 7>(pi, n, inv, m, vb, idx, D, o);
-      default: return value_sums<T, 8>(pi, n, inv, m, vb, idx, D, o);
+      case 1: return value_sums<T, 1>(pi, n, inv, m, full, vb, idx, D, o);
+      case 2: return value_sums<T, 2>(pi, n, inv, m, full, vb, idx, D, o);
+      case 3: return value_sums<T, 3>(pi, n, inv, m, full, vb, idx, D, o);
+      case 4: return value_sums<T, 4>(pi, n, inv, m, full, vb, idx, D, o);
+      case 5: return value_sums<T, 5>(pi, n, inv, m, full, vb, idx, D, o);
+      case 6: return value_sums<T, 6>(pi, n, inv, m, full, vb, idx, D, o);
+      case 7: return value_sums<T, 7>(pi, n, inv, m, full, vb, idx, D, o);
+      default: return value_sums<T, 8>(pi, n, inv, m, full, vb, idx, D, o);
     }
   }
 #endif

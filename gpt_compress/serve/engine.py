@@ -65,12 +65,6 @@ from .text import GeneratedText
 
 log = logging.getLogger("gptc.serve")
 
-# A greedy run's steps while nothing can be admitted: ``generation.run_steps``, at least
-# ``generation.MIN_RUN_STEPS`` (the decoder allowing), more while a run of them takes less than
-# ``Engine.greedy_run``, at most the fused backend's ``greedy_steps`` (32). A run's fixed cost (the
-# program call, the Python around it, one hand-over of its tokens to the HTTP loop) is then paid
-# once per run, and a request arriving meanwhile waits at most one run.
-
 
 class QueueFull(Exception):
     """The waiting queue is full (HTTP 429)."""
@@ -247,8 +241,11 @@ class Engine:
         return steps, self.eos, min(max(holds), steps)
 
     def _run_steps(self) -> int:
-        """Steps of a run while nothing can be admitted: ``greedy_run`` seconds at the latest
-        run's pace per step, within [``generation.MIN_RUN_STEPS``, the decoder's ``greedy_steps``]."""
+        """Steps of a run while nothing can be admitted (``generation.run_steps``): ``greedy_run``
+        seconds at the latest run's pace per step, within [``generation.MIN_RUN_STEPS``, the
+        decoder's ``greedy_steps``]. A run's fixed cost (the program call, the Python around it,
+        one hand-over of its tokens to the HTTP loop) is paid once per run, and a request arriving
+        meanwhile waits at most one run."""
         return run_steps(self._step_s, self.batch.greedy_steps, self.greedy_run)
 
     def _take_run(self, out: dict) -> list[int]:
