@@ -132,22 +132,24 @@ LinearInputs prepare_inputs(const LinearWeights& L, const float* x, int64_t M, S
 void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
 
 // M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
-// out among the threads into the op's buffers xq, sx (the worksharing loop's end is the
-// barrier) instead of every thread making all of them; with ln_w, each row's layer norm first
-// (into h, rows C = L.k apart; the linear's inputs are then h). Per row, so the same values.
+// out among the threads (one run of consecutive rows each) into the op's buffers xq, sx (the
+// worksharing loop's end is the barrier) instead of every thread making all of them; with ln_w,
+// each row's layer norm first (into h, rows C = L.k apart; the linear's inputs are then h). The
+// same values per row however the rows are shared out.
 LinearInputs prepare_rows(const LinearWeights& L, const float* x, int64_t M, const float* ln_w, const float* ln_b,
                           float eps, float* h, int8_t* xq, float* sx) {
   const bool integer = is_integer(L);
   if (!integer && ln_w == nullptr) return LinearInputs{x};  // nothing to make (every thread alike: no barrier)
-  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
+  const int64_t K = L.k, nb = integer ? K / L.blk : 0, parts = omp_get_num_threads();
 #pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
+  for (int64_t part = 0; part < parts; ++part) {
+    const int64_t m0 = M * part / parts, rows = M * (part + 1) / parts - m0;
+    const float* xm = x + m0 * K;
     if (ln_w != nullptr) {
-      layer_norm(xm, 1, K, ln_w, ln_b, eps, h + m * K);
-      xm = h + m * K;
+      layer_norm(xm, rows, K, ln_w, ln_b, eps, h + m0 * K);
+      xm = h + m0 * K;
     }
-    if (integer) quantize_inputs(L, xm, 1, xq + m * K, sx + m * nb);
+    if (integer) quantize_inputs(L, xm, rows, xq + m0 * K, sx + m0 * nb);
   }
   LinearInputs in{ln_w != nullptr ? h : x};
   if (integer) in.xq = xq, in.sx = sx;
