@@ -74,9 +74,10 @@ void quantize_inputs(const LinearWeights& L, const float* x, int64_t M, int8_t* 
           __m256 acc = _mm256_setzero_ps();
           for (; j + 8 <= L.blk; j += 8)
             acc = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)), acc);
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, acc);
-          for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
+          // The lanes' maximum in registers (no NaN is left in acc, so any order is exact).
+          __m128 h = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+          h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+          amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
         }
 #endif
         for (; j < L.blk; ++j) amax = std::max(amax, std::fabs(xb[j]));
