@@ -359,22 +359,16 @@ LinearInputs head_inputs(const LinearWeights& head, const StepContext& s, const 
   if (n < kSharedRows) {
     Scratch& sc = t_scratch;
     float* h = grow(sc.h, size_t(std::max<int64_t>(n * C, 1)));
-    const float* xr[kSharedRows];
-    for (int64_t i = 0; i < n; ++i) xr[i] = row(i);
-    layer_norm_rows(xr, n, C, ln_w, ln_b, s.eps, h);
+    layer_norm_rows(row, n, C, ln_w, ln_b, s.eps, h);
     return prepare_inputs(head, h, n, sc);
   }
   const bool integer = is_integer(head);
   const int64_t nb = integer ? C / head.blk : 0, parts = omp_get_num_threads();
 #pragma omp for schedule(static)
-  for (int64_t part = 0; part < parts; ++part) {  // one run of consecutive rows a thread, in groups of 8
-    for (int64_t i0 = n * part / parts, end = n * (part + 1) / parts; i0 < end; i0 += 8) {
-      const float* xr[8];
-      const int64_t g = std::min<int64_t>(8, end - i0);
-      for (int64_t i = 0; i < g; ++i) xr[i] = row(i0 + i);
-      layer_norm_rows(xr, g, C, ln_w, ln_b, s.eps, s.hs + i0 * C);
-      if (integer) quantize_inputs(head, s.hs + i0 * C, g, s.xqs + i0 * C, s.sxs + i0 * nb);
-    }
+  for (int64_t part = 0; part < parts; ++part) {  // one run of consecutive rows a thread (as prepare_rows)
+    const int64_t i0 = n * part / parts, rows = n * (part + 1) / parts - i0;
+    layer_norm_rows([&](int64_t i) { return row(i0 + i); }, rows, C, ln_w, ln_b, s.eps, s.hs + i0 * C);
+    if (integer) quantize_inputs(head, s.hs + i0 * C, rows, s.xqs + i0 * C, s.sxs + i0 * nb);
   }
   LinearInputs in{s.hs};
   if (integer) in.xq = s.xqs, in.sx = s.sxs;

@@ -9,11 +9,11 @@
 
 namespace {
 
-// Layer norm of the M rows xr[m] (C floats each) into y (M, C). Each row's mean and variance
-// are summed in column order, as the scalar loop below does; AVX2 builds take 8 rows at a time,
-// one a lane (their columns transposed in registers), so every row's values are bitwise the
-// scalar loop's on every ISA, whichever rows share its group (batch invariance), and its sums
-// cost an eighth of a row's dependent chain of adds.
+// Layer norm (layer_norm_rows) of the M rows row(0) .. row(M - 1), C floats each, into y (M, C).
+// Each row's mean and variance are summed in column order, as the scalar loop does; AVX2 builds
+// take 8 rows at a time, one a lane (their columns transposed in registers), so every row's
+// values are bitwise the scalar loop's on every ISA, whichever rows share its group (batch
+// invariance), and its sums cost an eighth of a row's dependent chain of adds.
 #if defined(__AVX2__)
 // r[i] (8 floats each) -> r[j] holding element j of every r[i] (lane i).
 inline void transpose8(__m256 r[8]) {
@@ -54,16 +54,18 @@ inline __m256 fold_columns8(const float* const* xr, int64_t C, __m256 acc, F f) 
 }
 #endif
 
-void layer_norm_rows(const float* const* xr, int64_t M, int64_t C, const float* w, const float* b, float eps,
-                     float* y) {
+template <class Row>
+void layer_norm_rows(Row row, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y) {
   int64_t m = 0;
   auto normalize = [&](int64_t r, float mean, float inv) {
-    for (int64_t c = 0; c < C; ++c) y[r * C + c] = std::fma((xr[r][c] - mean) * inv, w[c], b[c]);
+    const float* xm = row(r);
+    for (int64_t c = 0; c < C; ++c) y[r * C + c] = std::fma((xm[c] - mean) * inv, w[c], b[c]);
   };
 #if defined(__AVX2__)
   const __m256 n = _mm256_set1_ps(float(C));
   for (; m + 8 <= M; m += 8) {
-    const float* const* x8 = xr + m;
+    const float* x8[8];
+    for (int i = 0; i < 8; ++i) x8[i] = row(m + i);
     const __m256 mu = _mm256_div_ps(
         fold_columns8(x8, C, _mm256_setzero_ps(), [](__m256 s, __m256 v) { return _mm256_add_ps(s, v); }), n);
     const __m256 var = fold_columns8(x8, C, _mm256_setzero_ps(), [mu](__m256 s, __m256 v) {
@@ -79,7 +81,7 @@ void layer_norm_rows(const float* const* xr, int64_t M, int64_t C, const float* 
   }
 #endif
   for (; m < M; ++m) {
-    const float* xm = xr[m];
+    const float* xm = row(m);
     float mean = 0.f, var = 0.f;
     for (int64_t c = 0; c < C; ++c) mean += xm[c];
     mean /= C;
@@ -88,14 +90,9 @@ void layer_norm_rows(const float* const* xr, int64_t M, int64_t C, const float* 
   }
 }
 
-// The M rows of x (M, C), in groups of up to 8.
+// The M rows of x (M, C).
 void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const float* xr[8];
-    const int64_t g = std::min<int64_t>(8, M - m0);
-    for (int64_t i = 0; i < g; ++i) xr[i] = x + (m0 + i) * C;
-    layer_norm_rows(xr, g, C, w, b, eps, y + m0 * C);
-  }
+  layer_norm_rows([x, C](int64_t m) { return x + m * C; }, M, C, w, b, eps, y);
 }
 
 // Activation in place, elementwise (each value's result depends on that value only).
