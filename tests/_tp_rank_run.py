@@ -2,7 +2,8 @@
 exports' fused rank programs (``TensorParallelBackend``) on the inputs of an ``.npz`` (a
 left-padded prompt batch and the tokens to feed after it) and writes, on rank 0, for each export
 the gathered logits of the prefill and of every decode step, scoring logits, the evaluation
-scores of the batch and the greedy and beam tokens of the prompts (OUT_i.npz, OUT_i.json).
+scores of the batch, the greedy and beam tokens of the prompts and the KV cache's dtype
+(OUT_i.npz, OUT_i.json).
 
     python -m paddle.distributed.launch --nproc_per_node 2 tests/_tp_rank_run.py IN.npz OUT DIR [DIR ...]
 """
@@ -21,6 +22,7 @@ def outputs(backend, data, vocab_size: int, max_positions: int) -> dict:
 
     ids, mask, feed = data["ids"], data["mask"], data["feed"]
     logits, cache = backend.prefill(ids, mask)
+    cache_dtype = str(cache.tensors[0].dtype)  # a FusedCache: the rank's or the single card's
     steps = [logits]
     for j in range(feed.shape[1]):
         mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], 1)
@@ -31,7 +33,7 @@ def outputs(backend, data, vocab_size: int, max_positions: int) -> dict:
     lp, hit = score_positions(backend, ids, labels, select, data["mask"])
     gen = Generator(backend, vocab_size=vocab_size, max_positions=max_positions, eos_token_id=None, pad_token_id=0)
     prompts = [[int(t) for t, m in zip(r, mr) if m] for r, mr in zip(data["ids"], data["mask"])]
-    return {"steps": np.stack(steps), "score": backend.score(ids, data["mask"]), "logprobs": lp, "hits": hit,
+    return {"steps": np.stack(steps), "cache_dtype": cache_dtype, "score": backend.score(ids, data["mask"]), "logprobs": lp, "hits": hit,
             "greedy": gen.generate(prompts, max_new_tokens=16, decode_strategy="greedy").sequences,
             "beam": gen.generate(prompts, max_new_tokens=12, decode_strategy="beam_search", num_beams=3).sequences}
 
@@ -51,7 +53,7 @@ def main(inputs: str, output: str, *model_dirs: str) -> None:
         out = outputs(backend, np.load(inputs), top["vocab_size"], top["max_position_embeddings"])
         if dist.get_rank() == 0:
             with open(f"{output}_{i}.json", "w", encoding="utf-8") as f:
-                json.dump({"greedy": out.pop("greedy"), "beam": out.pop("beam")}, f)
+                json.dump({k: out.pop(k) for k in ("greedy", "beam", "cache_dtype")}, f)
             np.savez(f"{output}_{i}.npz", **out)
         del backend
 

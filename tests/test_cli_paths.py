@@ -101,6 +101,11 @@ def test_convert_to_hf_and_back_from_hf_is_exact(dirs, tmp_path):
 
 def test_partition_then_infer_tp_generates_the_single_card_tokens(dirs, single, tmp_path):
     tp = tmp_path / "tp"
+    # A bfloat16 cache is the fused rank programs': refused without them, before any rank starts.
+    bad = gptc("partition", "--model", dirs["ckpt"], "--output", tp, "--mp-degree", "2", "--no-fused",
+               "--kv-cache-dtype", "bfloat16", ok=False)
+    assert bad.returncode == 1 and "without --no-fused" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not tp.exists()
     res = summary(gptc("partition", "--model", dirs["ckpt"], "--output", tp, "--mp-degree", "2", "--no-validate",
                        "--log-dir", tmp_path / "plogs"))
     assert res == {"output": str(tp), "mp_degree": 2, "validated": False}

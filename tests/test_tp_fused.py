@@ -1,7 +1,8 @@
 """Fused tensor-parallel rank programs (``gptc partition``: ``export/fused_tp.py``,
 ``kernels/gptc_tp_ops.h``) against the single-card fused program, on the trained tiny GPT of
-tests/_export_helpers.py: float32, weight-only int8 and int4, mp2 (two gloo processes, one
-thread each). Each rank's programs are also validated by the export itself (``export_rank``)."""
+tests/_export_helpers.py: float32, weight-only int8 and int4, W8A8, and int8 with a bfloat16 KV
+cache, mp2 (two gloo processes, one thread each). Each rank's programs are also validated by the
+export itself (``export_rank``)."""
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from _export_helpers import model_dirs
 from _parity_helpers import PROMPTS, left_padded
+from gpt_compress.export.validate import BF16_CACHE_ATOL
 from gpt_compress.parallel.launch import log_tail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +27,11 @@ F32_ATOL = 1e-5
 # on the neighbouring code when float rounding moves it across a rounding edge: measured 7.1e-6
 # (int8) and 5.5e-4 (int4, one scoring row) relative to the largest logit.
 INT_RTOL = 2e-3
+# Int8 with a bfloat16 cache on both sides: a key or value that the float order above moves across
+# a bfloat16 rounding edge is stored one bfloat16 step (2^-8 relative, twice the rounding error
+# BF16_CACHE_ATOL bounds) from the single card's, so the logits may move by up to twice that
+# bound on top of INT_RTOL.
+BF16_RTOL = INT_RTOL + 2 * BF16_CACHE_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +41,25 @@ def dirs(tmp_path_factory, shakespeare):
 
 @pytest.fixture(scope="module")
 def exports(dirs, shakespeare, tmp_path_factory):
-    """mode -> (single-card export, mp2 partition) of the trained model, made on first use."""
+    """mode -> (single-card export, mp2 partition) of the trained model, made on first use; a mode
+    ending in "-kvbf16": both with a bfloat16 KV cache."""
     from gpt_compress.export.partition import partition
 
-    made = {}
+    made, ckpts = {}, {"fp32": dirs["ckpt"]}
 
     def get(mode):
         if mode not in made:
             base = tmp_path_factory.mktemp(f"tp_{mode}")
-            ckpt = dirs["ckpt"] if mode == "fp32" else _quantized_checkpoint(dirs["ckpt"], mode, base / "q", shakespeare[1])
-            single = dirs["export"] if mode == "fp32" else _single_card(ckpt, base / "single")
-            # The export's own gate (every rank program against dygraph) once; the test compares the rest.
-            partition(ckpt, str(base / "tp"), mp_degree=2, validate=mode == "fp32")
+            quant, _, kv = mode.partition("-")
+            cache = "bfloat16" if kv == "kvbf16" else "float32"
+            if quant not in ckpts:
+                ckpts[quant] = _quantized_checkpoint(dirs["ckpt"], quant, base / "q", shakespeare[1])
+            ckpt = ckpts[quant]
+            single = dirs["export"] if mode == "fp32" else _single_card(ckpt, base / "single", cache)
+            # The export's own gate (every rank program against dygraph) for float32 and the
+            # bfloat16 cache (its tolerance, export.validate.fused_atol); the test compares the rest.
+            partition(ckpt, str(base / "tp"), mp_degree=2, validate=mode in ("fp32", "int8-kvbf16"),
+                      kv_cache_dtype=cache)
             made[mode] = single, str(base / "tp")
         return made[mode]
 
@@ -74,11 +88,11 @@ def _quantized_checkpoint(ckpt, mode, out, prefix):
     return save_quantized(model, str(out), tokenizer=Tokenizer.load(ckpt))
 
 
-def _single_card(ckpt, out):
-    """The single-card export (fused program) of ``ckpt``."""
+def _single_card(ckpt, out, cache_dtype="float32"):
+    """The single-card export (fused program, KV cache of ``cache_dtype``) of ``ckpt``."""
     from gpt_compress.export import export
 
-    return export(ckpt, str(out), formats=("paddle",))
+    return export(ckpt, str(out), formats=("paddle",), kv_cache_dtype=cache_dtype)
 
 
 def _run_single(export_dir, inputs):
@@ -107,11 +121,12 @@ def _run_ranks(tp_dirs, inputs, tmp_path):
     return runs
 
 
-@pytest.mark.parametrize("modes", [["fp32"], ["int8", "int4", "w8a8"]], ids=["fp32", "quantized"])
+@pytest.mark.parametrize("modes", [["fp32"], ["int8", "int4", "w8a8", "int8-kvbf16"]], ids=["fp32", "quantized"])
 def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, exports, tmp_path, modes):
     """Prefill + 8 decode steps of a left-padded batch, scoring logits and evaluation log-probs
-    within F32_ATOL (float32) / INT_RTOL relative (int8, int4, W8A8) of the single-card fused
-    program, and the same greedy and beam-search tokens."""
+    within F32_ATOL (float32) / INT_RTOL relative (int8, int4, W8A8) / BF16_RTOL (int8, bfloat16
+    cache) of the single-card fused program, the same greedy and beam-search tokens, and caches of
+    the export's dtype on both."""
     from gpt_compress.data.tokenizer import Tokenizer
 
     ids, mask = left_padded(Tokenizer.load(dirs["ckpt"]), PROMPTS)
@@ -119,9 +134,10 @@ def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, expor
     inputs = str(tmp_path / "inputs.npz")
     np.savez(inputs, ids=ids, mask=mask, feed=feed)
     made = [exports(mode) for mode in modes]
-    for _, tp_dir in made:
+    for mode, (_, tp_dir) in zip(modes, made):
         for r in range(2):
             manifest = json.load(open(os.path.join(tp_dir, f"rank_{r}", "manifest.json")))
+            assert manifest["fused"]["cache_dtype"] == ("bfloat16" if mode.endswith("-kvbf16") else "float32")
             ops = manifest["fused"]["ops"]
             assert ops["custom_op.gptc_tp_attention_"] == ops["custom_op.gptc_tp_mlp"] == 2, ops
             assert ops["pd_op.mp_allreduce_sum"] == 5, ops  # the embedding's + two a block
@@ -134,22 +150,26 @@ def test_mp2_fused_rank_programs_match_the_single_card_fused_program(dirs, expor
                 assert diff <= F32_ATOL, (mode, key, diff)
             else:
                 rel = diff / float(np.abs(want[key]).max())
-                assert rel <= INT_RTOL, (mode, key, rel)
+                assert rel <= (BF16_RTOL if mode.endswith("-kvbf16") else INT_RTOL), (mode, key, rel)
+        assert got["cache_dtype"] == want["cache_dtype"]
+        assert want["cache_dtype"] == ("paddle.bfloat16" if mode.endswith("-kvbf16") else "paddle.float32")
         assert np.array_equal(got["hits"], want["hits"]), mode
         assert got["greedy"] == want["greedy"], mode
         assert got["beam"] == want["beam"], mode
 
 
-def test_serve_tp2_answers_the_single_card_servers_completion(exports, tmp_path):
+@pytest.mark.parametrize("mode", ["fp32", "int8-kvbf16"])
+def test_serve_tp2_answers_the_single_card_servers_completion(exports, tmp_path, mode):
     """`gptc serve --tp 2` (the engine on rank 0, rank 1 in lock-step) and `gptc serve` on the
     single-card export complete the same prompts with the same greedy text, one request and
-    three at once (a batch that rows join and leave)."""
+    three at once (a batch that rows join and leave, their caches merged: float32, or bfloat16
+    rows as numpy's uint16)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from _serve_helpers import Server
 
-    single, tp_dir = exports("fp32")
+    single, tp_dir = exports(mode)
     servers = [Server(single, tmp_path / "single.log"), Server(tp_dir, tmp_path / "tp.log", "--tp", "2")]
     try:
         assert servers[1].info["tp"] == 2

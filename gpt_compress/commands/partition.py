@@ -12,6 +12,9 @@ def add_arguments(parser) -> None:
                         help="skip running every rank program against the single-card logits")
     parser.add_argument("--no-fused", action="store_true",
                         help="float checkpoints: only the unfused rank programs (no fused CPU program per rank)")
+    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the fused rank programs' KV cache: bfloat16 halves its memory and what a decode "
+                             "step reads from it (values rounded to nearest even; default float32)")
     parser.add_argument("--log-dir", default=None, help="launcher logs (default: OUTPUT.logs)")
     add_overwrite_argument(parser)
 
@@ -26,12 +29,13 @@ def run(args) -> int:
                       Output("--log-dir", args.log_dir or args.output.rstrip("/") + ".logs", "run", lock=False),
                       inputs=(args.model,))
         out = partition(args.model, args.output, args.mp_degree, validate=not args.no_validate, log_dir=args.log_dir,
-                        overwrite=args.overwrite, fused=not args.no_fused)
+                        overwrite=args.overwrite, fused=not args.no_fused, kv_cache_dtype=args.kv_cache_dtype)
         print_json({"output": out, "mp_degree": args.mp_degree, "validated": not args.no_validate})
         return 0
     if world != args.mp_degree:
         from ..config import ConfigError
 
         raise ConfigError(f"--mp-degree {args.mp_degree} but {world} processes were launched")
-    export_rank(args.model, args.output, args.mp_degree, validate=not args.no_validate, fused=not args.no_fused)
+    export_rank(args.model, args.output, args.mp_degree, validate=not args.no_validate, fused=not args.no_fused,
+                kv_cache_dtype=args.kv_cache_dtype)
     return 0

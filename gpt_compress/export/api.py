@@ -68,7 +68,8 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     (``fileio.check_output``): checked before any work. ``draft_vocab``: the fused program also
     holds a speculative draft's vocabulary, the ``draft_vocab`` tokens most frequent in the
     documents of ``draft_vocab_data`` (``Data.data_prefix``'s form; ``draft_vocab.py``).
-    ``kv_cache_dtype``: the fused program's KV cache elements (``fused.CACHE_DTYPES``)."""
+    ``kv_cache_dtype``: the fused program's KV cache elements (``fused.CACHE_DTYPES``; each rank's
+    fused program's with ``mp_degree > 1``)."""
     formats = _formats(formats)
     check_cache_dtype(kv_cache_dtype)
     if os.path.abspath(output) == os.path.abspath(checkpoint):
@@ -81,14 +82,13 @@ def export(checkpoint: str, output: str, formats: Sequence[str] = ("paddle",), v
     if draft_vocab and (mp_degree > 1 or not fused or "paddle" not in formats):
         raise ExportError("a draft vocabulary lives in the fused program: export the paddle format with it, "
                           "on one card")
-    if kv_cache_dtype != "float32" and (mp_degree > 1 or not fused or "paddle" not in formats):
-        raise ExportError(f"a {kv_cache_dtype} KV cache is the fused program's: export the paddle format with it, "
-                          "on one card")
+    if kv_cache_dtype != "float32" and (not fused or "paddle" not in formats):
+        raise ExportError(f"a {kv_cache_dtype} KV cache is the fused program's: export the paddle format with it")
     if mp_degree > 1:
         if formats != ["paddle"]:
             raise ExportError("a tensor-parallel export (mp_degree > 1) is Paddle Inference only")
         return partition(checkpoint, output, mp_degree, validate=validate, log_dir=log_dir, overwrite=overwrite,
-                         fused=fused)
+                         fused=fused, kv_cache_dtype=kv_cache_dtype)
     return_freed_memory()  # before the model is loaded, so that freeing its weights later returns them
     # load_* verify checksums, parameter names and shapes vs the config.
     ids = (vocabulary_of(draft_vocab_data, draft_vocab, cfg.vocab_size, cfg.eos_token_id) if draft_vocab

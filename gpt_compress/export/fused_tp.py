@@ -37,7 +37,8 @@ import paddle
 import paddle.nn as nn
 
 from ..errors import ExportError
-from .fused import FUSED_MODEL, FUSED_PARAMS, LINEARS, WeightPacker, count_ops, fused_weights, input_spec, save_program
+from .fused import (FUSED_MODEL, FUSED_PARAMS, LINEARS, WeightPacker, check_cache_dtype, count_ops, fused_weights,
+                    input_spec, save_program)
 
 ROW_PARALLEL = ("attn.out", "mlp.fc_out")
 
@@ -157,15 +158,16 @@ class FusedRankLM(nn.Layer):
         return self.ops.gptc_tp_head(x, rows, outer, self.head_layout, self.eps, self.head_code, self.head_act)
 
 
-def save_fused_rank(layer: FusedRankLM, out_dir: str) -> dict:
-    """Write ``layer``'s program (``fused.json`` + ``fused.pdiparams``) into ``out_dir``; returns the
-    rank manifest's ``fused`` entry. Runs in a launched rank process after ``fleet.init``."""
+def save_fused_rank(layer: FusedRankLM, out_dir: str, cache_dtype: str = "float32") -> dict:
+    """Write ``layer``'s program (``fused.json`` + ``fused.pdiparams``) into ``out_dir``, its KV
+    caches of ``cache_dtype`` (``fused.CACHE_DTYPES``); returns the rank manifest's ``fused``
+    entry. Runs in a launched rank process after ``fleet.init``."""
     from ..kernels import KERNEL_VERSION, kernel_info
     from ..parallel.plan import rank_config
 
     layer.eval()
     rcfg = rank_config(layer.cfg, layer.mp)
-    save_program(layer, input_spec(rcfg, control=False), out_dir)
+    save_program(layer, input_spec(rcfg, control=False, cache_dtype=check_cache_dtype(cache_dtype)), out_dir)
     return {"model": FUSED_MODEL, "params": FUSED_PARAMS, "kernel": {**kernel_info(), "version": KERNEL_VERSION},
             "ops": count_ops(os.path.join(out_dir, FUSED_MODEL)),
             "weights": {"linear_bits": sorted({b for a in layer.block_attrs for b in a[1]}),
@@ -174,5 +176,6 @@ def save_fused_rank(layer: FusedRankLM, out_dir: str) -> dict:
             "tensor_parallel": {"rank": layer.rank, "mp_degree": layer.mp, "vocab_start": layer.vocab_start},
             "inputs": ["input_ids", "attention_mask", "rows"]
                       + [f"cache_{k}_{i}" for i in range(rcfg.num_layers) for k in ("key", "value")],
-            "cache": "(batch, heads_i / mp_degree, capacity, head_dim) float32, preallocated by the caller, "
-                     "written in place"}
+            "cache": f"(batch, heads_i / mp_degree, capacity, head_dim) {cache_dtype}, preallocated by the caller, "
+                     "written in place",
+            "cache_dtype": cache_dtype}

@@ -46,9 +46,9 @@ from ..inference.tensor_parallel import TensorParallelBackend
 from ..parallel.fleet import init_mp, shard_model
 from ..parallel.launch import launch_command, log_tail
 from ..parallel.plan import check_divisible, rank_config
-from .fused import fused_weights
+from .fused import check_cache_dtype, fused_weights
 from .static import ExportableLM, save_paddle_programs
-from .validate import reference, validate_backend
+from .validate import fused_atol, reference, validate_backend
 
 
 # The fused int8/int4 rank programs vs the fake-quant dygraph model, relative to the logits'
@@ -73,10 +73,11 @@ class TensorParallelLM(ExportableLM):
 
 
 def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, atol: float = 1e-4,
-                fused: bool = True) -> Optional[str]:
+                fused: bool = True, kv_cache_dtype: str = "float32") -> Optional[str]:
     """Body of one launched process: write ``output/rank_{r}``; rank 0 then writes the top
     manifest. Returns ``output`` on rank 0, None elsewhere. A quantized checkpoint (``gptc ptq``
-    / ``qat``) gets the fused rank programs only (they compute on the integer codes)."""
+    / ``qat``) gets the fused rank programs only (they compute on the integer codes).
+    ``kv_cache_dtype``: the fused rank programs' KV cache elements (``fused.CACHE_DTYPES``)."""
     from ..qat.quantize import load_quantized, read_quant_state
     from .fused_tp import FusedRankLM, save_fused_rank
 
@@ -114,7 +115,7 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
         files = {"paddle": {} if quantized else save_paddle_programs(model, tmp, wrapper=TensorParallelLM(model))}
         manifest = build_manifest(rcfg, files, formats, None, os.path.abspath(checkpoint))
         if fused_layer is not None:
-            manifest["fused"] = save_fused_rank(fused_layer, tmp)
+            manifest["fused"] = save_fused_rank(fused_layer, tmp, kv_cache_dtype)
         write_manifest(tmp, {**manifest, **tp_rank_entries(cfg, mp, rank)})
 
     rank_dir = write_dir_atomic(os.path.join(partial, f"rank_{rank}"), write)
@@ -124,8 +125,9 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
         for use_fused in ([] if quantized else [False]) + ([True] if has_fused else []):
             backend = TensorParallelBackend(partial, rank=rank, fused=use_fused)
             what = "fused" if use_fused else "unfused"
+            tol = QUANT_ATOL if quantized else atol
             validate_backend(backend, ref, f"{rank_dir} (tensor parallel, mp {mp}, {what})",
-                             atol=QUANT_ATOL if quantized else atol)
+                             atol=fused_atol(tol, kv_cache_dtype) if use_fused else tol)
             del backend
     dist.barrier()
     if rank != 0:
@@ -143,10 +145,14 @@ def export_rank(checkpoint: str, output: str, mp: int, validate: bool = True, at
 
 def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = True,
               log_dir: Optional[str] = None, timeout: float = 1800, overwrite: bool = False,
-              fused: bool = True) -> str:
+              fused: bool = True, kv_cache_dtype: str = "float32") -> str:
     """Export ``checkpoint`` into ``mp_degree`` tensor-parallel rank directories under ``output``
     by launching ``mp_degree`` processes with ``paddle.distributed.launch``; ``fused``: each rank
-    also gets its fused program (``fused_tp.py``; always for a quantized checkpoint)."""
+    also gets its fused program (``fused_tp.py``; always for a quantized checkpoint), whose KV
+    cache holds ``kv_cache_dtype`` elements (``fused.CACHE_DTYPES``)."""
+    check_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "float32" and not fused:
+        raise ExportError(f"a {kv_cache_dtype} KV cache is the fused rank programs': partition without --no-fused")
     check_output(output, overwrite)
     cfg, meta = read_config(checkpoint)
     if meta.get("head", "lm") != "lm":
@@ -154,7 +160,7 @@ def partition(checkpoint: str, output: str, mp_degree: int, validate: bool = Tru
     check_divisible(cfg, ParallelConfig(mp_degree=mp_degree))
     args = ["partition", "--model", os.path.abspath(checkpoint), "--output",
             os.path.abspath(output), "--mp-degree", str(mp_degree)] + ([] if validate else ["--no-validate"])
-    args += [] if fused else ["--no-fused"]
+    args += ([] if fused else ["--no-fused"]) + ["--kv-cache-dtype", kv_cache_dtype]
     log_dir = log_dir or os.path.abspath(output).rstrip("/") + ".logs"
     cmd = launch_command(mp_degree, args, log_dir=log_dir)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
