@@ -90,6 +90,14 @@ def add_overwrite_argument(parser) -> None:
                              "directories are never replaced)")
 
 
+def add_kv_cache_argument(parser, program: str) -> None:
+    """`--kv-cache-dtype`: the KV cache elements of ``program`` (the fused program(s) an export
+    writes; ``export.fused.CACHE_DTYPES``)."""
+    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help=f"{program}'s KV cache: bfloat16 halves its memory and what a decode step reads "
+                             "from it (values rounded to nearest even; default float32)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
     """An output path a command writes, as the user named it (``flag``: "--output",

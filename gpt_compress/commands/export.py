@@ -6,7 +6,7 @@ import os
 import time
 
 from ..errors import ConfigError
-from ._common import add_overwrite_argument, check_output_arg, print_json
+from ._common import add_kv_cache_argument, add_overwrite_argument, check_output_arg, print_json
 
 
 def add_arguments(parser) -> None:
@@ -26,9 +26,7 @@ def add_arguments(parser) -> None:
                              "frequent in --draft-vocab-data, reading only their head rows a step")
     parser.add_argument("--draft-vocab-data", nargs="+", default=[], metavar="PREFIX",
                         help="training data to count tokens in (Data.data_prefix's form)")
-    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the fused program's KV cache: bfloat16 halves its memory and what a decode step "
-                             "reads from it (values rounded to nearest even; default float32)")
+    add_kv_cache_argument(parser, "the fused program")
 
 
 def run(args) -> int:

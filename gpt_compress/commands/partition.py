@@ -1,7 +1,7 @@
 """`gptc partition`: export a checkpoint as tensor-parallel rank programs (one directory per rank)."""
 from __future__ import annotations
 
-from ._common import Output, add_overwrite_argument, claim_outputs, print_json
+from ._common import Output, add_kv_cache_argument, add_overwrite_argument, claim_outputs, print_json
 
 
 def add_arguments(parser) -> None:
@@ -12,9 +12,7 @@ def add_arguments(parser) -> None:
                         help="skip running every rank program against the single-card logits")
     parser.add_argument("--no-fused", action="store_true",
                         help="float checkpoints: only the unfused rank programs (no fused CPU program per rank)")
-    parser.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the fused rank programs' KV cache: bfloat16 halves its memory and what a decode "
-                             "step reads from it (values rounded to nearest even; default float32)")
+    add_kv_cache_argument(parser, "each fused rank program")
     parser.add_argument("--log-dir", default=None, help="launcher logs (default: OUTPUT.logs)")
     add_overwrite_argument(parser)
 
