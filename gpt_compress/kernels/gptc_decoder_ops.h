@@ -363,13 +363,11 @@ LinearInputs head_inputs(const LinearWeights& head, const StepContext& s, const 
     return prepare_inputs(head, h, n, sc);
   }
   const bool integer = is_integer(head);
-  const int64_t nb = integer ? C / head.blk : 0, parts = omp_get_num_threads();
-#pragma omp for schedule(static)
-  for (int64_t part = 0; part < parts; ++part) {  // one run of consecutive rows a thread (as prepare_rows)
-    const int64_t i0 = n * part / parts, rows = n * (part + 1) / parts - i0;
+  const int64_t nb = integer ? C / head.blk : 0;
+  for_row_runs(n, [&](int64_t i0, int64_t rows) {
     layer_norm_rows([&](int64_t i) { return row(i0 + i); }, rows, C, ln_w, ln_b, s.eps, s.hs + i0 * C);
     if (integer) quantize_inputs(head, s.hs + i0 * C, rows, s.xqs + i0 * C, s.sxs + i0 * nb);
-  }
+  });
   LinearInputs in{s.hs};
   if (integer) in.xq = s.xqs, in.sx = s.sxs;
   return in;

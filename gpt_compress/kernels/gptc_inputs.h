@@ -149,6 +149,19 @@ LinearInputs prepare_inputs(const LinearWeights& L, const float* x, int64_t M, S
 
 void layer_norm(const float* x, int64_t M, int64_t C, const float* w, const float* b, float eps, float* y);
 
+// Inside a parallel region: rows 0..M-1 shared out as one run of consecutive rows a thread,
+// f(first, count) on each (a worksharing loop: its end is a barrier). Runs let the row kernels
+// take several rows at a time (layer_norm_rows: 8 a lane group).
+template <class F>
+inline void for_row_runs(int64_t M, F f) {
+  const int64_t parts = omp_get_num_threads();
+#pragma omp for schedule(static)
+  for (int64_t part = 0; part < parts; ++part) {
+    const int64_t first = M * part / parts;
+    f(first, M * (part + 1) / parts - first);
+  }
+}
+
 // M > 1 (prefill, batches), inside a parallel region: prepare_inputs' values, the rows shared
 // out among the threads (one run of consecutive rows each) into the op's buffers xq, sx (the
 // worksharing loop's end is the barrier) instead of every thread making all of them; with ln_w,
@@ -158,17 +171,15 @@ LinearInputs prepare_rows(const LinearWeights& L, const float* x, int64_t M, con
                           float eps, float* h, int8_t* xq, float* sx) {
   const bool integer = is_integer(L);
   if (!integer && ln_w == nullptr) return LinearInputs{x};  // nothing to make (every thread alike: no barrier)
-  const int64_t K = L.k, nb = integer ? K / L.blk : 0, parts = omp_get_num_threads();
-#pragma omp for schedule(static)
-  for (int64_t part = 0; part < parts; ++part) {
-    const int64_t m0 = M * part / parts, rows = M * (part + 1) / parts - m0;
+  const int64_t K = L.k, nb = integer ? K / L.blk : 0;
+  for_row_runs(M, [&](int64_t m0, int64_t rows) {
     const float* xm = x + m0 * K;
     if (ln_w != nullptr) {
       layer_norm(xm, rows, K, ln_w, ln_b, eps, h + m0 * K);
       xm = h + m0 * K;
     }
     if (integer) quantize_inputs(L, xm, rows, xq + m0 * K, sx + m0 * nb);
-  }
+  });
   LinearInputs in{ln_w != nullptr ? h : x};
   if (integer) in.xq = xq, in.sx = sx;
   return in;
